@@ -1,0 +1,91 @@
+"""Round-trip error of the quantizers against float64, edge cases, bad input."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax import formats, quantize as qz
+
+# Relative RMS error of one round trip of N(0,1) data is set by the mantissa: ~2^-(m+1)/sqrt(3)
+# per element for values in the normal range. Bounds leave ~2x headroom over what is measured.
+RT_BOUND = {"e4m3": 0.04, "e5m2": 0.08, "int8": 0.03}
+
+
+def _rel(a, ref):
+  a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+  return np.linalg.norm(a - ref) / np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8"])
+@pytest.mark.parametrize("granularity", [0, 16, 128])
+def test_round_trip_error(rng, fmt, granularity):
+  x64 = rng.standard_normal((33, 300)) * np.exp(rng.uniform(-3, 3))
+  x = jnp.asarray(x64, jnp.float32)
+  out = qz.fake_quantize(x, fmt, granularity)
+  assert np.all(np.isfinite(out))
+  err = _rel(out, x64)
+  # per-tensor int8 is coarse for Gaussian tails: allow its known ~2.5x larger error
+  bound = RT_BOUND[fmt] * (3 if (fmt == "int8" and granularity == 0) else 1)
+  assert 0 < err < bound, (fmt, granularity, err)
+
+
+def test_per_group_beats_per_tensor_on_outlier_rows(rng):
+  x = rng.standard_normal((64, 256)).astype(np.float32)
+  x[3] *= 1e5  # one outlier token: per-tensor scaling pushes the other rows under E4M3's range
+  x = jnp.asarray(x)
+  e_tensor = _rel(qz.fake_quantize(x, "e4m3", 0)[4:], np.asarray(x)[4:])
+  e_group = _rel(qz.fake_quantize(x, "e4m3", 16)[4:], np.asarray(x)[4:])
+  assert e_tensor > 0.5 and e_group < RT_BOUND["e4m3"]
+
+
+def test_saturation_instead_of_nan():
+  x = jnp.array([1000.0, -1e6, 448.0, 3.0], jnp.float32)
+  out = formats.saturating_cast(x, "e4m3").astype(jnp.float32)
+  np.testing.assert_array_equal(out, [448.0, -448.0, 448.0, 3.0])
+  out = formats.saturating_cast(jnp.array([1e9]), "e5m2").astype(jnp.float32)
+  assert float(out[0]) == 57344.0
+
+
+def test_tail_zero_constant_and_subnormal_groups(rng):
+  x = np.zeros((3, 37), np.float32)
+  x[1] = 2.5  # constant row
+  x[2] = rng.standard_normal(37).astype(np.float32) * 1e-40  # float32 subnormals
+  q = qz.quantize_per_group(jnp.asarray(x), 16)
+  assert q.scale.shape == (3, 3)
+  out = np.asarray(q.dequantize())
+  assert np.all(np.isfinite(out)) and np.all(np.isfinite(q.scale))
+  np.testing.assert_array_equal(out[0], 0.0)
+  np.testing.assert_allclose(out[1], 2.5, rtol=1e-6)
+  assert np.all(np.abs(out[2]) <= 1e-38)
+
+
+def test_non_finite_input_is_not_hidden(rng):
+  x = jnp.asarray(rng.standard_normal((2, 32)).astype(np.float32)).at[0, 5].set(jnp.inf)
+  q = qz.quantize_per_group(x, 16)
+  assert np.isnan(q.scale[0, 0]) and np.all(np.isfinite(q.scale[1]))
+  assert np.all(np.isnan(q.dequantize()[0, :16]))
+  assert np.isnan(qz.quantize_per_tensor(x.at[1, 1].set(jnp.nan)).scale)
+
+
+def test_two_stage_amax_equals_max(rng):
+  x = jnp.asarray(rng.standard_normal((5, 70)).astype(np.float32))
+  amax, partial = qz.amax_two_stage(x, 16)
+  assert partial.shape == (5, 5)
+  assert float(amax) == float(jnp.max(jnp.abs(x)))
+
+
+def test_transpose_copy_and_jit(rng):
+  x = jnp.asarray(rng.standard_normal((4, 8, 32)).astype(np.float32))
+  q = jax.jit(lambda x: qz.quantize_per_tensor(x, with_transpose=True))(x)
+  np.testing.assert_array_equal(np.asarray(q.data_t, np.float32),
+                                np.swapaxes(np.asarray(q.data, np.float32), -1, -2))
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: qz.quantize_per_group(jnp.ones((4, 4)), 0),
+    lambda: qz.quantize_per_group(jnp.ones((4, 4)), 16, "e3m4"),
+    lambda: qz.quantize_per_tensor(jnp.ones((4, 4), jnp.int32)),
+])
+def test_bad_arguments(bad):
+  with pytest.raises(ValueError):
+    bad()
