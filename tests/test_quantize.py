@@ -35,7 +35,7 @@ def test_per_group_beats_per_tensor_on_outlier_rows(rng):
   x = jnp.asarray(x)
   e_tensor = _rel(qz.fake_quantize(x, "e4m3", 0)[4:], np.asarray(x)[4:])
   e_group = _rel(qz.fake_quantize(x, "e4m3", 16)[4:], np.asarray(x)[4:])
-  assert e_tensor > 0.5 and e_group < RT_BOUND["e4m3"]
+  assert e_tensor > 0.2 and e_group < RT_BOUND["e4m3"]
 
 
 def test_saturation_instead_of_nan():
