@@ -1,0 +1,296 @@
+"""coat_adamw: AdamW with FP8 moments and dynamic range expansion, as an optax transformation.
+
+Per parameter p with gradient g at step t (t = 1, 2, ...), all arithmetic in float32 (COAT's):
+
+  m = b1 m + (1 - b1) g,          v = b2 v + (1 - b2) g^2,
+  denom = (sqrt(v) / sqrt(1 - b2^t) + eps) * (1 - b1^t),
+  update = -lr * (m / denom + wd * p)            (decoupled decay; `mask` selects where)
+
+m / denom = m_hat / (sqrt(v_hat) + eps) with m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t), which
+is optax.adamw's update (eps outside the square root, eps_root = 0), so quantize=False reproduces
+optax.adamw to float32 rounding.
+
+State: `CoatAdamWState(count, mu, nu)`. A moment leaf is
+  - an `ExpandedMoment` (FP8/INT8 data of the param's shape + float32 amax and uint8 k_code per
+    group of G along the last axis; see coat_jax.expansion) for floating params with at least
+    `min_quantized_size` elements, when quantize=True: 1 + 5/G bytes per element per moment;
+  - a float32 array of the param's shape otherwise. Small params (norm scales, biases) stay float32
+    because the per-group metadata would be a large share of their bytes and they are a negligible
+    share of the model (bitsandbytes keeps tensors under 4096 elements in 32 bit for the same reason).
+Groups along the last axis keep a param's sharding valid for its moments (see `state_shardings`).
+
+A quantized leaf's step is: dequantize m and v (x = sign(q) mx (|q|/fmt.max)^(1/k) per group),
+the Adam math above in float32, then requantize each with a fresh per-group mx and k (dynamic range
+expansion: q = sign(x) fmt.max (|x|/mx)^k, k the largest multiple of 1/expand_min with
+(max/min)^k <= R of the format). `adam_step_reference` is that step for one param, returning the
+new param: the jnp reference for a fused kernel (kernels.coat_adam_step, whose dispatch belongs in
+`_leaf_update`).
+
+Hyperparameters are plain arguments, so `optax.inject_hyperparams(coat_adamw)` works for the
+numeric ones (learning_rate, b1, b2, eps, weight_decay); pass the integer knobs (group_size,
+expand_min, min_quantized_size) through `static_args` if given to inject_hyperparams at all.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from coat_jax import expansion
+from coat_jax.expansion import ExpandedMoment
+from coat_jax.formats import get_format
+
+__all__ = ["CoatAdamWState", "ExpandedMoment", "adam_step_reference", "coat_adamw",
+           "optimizer_state_bytes", "state_shardings"]
+
+
+class CoatAdamWState(NamedTuple):
+  """count: int32 () steps taken; mu, nu: pytrees like params of ExpandedMoment or float32 leaves."""
+  count: jax.Array
+  mu: Any
+  nu: Any
+
+
+def _is_moment_leaf(x) -> bool:
+  return isinstance(x, ExpandedMoment)
+
+
+def _moments(g, m, v, *, b1, b2, eps, count):
+  """Adam's moment update and direction m / denom; returns float32 (direction, m, v)."""
+  g = g.astype(jnp.float32)
+  m = b1 * m + (1.0 - b1) * g
+  v = b2 * v + (1.0 - b2) * (g * g)
+  t = count.astype(jnp.float32)
+  bc1 = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), t)
+  bc2 = 1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)
+  denom = (jnp.sqrt(v) / jnp.sqrt(bc2) + eps) * bc1
+  return m / denom, m, v
+
+
+def _load(moment, fmt, group_size, expand_min):
+  if isinstance(moment, ExpandedMoment):
+    return expansion.dequantize_expanded(moment, fmt, group_size, expand_min)
+  return moment.astype(jnp.float32)
+
+
+def _store(x, like, fmt, group_size, expand, expand_min):
+  if isinstance(like, ExpandedMoment):
+    return expansion.quantize_expanded(x, fmt, group_size, expand_min, expand)
+  return x.astype(like.dtype)
+
+
+def _leaf_update(g, p, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format, v_format,
+                 group_size, expand, expand_min):
+  """One leaf: returns (direction u = m/denom + wd*p as float32, new m, new v)."""
+  # Dispatch hook for the fused kernel (kernels.coat_adam_step) belongs here, for ExpandedMoment
+  # leaves; it would have to return the update (not the new param) to keep optax's API exact.
+  m_f = _load(m, m_format, group_size, expand_min)
+  v_f = _load(v, v_format, group_size, expand_min)
+  direction, m_f, v_f = _moments(g, m_f, v_f, b1=b1, b2=b2, eps=eps, count=count)
+  if p is not None:
+    direction = direction + weight_decay * p.astype(jnp.float32)
+  new_m = _store(m_f, m, m_format, group_size, expand, expand_min)
+  new_v = _store(v_f, v, v_format, group_size, expand, expand_min)
+  return direction, new_m, new_v
+
+
+def adam_step_reference(param, grad, m: ExpandedMoment, v: ExpandedMoment, *, lr, b1, b2, eps,
+                        weight_decay, count, m_format, v_format, group_size, expand, expand_min):
+  """One parameter's full COAT step: the jnp reference for the fused kernel.
+
+  Args:
+    param: float array (master weight), shape S. grad: same shape (any float dtype).
+    m, v: ExpandedMoment for S (formats m_format / v_format).
+    lr, b1, b2, eps, weight_decay: scalars (float or float32 arrays).
+    count: the step number t >= 1 (int32 array) used for bias correction.
+  Returns:
+    (new_param = param - lr * (m/denom + wd * param) in param.dtype, new_m, new_v).
+  """
+  direction, new_m, new_v = _leaf_update(
+      grad, param, m, v, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
+      m_format=m_format, v_format=v_format, group_size=group_size, expand=expand,
+      expand_min=expand_min)
+  new_param = param.astype(jnp.float32) - lr * direction
+  return new_param.astype(param.dtype), new_m, new_v
+
+
+def _check_float_leaves(params):
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"coat_adamw: parameter {jax.tree_util.keystr(path)} has non-float dtype "
+                       f"{dtype}; only floating parameters can be optimized")
+
+
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_EXPAND_MIN = 16
+DEFAULT_MIN_QUANTIZED_SIZE = 4096
+
+
+def _static_int(value, name: str, default: int, minimum: int) -> int:
+  """A Python int from an int or a concrete integer array; ValueError otherwise or if < minimum."""
+  if value is None:
+    return default
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(f"coat_adamw: {name} must be static (it sets array shapes); under "
+                     f"optax.inject_hyperparams pass static_args=({name!r},)")
+  if isinstance(value, bool) or not (isinstance(value, int) or (
+      hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.integer) and value.ndim == 0)):
+    raise ValueError(f"coat_adamw: {name} must be an int, got {value!r}")
+  value = int(value)
+  if value < minimum:
+    raise ValueError(f"coat_adamw: {name} must be >= {minimum}, got {value}")
+  return value
+
+
+def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
+               eps: float = 1e-8, weight_decay: float = 1e-4,
+               mask: Any | Callable[[Any], Any] | None = None, *, m_format: str = "e4m3",
+               v_format: str = "e4m3", group_size: int | None = None, expand: bool = True,
+               expand_min: int | None = None, quantize: bool = True,
+               min_quantized_size: int | None = None) -> optax.GradientTransformation:
+  """AdamW whose moments are stored in FP8 with per-group dynamic range expansion (COAT).
+
+  Args:
+    learning_rate: float or schedule (step count -> lr), evaluated at the count before the step.
+    b1, b2, eps, weight_decay: as optax.adamw (eps added to sqrt of the bias-corrected v).
+    mask: pytree of bools like params (or a callable params -> such a pytree): where True, apply
+      weight decay (as optax.adamw's mask). None: everywhere.
+    m_format, v_format: "e4m3" | "e5m2" | "int8" for the first / second moment.
+    group_size: G, group length along each param's last axis (None: 128).
+    expand: dynamic range expansion on (False: plain per-group max scaling).
+    expand_min: k is a multiple of 1/expand_min (None: 16).
+    quantize: False keeps all moments float32 (then this is optax.adamw).
+    min_quantized_size: params with fewer elements keep float32 moments (None: 4096).
+    The three integer knobs default to None (meaning the values above) rather than to ints, so
+    that optax.inject_hyperparams, which turns every int/float argument into a traced
+    hyperparameter, leaves them static; if you set them under inject_hyperparams, list them in
+    its `static_args`.
+  Returns:
+    optax.GradientTransformation with state CoatAdamWState. Raises ValueError for an unknown
+    format, group_size <= 0, expand_min <= 0, or (at init) a non-float parameter.
+  """
+  m_fmt, v_fmt = get_format(m_format).name, get_format(v_format).name
+  group_size = _static_int(group_size, "group_size", DEFAULT_GROUP_SIZE, minimum=1)
+  expand_min = _static_int(expand_min, "expand_min", DEFAULT_EXPAND_MIN, minimum=1)
+  if expand_min > expansion.MAX_K_CODE:
+    raise ValueError(f"coat_adamw: expand_min must be <= {expansion.MAX_K_CODE} (k=1 must fit "
+                     f"the uint8 k_code), got {expand_min}")
+  min_quantized_size = _static_int(min_quantized_size, "min_quantized_size",
+                                   DEFAULT_MIN_QUANTIZED_SIZE, minimum=0)
+  qargs = dict(group_size=group_size, expand_min=expand_min)
+
+  def quantized(p) -> bool:
+    return quantize and p.size >= max(min_quantized_size, 1)
+
+  def init_moment(p, fmt):
+    if quantized(p):
+      return expansion.quantize_expanded(jnp.zeros(p.shape, jnp.float32), fmt, expand=expand,
+                                         **qargs)
+    return jnp.zeros(p.shape, jnp.float32)
+
+  def init_fn(params):
+    _check_float_leaves(params)
+    mu = jax.tree.map(lambda p: init_moment(p, m_fmt), params)
+    nu = jax.tree.map(lambda p: init_moment(p, v_fmt), params)
+    return CoatAdamWState(jnp.zeros([], jnp.int32), mu, nu)
+
+  def update_fn(updates, state, params=None):
+    if params is None and not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+      raise ValueError("coat_adamw: params are required for weight decay (pass params to update)")
+    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    count = optax.safe_increment(state.count)
+    if params is None:
+      params_or_none = jax.tree.map(lambda _: None, updates)
+      decay = jax.tree.map(lambda _: False, updates)
+    else:
+      params_or_none = params
+      decay = mask(params) if callable(mask) else mask
+      if decay is None:
+        decay = jax.tree.map(lambda _: True, params)
+
+    def leaf(g, p, m, v, use_decay):
+      direction, new_m, new_v = _leaf_update(
+          g, p, m, v, lr=lr, b1=b1, b2=b2, eps=eps,
+          weight_decay=weight_decay if use_decay else 0.0, count=count, m_format=m_fmt,
+          v_format=v_fmt, expand=expand, **qargs)
+      return (-lr * direction).astype(g.dtype), new_m, new_v
+
+    g_leaves, treedef = jax.tree.flatten(updates)
+    p_leaves = treedef.flatten_up_to(params_or_none)
+    m_leaves = treedef.flatten_up_to(state.mu)
+    v_leaves = treedef.flatten_up_to(state.nu)
+    d_leaves = treedef.flatten_up_to(decay)
+    out = [leaf(*args) for args in zip(g_leaves, p_leaves, m_leaves, v_leaves, d_leaves)]
+    new_updates = treedef.unflatten([o[0] for o in out])
+    mu = treedef.unflatten([o[1] for o in out])
+    nu = treedef.unflatten([o[2] for o in out])
+    return new_updates, CoatAdamWState(count, mu, nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def optimizer_state_bytes(state) -> int:
+  """Sum of the bytes of all array leaves of `state` (arrays or ShapeDtypeStructs)."""
+  total = 0
+  for leaf in jax.tree.leaves(state):
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      n = 1
+      for d in leaf.shape:
+        n *= d
+      total += n * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _axis_size(mesh, entry) -> int:
+  names = entry if isinstance(entry, tuple) else (entry,)
+  size = 1
+  for name in names:
+    size *= mesh.shape[name]
+  return size
+
+
+def _metadata_sharding(sharding: NamedSharding, shape) -> NamedSharding:
+  """The param's spec on the metadata shape; an axis whose size the mesh axes don't divide -> None."""
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  out = []
+  for size, entry in zip(shape, spec):
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      out.append(None)
+    else:
+      out.append(entry if size % _axis_size(sharding.mesh, entry) == 0 else None)
+  return NamedSharding(sharding.mesh, PartitionSpec(*out))
+
+
+def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
+  """NamedShardings for a CoatAdamWState from the params' NamedShardings.
+
+  ExpandedMoment data and float32 moments: the param's sharding. amax / k_code: the param's spec,
+  with any axis whose size is not divisible by its mesh axes' size replicated (groups run along
+  the last axis, so e.g. a last axis sharded 4 ways with 2 groups is replicated). count:
+  replicated on the first param sharding's mesh. Meant for meshes with Auto axis types (as
+  coat_jax.sharding builds); under Explicit axes the group reshape would need explicit shardings.
+  """
+  shard_leaves, treedef = jax.tree.flatten(param_shardings,
+                                           is_leaf=lambda x: isinstance(x, NamedSharding))
+  if not shard_leaves:
+    raise ValueError("state_shardings: param_shardings has no NamedSharding leaves")
+  for s in shard_leaves:
+    if not isinstance(s, NamedSharding):
+      raise ValueError(f"state_shardings: expected NamedSharding leaves, got {type(s).__name__}")
+
+  def moment(sharding, leaf):
+    if isinstance(leaf, ExpandedMoment):
+      meta = _metadata_sharding(sharding, leaf.amax.shape)
+      return ExpandedMoment(sharding, meta, meta)
+    return sharding
+
+  def moments(tree):
+    leaves = treedef.flatten_up_to(tree)
+    return treedef.unflatten([moment(s, l) for s, l in zip(shard_leaves, leaves)])
+
+  count = NamedSharding(shard_leaves[0].mesh, PartitionSpec())
+  return CoatAdamWState(count, moments(state.mu), moments(state.nu))

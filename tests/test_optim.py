@@ -1,0 +1,237 @@
+"""coat_adamw: equals optax.adamw unquantized, trains like it quantized, composes with optax, jit,
+sharding, orbax; state bytes; bad arguments."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from coat_jax import expansion as ex
+from coat_jax.optim import (CoatAdamWState, ExpandedMoment, adam_step_reference, coat_adamw,
+                            optimizer_state_bytes, state_shardings)
+from tests.test_expansion import char_batches, init_char_lm, stdlib_text, train
+
+
+def _params(rng, shapes):
+  return {name: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.1)
+          for name, s in shapes.items()}
+
+
+SHAPES = {"w": (64, 512), "u": (32, 260), "bias": (7,)}
+
+
+def _grads(rng, params):
+  return jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32)
+                                            * np.exp(rng.uniform(-3, 1))), params)
+
+
+def _run(opt, params, grads_list):
+  state = opt.init(params)
+  step = jax.jit(opt.update)
+  for g in grads_list:
+    updates, state = step(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def test_unquantized_equals_optax_adamw(rng):
+  params = _params(rng, SHAPES)
+  grads = [_grads(rng, params) for _ in range(20)]
+  sched = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 5, 20)
+  mask = {"w": True, "u": True, "bias": False}
+  ours, _ = _run(coat_adamw(sched, weight_decay=0.1, mask=mask, quantize=False), params, grads)
+  ref, _ = _run(optax.adamw(sched, weight_decay=0.1, mask=mask), params, grads)
+  for name in params:
+    np.testing.assert_allclose(ours[name], ref[name], rtol=2e-6, atol=1e-7)
+  assert not np.allclose(ours["w"], params["w"])
+
+
+def test_updates_agree_with_param_returning_reference(rng):
+  p = _params(rng, {"w": (16, 384)})["w"]
+  g = _grads(rng, {"w": p})["w"]
+  opt = coat_adamw(1e-2, weight_decay=0.05, min_quantized_size=1)
+  state = opt.init({"w": p})
+  for _ in range(2):  # second step starts from non-zero FP8 moments
+    updates, new_state = jax.jit(opt.update)({"w": g}, state, {"w": p})
+    kw = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05, count=new_state.count,
+              m_format="e4m3", v_format="e4m3", group_size=128, expand=True, expand_min=16)
+    new_p, new_m, new_v = jax.jit(lambda *a: adam_step_reference(*a, **kw))(
+        p, g, state.mu["w"], state.nu["w"])
+    # p - lr*d vs p + (-lr*d): one float32 rounding apart, i.e. within an ulp of the params' scale
+    ulp = float(np.spacing(np.max(np.abs(np.asarray(p)))))
+    np.testing.assert_allclose(new_p, p + updates["w"], rtol=1e-6, atol=ulp)
+    for a, b in zip(new_m + new_v, new_state.mu["w"] + new_state.nu["w"]):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)  # fusion may move an FP8 code
+      assert np.mean(a == b) > 0.999 and np.allclose(a, b, rtol=0.07)
+    p, state = new_p, new_state
+
+
+def test_quantized_trains_like_adamw(rng):
+  text = stdlib_text(rng, n_files=4)
+  xs, ys = char_batches(rng, text, steps=300, batch=64)
+  params = init_char_lm(jax.random.key(int(rng.integers(2**31))))
+  sched = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, 300)
+  _, _, ref = train(optax.adamw(sched, weight_decay=1e-4), params, xs, ys)
+  _, state, ours = train(coat_adamw(sched), params, xs, ys)
+  assert isinstance(state.mu["w1"], ExpandedMoment) and state.mu["b1"].dtype == jnp.float32
+  ref_loss, our_loss = float(ref[-30:].mean()), float(ours[-30:].mean())
+  print(f"\nloss (mean of last 30 of 300 steps): coat_adamw {our_loss:.4f}, optax.adamw {ref_loss:.4f}")
+  assert our_loss < 0.85 * float(ref[0])  # it learned
+  assert abs(our_loss - ref_loss) < 0.01 * ref_loss, (our_loss, ref_loss)
+
+
+def _assert_close_up_to_code_flips(a, b, lr=1e-3):
+  """Same math compiled twice: float32 rounding, and rarely an FP8 code of m rounded the other way
+  (moves that element by a few % of lr per step)."""
+  a, b = np.asarray(a), np.asarray(b)
+  close = np.isclose(a, b, rtol=1e-5, atol=1e-6)
+  assert close.mean() > 0.998, close.mean()
+  np.testing.assert_allclose(a, b, rtol=0, atol=0.2 * lr)
+
+
+def test_composes_with_optax_wrappers(rng):
+  params = _params(rng, SHAPES)
+  grads = [_grads(rng, params) for _ in range(4)]
+  kw = dict(min_quantized_size=1000)
+  opts = {
+      "chain": optax.chain(optax.clip_by_global_norm(1.0), coat_adamw(1e-3, **kw)),
+      "inject": optax.inject_hyperparams(coat_adamw, static_args=("min_quantized_size",))(
+          learning_rate=1e-3, **kw),
+      "multisteps": optax.MultiSteps(coat_adamw(1e-3, **kw), every_k_schedule=2),
+      "masked": optax.masked(coat_adamw(1e-3, **kw), {"w": True, "u": False, "bias": True}),
+  }
+  results = {name: _run(opt, params, grads)[0] for name, opt in opts.items()}
+  plain, _ = _run(coat_adamw(1e-3, **kw), params, grads)
+  _assert_close_up_to_code_flips(results["inject"]["w"], plain["w"])
+  # defaults need no static_args; an int knob set without them is refused with a clear message
+  assert optax.inject_hyperparams(coat_adamw)(learning_rate=1e-3).init(params).inner_state.count == 0
+  with pytest.raises(ValueError, match="static_args"):
+    opt = optax.inject_hyperparams(coat_adamw)(learning_rate=1e-3, group_size=64)
+    jax.jit(opt.update)(grads[0], opt.init(params), params)
+  assert not np.allclose(results["chain"]["w"], params["w"])
+  assert not np.allclose(results["multisteps"]["w"], params["w"])
+  # optax.masked passes masked-out updates (here raw gradients) through unchanged
+  np.testing.assert_allclose(results["masked"]["u"], params["u"] + sum(g["u"] for g in grads),
+                             rtol=1e-6, atol=1e-6)
+  _assert_close_up_to_code_flips(results["masked"]["w"], plain["w"])
+  for res in results.values():
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(res))
+
+
+def test_apply_if_finite_keeps_fp8_state_bit_identical(rng):
+  params = _params(rng, SHAPES)
+  opt = optax.apply_if_finite(coat_adamw(1e-3, min_quantized_size=1000), max_consecutive_errors=3)
+  state = opt.init(params)
+  step = jax.jit(opt.update)
+  _, state = step(_grads(rng, params), state, params)
+  bad = _grads(rng, params)
+  bad["w"] = bad["w"].at[3, 5].set(jnp.nan)
+  updates, new_state = step(bad, state, params)
+  assert int(new_state.notfinite_count) == 1
+  for a, b in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(new_state.inner_state)):
+    assert a.dtype == b.dtype
+    a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+
+
+def test_sharded_step_matches_unsharded(rng):
+  auto = jax.sharding.AxisType.Auto  # as coat_jax.sharding's meshes
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(auto, auto))
+  shapes = {"w": (64, 512), "u": (32, 256), "bias": (8,)}
+  specs = {"w": P("data", "model"), "u": P(None, "model"), "bias": P("model")}
+  shardings = {n: NamedSharding(mesh, s) for n, s in specs.items()}
+  params = _params(rng, shapes)
+  opt = coat_adamw(1e-3, min_quantized_size=1000)
+  state = opt.init(params)
+  g0, g1 = _grads(rng, params), _grads(rng, params)
+  _, state = jax.jit(opt.update)(g0, state, params)  # non-zero moments
+  st_sh = state_shardings(shardings, state)
+  assert st_sh.mu["w"].amax.spec == P("data", "model")  # 4 groups over 4 devices
+  assert st_sh.mu["u"].amax.spec == P(None, None)  # 2 groups: not divisible by 4
+  assert st_sh.nu["bias"].spec == P("model") and st_sh.count.spec == P()
+  ref_updates, ref_state = jax.jit(opt.update)(g1, state, params)
+  sh_params = jax.device_put(params, shardings)
+  sh_state = jax.device_put(state, st_sh)
+  sh_grads = jax.device_put(g1, shardings)
+  step = jax.jit(opt.update, out_shardings=(shardings, st_sh))
+  updates, new_state = step(sh_grads, sh_state, sh_params)
+  assert new_state.mu["w"].data.sharding.is_equivalent_to(shardings["w"], 2)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(ref_updates)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-12)
+  for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state)):
+    assert a.dtype == b.dtype
+    is_f32 = a.dtype == jnp.float32
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if is_f32 or a.size == 1:  # float32 moments, amax, count: float32 rounding
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+    else:  # FP8 codes and k codes: equal up to a rare rounding-boundary flip by one code
+      assert np.mean(a == b) > 0.99
+      np.testing.assert_allclose(a, b, rtol=0.13, atol=1)
+
+
+def test_orbax_round_trip_is_bit_exact(rng, tmp_path):
+  import orbax.checkpoint as ocp
+  params = _params(rng, SHAPES)
+  opt = coat_adamw(1e-3, min_quantized_size=1000, v_format="e5m2")
+  state = opt.init(params)
+  _, state = jax.jit(opt.update)(_grads(rng, params), state, params)
+  path = tmp_path / "opt_state"
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path, state)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(path, jax.eval_shape(lambda: state))
+  assert isinstance(restored, CoatAdamWState) and isinstance(restored.mu["w"], ExpandedMoment)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  assert restored.nu["w"].data.dtype == jnp.float8_e5m2
+
+
+def test_state_bytes_per_param():
+  shape = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+  state = jax.eval_shape(coat_adamw(1e-3).init, {"w": shape})
+  per_param = optimizer_state_bytes(state) / 4096**2
+  print(f"\nstate bytes / param, 4096x4096 float32: {per_param:.4f}")
+  assert per_param <= 2.10
+  assert per_param == pytest.approx(2 * (1 + 5 / 128), abs=1e-6)
+  adam = jax.eval_shape(optax.adamw(1e-3).init, {"w": shape})
+  assert optimizer_state_bytes(adam) / 4096**2 == pytest.approx(8.0, abs=1e-6)
+  small = jax.eval_shape(coat_adamw(1e-3).init, {"b": jax.ShapeDtypeStruct((4095,), jnp.float32)})
+  assert small.mu["b"].dtype == jnp.float32  # under min_quantized_size
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="format"):
+    coat_adamw(1e-3, m_format="e2m5")
+  with pytest.raises(ValueError, match="format"):
+    coat_adamw(1e-3, v_format="fp4")
+  with pytest.raises(ValueError, match="group_size"):
+    coat_adamw(1e-3, group_size=0)
+  with pytest.raises(ValueError, match="expand_min"):
+    coat_adamw(1e-3, expand_min=0)
+  with pytest.raises(ValueError, match=r"\['steps'\].*int32"):
+    coat_adamw(1e-3).init({"w": jnp.ones((4, 4)), "steps": jnp.ones((3,), jnp.int32)})
+  opt = coat_adamw(1e-3)
+  params = {"w": jnp.ones((4, 4))}
+  with pytest.raises(ValueError, match="params"):
+    opt.update(params, opt.init(params))
+
+
+@pytest.mark.parametrize("m_format,v_format,expand", [("int8", "e5m2", True),
+                                                      ("e4m3", "int8", False)])
+def test_other_formats_and_bf16_params(rng, m_format, v_format, expand):
+  params = _params(rng, {"w": (32, 200), "b": (16,)})
+  params["w"] = params["w"].astype(jnp.bfloat16)
+  opt = coat_adamw(1e-2, m_format=m_format, v_format=v_format, expand=expand,
+                   min_quantized_size=100)
+  new, state = _run(opt, params, [_grads(rng, params) for _ in range(3)])
+  assert state.mu["w"].data.dtype == ex.get_format(m_format).dtype
+  assert state.nu["w"].data.dtype == ex.get_format(v_format).dtype
+  assert new["w"].dtype == jnp.bfloat16 and state.mu["b"].dtype == jnp.float32
+  if not expand:
+    np.testing.assert_array_equal(np.asarray(state.mu["w"].k_code), 16)
+  for x in jax.tree.leaves(new):
+    assert np.all(np.isfinite(np.asarray(x, np.float32)))
+  assert not np.allclose(np.asarray(new["w"], np.float32), np.asarray(params["w"], np.float32))
