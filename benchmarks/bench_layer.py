@@ -1,0 +1,164 @@
+"""One Llama decoder layer per precision mode: time and activation memory held for backward.
+
+Default shape: COAT's per-layer benchmark (OLMo/Llama-2-7B layer: d_model 4096, 32 heads, SwiGLU
+11008, batch 8 x 2048 tokens, bf16 compute). Per mode it prints
+  fwd ms       median of --iters jitted forward calls (after --warmup), block_until_ready
+  fwd+bwd ms   median of one jitted jax.vjp + pullback
+  saved MB     bytes of the residuals JAX keeps for backward (coat_jax.memory), params/input excluded
+  held MB      device bytes_in_use added by a forward that returns its pullback (GPU only)
+  peak MB      device peak_bytes_in_use during forward + backward (GPU only)
+with ratios against "bf16", next to COAT's PyTorch numbers measured on the same H100 model.
+
+  python benchmarks/bench_layer.py                       # GPU, full shape
+  python benchmarks/bench_layer.py --batch 1 --seq 64 --hidden 256 --heads 4 --ffn 688 --iters 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coat_jax import memory, ops
+from coat_jax.nn import MODES, DecoderBlock
+
+# COAT's benchmark/benchmark_olmolayer.py on the lent H100 (shared/gpu_notes.md, 2026-11-22).
+COAT_REFERENCE = {"bf16 (PyTorch)": (14.6, 42.4, 2914.0), "coat (PyTorch+Triton)": (10.3, 29.4, 1723.0)}
+MB = 1e6
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--hidden", type=int, default=4096)
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--kv-heads", type=int, default=None)
+  p.add_argument("--ffn", type=int, default=11008)
+  p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + str(MODES))
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                 help="layer weights (COAT's benchmark uses bf16 weights)")
+  p.add_argument("--attention", default="auto",
+                 help="attention implementation: auto (cudnn on GPU, xla elsewhere), cudnn, xla")
+  p.add_argument("--json", default=None, help="also write the results to this file")
+  args = p.parse_args(argv)
+  args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  bad = [m for m in args.modes if m not in MODES]
+  if bad:
+    p.error(f"unknown modes {bad}; choose from {MODES}")
+  return args
+
+
+def median_ms(fn, iters: int, warmup: int) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def device_bytes(key: str) -> int | None:
+  stats = jax.devices()[0].memory_stats()
+  return None if not stats or key not in stats else int(stats[key])
+
+
+def bench_mode(mode: str, args) -> dict:
+  impl = args.attention
+  if impl == "auto":
+    impl = "cudnn" if jax.devices()[0].platform == "gpu" else None
+  elif impl == "xla":
+    impl = None
+  head_dim = args.hidden // args.heads
+  block = DecoderBlock(args.hidden, args.ffn, args.heads, args.kv_heads or args.heads, head_dim,
+                       mode=mode, dtype=jnp.bfloat16, param_dtype=jnp.dtype(args.param_dtype),
+                       attention_impl=impl, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(block)
+  del block
+  cos, sin = ops.rope_frequencies(head_dim, args.seq)
+  kx, kd = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (args.batch, args.seq, args.hidden), jnp.bfloat16)
+  dy = jax.random.normal(kd, x.shape, jnp.bfloat16)
+
+  def layer(params, x):
+    return nnx.merge(graphdef, params)(x, cos, sin)
+
+  fwd = jax.jit(layer)
+  fwd_with_pullback = jax.jit(lambda p, x: jax.vjp(layer, p, x))
+
+  @jax.jit
+  def fwd_bwd(params, x, dy):
+    y, pullback = jax.vjp(layer, params, x)
+    return y, pullback(dy)
+
+  result = {"mode": mode}
+  result["saved_bytes"] = memory.saved_residual_bytes(layer, params, x)
+  result["fwd_ms"] = median_ms(lambda: fwd(params, x), args.iters, args.warmup)
+  result["fwd_bwd_ms"] = median_ms(lambda: fwd_bwd(params, x, dy), args.iters, args.warmup)
+
+  # Memory held between forward and backward: bytes_in_use added by a forward that keeps its
+  # residuals (the returned pullback), less the output itself.
+  jax.block_until_ready(fwd_with_pullback(params, x))  # compile outside the measurement
+  before = device_bytes("bytes_in_use")
+  y, pullback = fwd_with_pullback(params, x)
+  jax.block_until_ready((y, pullback))
+  after = device_bytes("bytes_in_use")
+  result["held_bytes"] = None if before is None else after - before - y.nbytes
+  del y, pullback
+  result["peak_bytes"] = device_bytes("peak_bytes_in_use")
+  return result
+
+
+def fmt(v, scale=1.0, digits=1):
+  return "n/a" if v is None else f"{v / scale:.{digits}f}"
+
+
+def ratio(v, ref):
+  return "" if v is None or not ref else f" ({v / ref:.2f}x)"
+
+
+def print_table(results: list[dict], args) -> None:
+  dev = jax.devices()[0]
+  print(f"\ndecoder layer: batch {args.batch} x seq {args.seq}, hidden {args.hidden}, heads "
+        f"{args.heads}, ffn {args.ffn}, bf16 compute, {args.param_dtype} weights; device "
+        f"{dev.device_kind} ({dev.platform}); median of {args.iters}")
+  ref = next((r for r in results if r["mode"] == "bf16"), None)
+  head = f"{'mode':<24}{'fwd ms':>16}{'fwd+bwd ms':>18}{'saved MB':>18}{'held MB':>18}{'peak MB':>12}"
+  print(head)
+  print("-" * len(head))
+  for r in results:
+    print(f"{r['mode']:<24}"
+          f"{fmt(r['fwd_ms'], digits=2) + ratio(r['fwd_ms'], ref and ref['fwd_ms']):>16}"
+          f"{fmt(r['fwd_bwd_ms'], digits=2) + ratio(r['fwd_bwd_ms'], ref and ref['fwd_bwd_ms']):>18}"
+          f"{fmt(r['saved_bytes'], MB) + ratio(r['saved_bytes'], ref and ref['saved_bytes']):>18}"
+          f"{fmt(r['held_bytes'], MB) + ratio(r['held_bytes'], ref and ref['held_bytes']):>18}"
+          f"{fmt(r['peak_bytes'], MB):>12}")
+  print("COAT's own benchmark (PyTorch, same H100 model, batch 8 x 2048, hidden 4096):")
+  base = COAT_REFERENCE["bf16 (PyTorch)"]
+  for name, (f, fb, mem) in COAT_REFERENCE.items():
+    print(f"{name:<24}{f:>16.2f}{f'{fb:.2f} ({fb / base[1]:.2f}x)':>18}{'':>18}"
+          f"{f'{mem:.1f} ({mem / base[2]:.2f}x)':>18}")
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  results = []
+  for mode in args.modes:
+    print(f"benchmarking {mode} ...", flush=True)
+    results.append(bench_mode(mode, args))
+  print_table(results, args)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

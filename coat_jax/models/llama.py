@@ -1,0 +1,243 @@
+"""Llama in Flax NNX with one code path for the "bf16", "fp8_linear" and "coat" precision modes.
+
+The mode picks the ops inside each decoder block (FP8 GEMMs, FP8 saved activations); the token
+embedding, the final RMSNorm and the LM head always run in the compute dtype, as in COAT.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coat_jax import ops
+from coat_jax.nn import layers
+
+PRECISIONS = layers.MODES
+DTYPES = ("bfloat16", "float32")
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+  """Shape and precision of a Llama model.
+
+  `head_dim=None` means hidden_size // num_heads; `num_kv_heads=None` means num_heads (no GQA).
+  `dtype="auto"` resolves to bfloat16 on accelerators and float32 on CPU.
+  `rope_scaling` is None or a Llama 3 dict with keys LLAMA3_ROPE_KEYS. `remat` names a
+  jax.checkpoint policy applied per decoder block (REMAT_POLICIES; True/False mean "full"/"none").
+  """
+  vocab_size: int = 4096
+  hidden_size: int = 256
+  intermediate_size: int = 688
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  max_seq_len: int = 512
+  rope_theta: float = 10000.0
+  rope_scaling: dict | None = None
+  rms_eps: float = 1e-6
+  tie_embeddings: bool = False
+  precision: str = "bf16"
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  remat: str | bool = "none"
+  attention_impl: str | None = None
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    if self.num_kv_heads is None:
+      self.num_kv_heads = self.num_heads
+    if self.head_dim is None and isinstance(self.num_heads, int) and self.num_heads > 0:
+      self.head_dim = self.hidden_size // self.num_heads
+    if isinstance(self.remat, bool):
+      self.remat = "full" if self.remat else "none"
+    if self.dtype == "auto":  # bfloat16 on accelerators, float32 on CPU (slow bf16 matmuls)
+      self.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+  def validate(self) -> "LlamaConfig":
+    """Raises ValueError naming the first bad key and value; returns self."""
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_seq_len"):
+      value = getattr(self, key)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"LlamaConfig.{key} must be a positive int, got {value!r}")
+    if self.hidden_size % self.num_heads:
+      raise ValueError(f"LlamaConfig.num_heads={self.num_heads} must divide "
+                       f"hidden_size={self.hidden_size}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide "
+                       f"num_heads={self.num_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"LlamaConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+    for key in ("dtype", "param_dtype"):
+      if getattr(self, key) not in DTYPES:
+        raise ValueError(f"LlamaConfig.{key} must be one of {DTYPES}, got {getattr(self, key)!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"LlamaConfig.remat must be one of {tuple(REMAT_POLICIES)} or a bool, "
+                       f"got {self.remat!r}")
+    if not (self.rope_theta > 0):
+      raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+    if not (0 < self.rms_eps < 1):
+      raise ValueError(f"LlamaConfig.rms_eps must be in (0, 1), got {self.rms_eps!r}")
+    if self.rope_scaling is not None:
+      if not isinstance(self.rope_scaling, dict):
+        raise ValueError(f"LlamaConfig.rope_scaling must be None or a dict, got {self.rope_scaling!r}")
+      missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
+      if missing:
+        raise ValueError(f"LlamaConfig.rope_scaling (llama3) misses keys {missing}: "
+                         f"got {self.rope_scaling!r}")
+    return self
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    if d["rope_scaling"] is not None:
+      d["rope_scaling"] = dict(d["rope_scaling"])
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"LlamaConfig: unknown keys {unknown}; known keys are {sorted(names)}")
+    return cls(**d).validate()
+
+  @classmethod
+  def from_name(cls, name: str, **overrides) -> "LlamaConfig":
+    """A preset (PRESETS) with keyword overrides, validated."""
+    if name not in PRESETS:
+      raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
+    d = dict(PRESETS[name])
+    d.update(overrides)
+    return cls.from_dict(d)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU-trainable in minutes; GQA on so the small model exercises grouped heads.
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_layers=4,
+                 num_heads=4, num_kv_heads=2, max_seq_len=512),
+    # GPT-2-small-shaped Llama (~125M parameters with a 32k vocabulary).
+    "llama-125m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                       num_heads=12, num_kv_heads=12, max_seq_len=2048),
+    "olmo-1b": dict(vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                    num_heads=16, num_kv_heads=16, max_seq_len=2048, tie_embeddings=True,
+                    rms_eps=1e-5),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_layers=32, num_heads=32, num_kv_heads=32, max_seq_len=4096,
+                      rms_eps=1e-5),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_layers=32, num_heads=32, num_kv_heads=8, max_seq_len=8192,
+                      rope_theta=500000.0, rms_eps=1e-5,
+                      rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                        original_max_position_embeddings=8192)),
+}
+
+
+def num_params(cfg: LlamaConfig) -> int:
+  """Parameter count (embedding counted once when tied)."""
+  d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  attn = d * cfg.num_heads * dh * 2 + d * cfg.num_kv_heads * dh * 2
+  per_layer = attn + 3 * d * f + 2 * d
+  head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
+  return cfg.vocab_size * d + cfg.num_layers * per_layer + d + head
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward): 6 N + 12 L S H Dh (PaLM's convention).
+
+  N counts the matmul parameters (blocks and LM head; the embedding lookup is not a matmul unless
+  it is tied to the head). The attention term counts the full S x S score matrix (no causal
+  halving), as PaLM and nanoGPT do.
+  """
+  n = num_params(cfg)
+  if not cfg.tie_embeddings:
+    n -= cfg.vocab_size * cfg.hidden_size
+  attn = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+  return float(6 * n + attn)
+
+
+class Llama(nnx.Module):
+  """Decoder-only Llama: embed -> blocks -> RMSNorm -> LM head; logits in float32."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs | None = None):
+    cfg.validate()
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    self.cfg = cfg
+    dtype, param_dtype = cfg.jnp_dtype, cfg.jnp_param_dtype
+    init = nnx.initializers.normal(stddev=cfg.init_std)
+    self.embed = layers.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                  param_dtype=param_dtype, embedding_init=init, rngs=rngs)
+    self.layers = nnx.List([
+        layers.DecoderBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                            cfg.num_kv_heads, cfg.head_dim, eps=cfg.rms_eps, mode=cfg.precision,
+                            dtype=dtype, param_dtype=param_dtype,
+                            attention_impl=cfg.attention_impl, rngs=rngs)
+        for _ in range(cfg.num_layers)])
+    # Final norm and LM head stay in the compute dtype ("bf16" ops) in every mode.
+    self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, mode="bf16", dtype=dtype,
+                               param_dtype=param_dtype)
+    self.lm_head = None if cfg.tie_embeddings else layers.Linear(
+        cfg.hidden_size, cfg.vocab_size, mode="bf16", dtype=dtype, param_dtype=param_dtype,
+        kernel_init=init, rngs=rngs)
+
+  def rope(self, seq_len: int) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) tables for positions 0..seq_len-1."""
+    return ops.rope_frequencies(self.cfg.head_dim, seq_len, theta=self.cfg.rope_theta,
+                                scaling=self.cfg.rope_scaling)
+
+  def hidden_states(self, tokens: jax.Array) -> jax.Array:
+    """tokens (B, S) int -> final normalized hidden states (B, S, D) in the compute dtype."""
+    if tokens.ndim != 2:
+      raise ValueError(f"Llama: tokens must be (batch, seq), got shape {tokens.shape}")
+    if tokens.shape[1] > self.cfg.max_seq_len:
+      raise ValueError(f"Llama: sequence length {tokens.shape[1]} exceeds max_seq_len "
+                       f"{self.cfg.max_seq_len}")
+    cos, sin = self.rope(tokens.shape[1])
+    x = self.embed(tokens)
+    policy = REMAT_POLICIES[self.cfg.remat]
+
+    def run_block(block, x):
+      return block(x, cos, sin)
+
+    if self.cfg.remat != "none":
+      run_block = nnx.remat(run_block, policy=policy)
+    for block in self.layers:
+      x = run_block(block, x)
+    h, _ = self.norm(x)
+    return h
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """tokens (B, S) int32 -> logits (B, S, vocab_size) float32."""
+    h = self.hidden_states(tokens)
+    logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+    return logits.astype(jnp.float32)
+
+  @classmethod
+  def from_hf(cls, path, *, precision: str = "bf16", dtype: str = "bfloat16",
+              param_dtype: str = "float32", **overrides) -> "Llama":
+    """Loads a local Hugging Face Llama directory (config.json + safetensors); see models/hf.py."""
+    from coat_jax.models import hf  # pylint: disable=import-outside-toplevel
+    return hf.load_llama(path, precision=precision, dtype=dtype, param_dtype=param_dtype,
+                         **overrides)

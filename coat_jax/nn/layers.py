@@ -1,0 +1,163 @@
+"""Thin Flax NNX modules over `coat_jax.ops`: the precision mode picks the ops, not the module.
+
+Parameters are stored in `param_dtype` (float32 master weights by default) and cast to the compute
+`dtype` (bfloat16 by default) where they are used. Modes: "bf16" (plain), "fp8_linear" (FP8 GEMMs,
+activations saved as usual), "coat" (FP8 GEMMs and FP8 activations saved for backward, with the
+quantized output of one op handed to the next: RMSNorm -> Q/K/V and gate/up, SwiGLU -> down).
+
+Shapes: B batch, S sequence, D hidden, F intermediate, H query heads, K key/value heads, Dh head dim.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coat_jax import ops
+
+MODES = ("bf16", "fp8_linear", "coat")
+DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+def check_mode(mode: str) -> str:
+  if mode not in MODES:
+    raise ValueError(f"precision mode must be one of {MODES}, got {mode!r}")
+  return mode
+
+
+class Linear(nnx.Module):
+  """y = x @ kernel, no bias; `kernel` is (in_features, out_features)."""
+
+  def __init__(self, in_features: int, out_features: int, *, mode: str = "bf16",
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+               kernel_init: Callable = DEFAULT_INIT, rngs: nnx.Rngs):
+    self.in_features, self.out_features = in_features, out_features
+    self.mode = check_mode(mode)
+    self.dtype = jnp.dtype(dtype)
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features),
+                                        jnp.dtype(param_dtype)))
+
+  def __call__(self, x: jax.Array, x_q=None) -> jax.Array:
+    """x: (..., in) -> (..., out) in `dtype`; x_q: optional per-tensor FP8 copy of x ("coat")."""
+    if x.shape[-1] != self.in_features:
+      raise ValueError(f"Linear: input last axis {x.shape[-1]} != in_features {self.in_features}")
+    w = self.kernel[...].astype(self.dtype)
+    return ops.linear(x.astype(self.dtype), w, mode=self.mode, x_q=x_q)
+
+
+class RMSNorm(nnx.Module):
+  """y = x / rms(x) * scale; returns (y, y_q) with y_q the FP8 copy of y in "coat" mode, else None."""
+
+  def __init__(self, features: int, *, eps: float = 1e-6, mode: str = "bf16",
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+    del rngs  # scale starts at ones
+    self.features, self.eps = features, eps
+    self.mode = check_mode(mode)
+    self.dtype = jnp.dtype(dtype)
+    self.scale = nnx.Param(jnp.ones((features,), jnp.dtype(param_dtype)))
+
+  def __call__(self, x: jax.Array):
+    """x: (..., D) -> (y (..., D) in `dtype`, y_q or None)."""
+    if x.shape[-1] != self.features:
+      raise ValueError(f"RMSNorm: input last axis {x.shape[-1]} != features {self.features}")
+    return ops.rmsnorm(x.astype(self.dtype), self.scale[...].astype(self.dtype), eps=self.eps,
+                       mode=self.mode)
+
+
+class Embedding(nnx.Module):
+  """Token embedding table `embedding` (V, D); also the tied LM head (`attend`)."""
+
+  def __init__(self, num_embeddings: int, features: int, *, dtype: Any = jnp.bfloat16,
+               param_dtype: Any = jnp.float32, embedding_init: Callable = DEFAULT_INIT,
+               rngs: nnx.Rngs):
+    self.num_embeddings, self.features = num_embeddings, features
+    self.dtype = jnp.dtype(dtype)
+    self.embedding = nnx.Param(embedding_init(rngs.params(), (num_embeddings, features),
+                                              jnp.dtype(param_dtype)))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """tokens: (B, S) integer -> (B, S, D) in `dtype` (out-of-range ids give NaN rows)."""
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"Embedding: tokens must be integers, got dtype {tokens.dtype}")
+    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+  def attend(self, h: jax.Array) -> jax.Array:
+    """h: (..., D) -> logits (..., V) = h @ embedding^T, in `dtype`."""
+    return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.embedding[...].astype(self.dtype))
+
+
+class Attention(nnx.Module):
+  """Multi-head self-attention with grouped K/V heads (GQA), RoPE and a causal mask.
+
+  In "coat" mode the per-tensor FP8 copy of the normalized input feeds Q, K and V; the attention
+  output reaches o_proj in `dtype` (o_proj quantizes it itself).
+  """
+
+  def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+               mode: str = "bf16", dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+               attention_impl: str | None = None, rngs: nnx.Rngs):
+    if num_heads % num_kv_heads:
+      raise ValueError(f"Attention: num_kv_heads {num_kv_heads} must divide num_heads {num_heads}")
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.attention_impl = attention_impl
+    kw = dict(mode=mode, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q_proj = Linear(hidden_size, num_heads * head_dim, **kw)
+    self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, **kw)
+    self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, **kw)
+    self.o_proj = Linear(num_heads * head_dim, hidden_size, **kw)
+
+  def __call__(self, x: jax.Array, x_q, cos: jax.Array, sin: jax.Array,
+               positions: jax.Array | None = None) -> jax.Array:
+    """x: (B, S, D) normalized input, x_q its FP8 copy or None; cos/sin: (max_len, Dh // 2)."""
+    b, s, _ = x.shape
+    q = self.q_proj(x, x_q=x_q).reshape(b, s, self.num_heads, self.head_dim)
+    k = self.k_proj(x, x_q=x_q).reshape(b, s, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x, x_q=x_q).reshape(b, s, self.num_kv_heads, self.head_dim)
+    q = ops.apply_rope(q, cos, sin, positions)
+    k = ops.apply_rope(k, cos, sin, positions)
+    o = ops.attention(q, k, v, causal=True, implementation=self.attention_impl)
+    return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, hidden_size: int, intermediate_size: int, *, mode: str = "bf16",
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    kw = dict(mode=mode, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mode = check_mode(mode)
+    self.gate_proj = Linear(hidden_size, intermediate_size, **kw)
+    self.up_proj = Linear(hidden_size, intermediate_size, **kw)
+    self.down_proj = Linear(intermediate_size, hidden_size, **kw)
+
+  def __call__(self, x: jax.Array, x_q=None) -> jax.Array:
+    """x: (B, S, D) normalized input, x_q its FP8 copy or None -> (B, S, D)."""
+    h, h_q = ops.swiglu(self.gate_proj(x, x_q=x_q), self.up_proj(x, x_q=x_q), mode=self.mode)
+    return self.down_proj(h, x_q=h_q)
+
+
+class DecoderBlock(nnx.Module):
+  """Pre-norm Llama block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
+               head_dim: int, *, eps: float = 1e-6, mode: str = "bf16", dtype: Any = jnp.bfloat16,
+               param_dtype: Any = jnp.float32, attention_impl: str | None = None,
+               rngs: nnx.Rngs):
+    kw = dict(mode=mode, dtype=dtype, param_dtype=param_dtype)
+    self.dtype = jnp.dtype(dtype)
+    self.input_layernorm = RMSNorm(hidden_size, eps=eps, **kw)
+    self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim,
+                               attention_impl=attention_impl, rngs=rngs, **kw)
+    self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps, **kw)
+    self.mlp = MLP(hidden_size, intermediate_size, rngs=rngs, **kw)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               positions: jax.Array | None = None) -> jax.Array:
+    """x: (B, S, D) residual stream in `dtype` -> (B, S, D)."""
+    x = x.astype(self.dtype)
+    h, h_q = self.input_layernorm(x)
+    x = ops.residual_add(x, self.self_attn(h, h_q, cos, sin, positions))
+    h, h_q = self.post_attention_layernorm(x)
+    return ops.residual_add(x, self.mlp(h, h_q))

@@ -1,0 +1,21 @@
+"""Attention (BF16 in all modes) through jax.nn.dot_product_attention, with GQA."""
+from __future__ import annotations
+
+import jax
+
+
+def attention(q, k, v, *, causal: bool = True, implementation=None):
+  """q (B, S, Hq, Dh), k/v (B, S, Hkv, Dh), Hq % Hkv == 0. Returns (B, S, Hq, Dh) in q.dtype.
+
+  implementation None -> "cudnn" on GPU; elsewhere "xla" under jax.checkpoint so only q, k, v
+  are saved (flash-attention-like memory instead of the (S, S) probabilities).
+  """
+  if k.shape != v.shape or q.ndim != 4 or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
+    raise ValueError(f"attention: bad shapes q {q.shape}, k {k.shape}, v {v.shape}")
+  if implementation is None:
+    implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                     implementation=implementation)
+  if implementation == "xla":
+    fn = jax.checkpoint(fn)
+  return fn(q, k, v)

@@ -1,0 +1,65 @@
+"""RMSNorm: y = x * rsqrt(mean(x^2) + eps) * scale, float32 internal math.
+
+"coat": a custom_vjp saving only x per 1x16 group (E4M3) and rstd (float32, (..., 1)); it also
+returns y_q, the per-tensor E4M3 copy of y that the following linears consume through `x_q`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coat_jax import kernels
+from coat_jax.ops.linear import check_mode
+
+GROUP_SIZE = 16
+
+
+def _rstd(x32, eps):
+  return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def _plain(x, scale, eps):
+  x32 = x.astype(jnp.float32)
+  return (x32 * _rstd(x32, eps) * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rmsnorm_coat(x, scale, eps):
+  y = _plain(x, scale, eps)
+  return y, kernels.quantize_per_tensor(y, "e4m3")
+
+
+def _coat_fwd(x, scale, eps):
+  x32 = x.astype(jnp.float32)
+  rstd = _rstd(x32, eps)
+  y = (x32 * rstd * scale.astype(jnp.float32)).astype(x.dtype)
+  xg = kernels.quantize_per_group(x, GROUP_SIZE, "e4m3")
+  return (y, kernels.quantize_per_tensor(y, "e4m3")), (xg, rstd, scale)
+
+
+def _coat_bwd(eps, res, cts):
+  xg, rstd, scale = res
+  g, _ = cts  # y_q carries no gradient.
+  x = kernels.dequantize(xg, jnp.float32)
+  g32 = g.astype(jnp.float32)
+  s32 = scale.astype(jnp.float32)
+  xhat = x * rstd
+  dscale = jnp.sum((g32 * xhat).reshape(-1, x.shape[-1]), axis=0)
+  gs = g32 * s32
+  dx = rstd * (gs - xhat * jnp.mean(gs * xhat, axis=-1, keepdims=True))
+  return dx.astype(g.dtype), dscale.astype(scale.dtype)
+
+
+_rmsnorm_coat.defvjp(_coat_fwd, _coat_bwd)
+
+
+def rmsnorm(x: jax.Array, scale: jax.Array, *, eps: float = 1e-6, mode: str):
+  """Returns (y, y_q): y (..., D) in x.dtype; y_q per-tensor E4M3 of y in "coat", else None."""
+  check_mode(mode)
+  if scale.shape != (x.shape[-1],):
+    raise ValueError(f"rmsnorm: scale shape {scale.shape} does not match x shape {x.shape}")
+  if mode == "coat":
+    return _rmsnorm_coat(x, scale, eps)
+  return _plain(x, scale, eps), None

@@ -1,0 +1,59 @@
+"""SwiGLU product h = silu(gate) * up.
+
+"coat": a custom_vjp saving gate and up per 1x16 group (E4M3) only; silu is recomputed in the
+backward (2 saved tensors instead of COAT's 3). Returns h_q, per-tensor E4M3 of h, for the down
+projection's `x_q`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from coat_jax import kernels
+from coat_jax.ops.linear import check_mode
+
+GROUP_SIZE = 16
+
+
+def _plain(gate, up):
+  g32 = gate.astype(jnp.float32)
+  return (jax.nn.silu(g32) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+@jax.custom_vjp
+def _swiglu_coat(gate, up):
+  h = _plain(gate, up)
+  return h, kernels.quantize_per_tensor(h, "e4m3")
+
+
+def _coat_fwd(gate, up):
+  h = _plain(gate, up)
+  res = (kernels.quantize_per_group(gate, GROUP_SIZE, "e4m3"),
+         kernels.quantize_per_group(up, GROUP_SIZE, "e4m3"))
+  return (h, kernels.quantize_per_tensor(h, "e4m3")), res
+
+
+def _coat_bwd(res, cts):
+  gq, uq = res
+  dh, _ = cts
+  a = kernels.dequantize(gq, jnp.float32)
+  u = kernels.dequantize(uq, jnp.float32)
+  d = dh.astype(jnp.float32)
+  sig = jax.nn.sigmoid(a)
+  silu = a * sig
+  dgate = d * u * sig * (1.0 + a * (1.0 - sig))
+  dup = d * silu
+  return dgate.astype(dh.dtype), dup.astype(dh.dtype)
+
+
+_swiglu_coat.defvjp(_coat_fwd, _coat_bwd)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, *, mode: str):
+  """Returns (h, h_q); gate, up and h share shape (..., F) and dtype; h_q None unless "coat"."""
+  check_mode(mode)
+  if gate.shape != up.shape:
+    raise ValueError(f"swiglu: gate shape {gate.shape} != up shape {up.shape}")
+  if mode == "coat":
+    return _swiglu_coat(gate, up)
+  return _plain(gate, up), None
