@@ -65,20 +65,65 @@ def interpret_mode() -> bool:
 
 
 def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False):
-  """See `coat_jax.quantize.quantize_per_tensor`."""
+  """See `coat_jax.quantize.quantize_per_tensor`.
+
+  Pallas: stage-1 tile maxima + quantize(+transpose) pass (pallas_kernels/quantize.py) when the
+  last axis is a multiple of 16; other shapes use the reference.
+  """
+  if use_pallas():
+    from pallas_kernels import quantize as pk  # local: keeps Pallas out of reference-only imports.
+    if pk.supported_per_tensor(x, with_transpose):
+      return pk.quantize_per_tensor(x, quantize.get_format(fmt).name, amax=amax,
+                                    with_transpose=with_transpose, interpret=interpret_mode())
   return quantize.quantize_per_tensor(x, fmt, amax=amax, with_transpose=with_transpose)
 
 
 def quantize_per_group(x, group_size=16, fmt="e4m3"):
-  """See `coat_jax.quantize.quantize_per_group`."""
+  """See `coat_jax.quantize.quantize_per_group` (Pallas when the last axis divides by G)."""
+  if use_pallas():
+    from pallas_kernels import quantize as pk
+    if pk.supported_per_group(x, group_size):
+      return pk.quantize_per_group(x, group_size, quantize.get_format(fmt).name,
+                                   interpret=interpret_mode())
   return quantize.quantize_per_group(x, group_size, fmt)
 
 
 def dequantize(q, dtype):
-  """See `coat_jax.quantize.dequantize`."""
+  """See `coat_jax.quantize.dequantize` (Pallas for per-group arrays; per-tensor is XLA's)."""
+  if use_pallas() and q.group_size > 0:
+    from pallas_kernels import quantize as pk
+    if pk.supported_per_group(q.data, q.group_size):
+      return pk.dequantize_per_group(q, dtype, interpret=interpret_mode())
   return quantize.dequantize(q, dtype)
 
 
 def fp8_dot_general(a, b, dimension_numbers, out_dtype):
-  """See `coat_jax.gemm.fp8_dot_general_reference`."""
+  """See `coat_jax.gemm.fp8_dot_general_reference`.
+
+  Pallas: the Mosaic GPU wgmma TN kernel (pallas_kernels/fp8_matmul.py) where the operands reach
+  the TN layout (directly or through `data_t`); other cases fall back to the reference inside.
+  """
+  if use_pallas():
+    from pallas_kernels import fp8_matmul  # local: keeps Pallas out of reference-only imports.
+    return fp8_matmul.fp8_dot_general(a, b, dimension_numbers, out_dtype,
+                                      interpret=interpret_mode())
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
+
+
+def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
+                   v_format, group_size, expand, expand_min):
+  """See `coat_jax.optim.adam_step_reference`: (new_param, new_m, new_v) for one leaf.
+
+  Pallas: the fused one-pass step (pallas_kernels/adam_step.py) when the last axis is divisible by
+  group_size and both moments are ExpandedMoment; otherwise the reference.
+  """
+  from coat_jax import optim  # local: optim imports optax; kernels stays light.
+  kwargs = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
+                m_format=m_format, v_format=v_format, group_size=group_size, expand=expand,
+                expand_min=expand_min)
+  if use_pallas():
+    from pallas_kernels import adam_step as pk
+    if pk.supported(param, m, v, group_size):
+      return pk.adam_step(param, grad, m, v, interpret=interpret_mode(), **kwargs)
+  return optim.adam_step_reference(param, grad, m, v, **kwargs)
+

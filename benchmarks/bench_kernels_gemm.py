@@ -1,0 +1,157 @@
+"""FP8 GEMM on the H100: XLA bf16 vs XLA fp8 (cuBLASLt) vs the Pallas Mosaic GPU TN kernel.
+
+Run on the GPU:  PYTHONUNBUFFERED=1 python3 benchmarks/bench_kernels_gemm.py [--tune] [--shapes all]
+Prints one row per (M, N, K): TFLOP/s of each, ratios, relative error of Pallas vs XLA fp8, and
+the FLOP floor 2MNK / peak (H100 SXM dense: fp8 1979, bf16 989 TFLOP/s).
+All three take the same operands: A (M, K), B as (N, K) (TN); bf16 runs A @ B.T the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import fp8_matmul as fm  # noqa: E402
+
+PEAK_FP8, PEAK_BF16 = 1979e12, 989e12
+TN = (((1,), (1,)), ((), ()))
+T = 16384  # 8 x 2048 tokens
+SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192)]
+LAYER_7B = [  # (M, N, K)
+    (T, 4096, 4096),      # fwd q/k/v/o; dX of q/k/v/o
+    (T, 11008, 4096),     # fwd gate/up; dX of down
+    (T, 4096, 11008),     # fwd down; dX of gate/up
+    (4096, 4096, T),      # dW q/k/v/o (contract over tokens)
+    (4096, 11008, T),     # dW gate/up
+    (11008, 4096, T),     # dW down
+]
+TUNE = {
+    "m128x128": fm.GemmConfig(),  # the default
+    "n128x128": fm.GemmConfig(wg_dim="n"),
+    "n128x128_s3": fm.GemmConfig(wg_dim="n", stages=3),
+    "n128x128_gm_m": fm.GemmConfig(wg_dim="n", grid_minor="m"),
+    "n128x128_w16": fm.GemmConfig(wg_dim="n", grid_tile_width=16),
+    "n64x256": fm.GemmConfig(tile_m=64, tile_n=256, epi_n=128, wg_dim="n"),
+    "m64x256": fm.GemmConfig(tile_m=64, tile_n=256, epi_n=128, wg_dim="m"),
+    "n128x96": fm.GemmConfig(tile_m=128, tile_n=96, epi_n=32, wg_dim="n"),
+    "m128x128_w4": fm.GemmConfig(wg_dim="m", grid_tile_width=4),
+    "m128x128_gm_m": fm.GemmConfig(wg_dim="m", grid_minor="m"),
+}
+
+
+def bench(fn, *args, iters=20, reps=5):
+  """Median over reps of the mean time per call (seconds) of `iters` back-to-back calls."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / iters)
+  return statistics.median(times)
+
+
+def operands(m, n, k, key):
+  ka, kb = jax.random.split(key)
+  a = jax.random.normal(ka, (m, k), jnp.float32) * 2.0
+  b = jax.random.normal(kb, (n, k), jnp.float32) * 2.0
+  return (a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn),
+          a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+
+
+def xla_fp8(a, b, s):
+  acc = jax.lax.dot_general(a, b, TN, preferred_element_type=jnp.float32)
+  return (acc * s).astype(jnp.bfloat16)
+
+
+def xla_bf16(a, b):
+  return jax.lax.dot_general(a, b, TN, preferred_element_type=jnp.bfloat16)
+
+
+def rel_err(x, ref):
+  x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+
+
+def run_shape(m, n, k, configs, key, iters):
+  a8, b8, a16, b16 = operands(m, n, k, key)
+  s = jnp.float32(0.75)
+  flops = 2.0 * m * n * k
+  f_bf16 = jax.jit(xla_bf16)
+  f_fp8 = jax.jit(xla_fp8)
+  t_bf16 = bench(f_bf16, a16, b16, iters=iters)
+  t_fp8 = bench(f_fp8, a8, b8, s, iters=iters)
+  ref = f_fp8(a8, b8, s)
+  rows = []
+  for name, cfg in configs.items():
+    amax = name.endswith("+amax")
+    f_pl = jax.jit(lambda a, b, s, cfg=cfg, amax=amax: fm.fp8_matmul_tn(
+        a, b, s, jnp.bfloat16, config=cfg, with_amax=amax))
+    try:
+      out = f_pl(a8, b8, s)
+      if amax:
+        out, gmax = out
+        want = jnp.max(jnp.abs(ref.astype(jnp.float32)).reshape(m, -1, cfg.tile_n), axis=-1)
+        if not bool(jnp.all(gmax.astype(jnp.bfloat16).astype(jnp.float32) == want)):
+          print(f"  {m}x{n}x{k} {name}: epilogue amax differs from max|out|")
+      err = rel_err(out, ref)
+      t_pl = bench(f_pl, a8, b8, s, iters=iters)
+    except Exception as e:  # noqa: BLE001  (report and go on to the next variant)
+      print(f"  {m}x{n}x{k} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+      continue
+    rows.append((name, t_pl, err))
+  return flops, t_bf16, t_fp8, rows
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--tune", action="store_true", help="all TUNE variants (else the default only)")
+  p.add_argument("--shapes", default="all", help="all | square | layer | MxNxK,MxNxK")
+  p.add_argument("--configs", default="", help="comma-separated TUNE names (overrides --tune)")
+  p.add_argument("--amax", action="store_true", help="also the default with the amax epilogue")
+  p.add_argument("--iters", type=int, default=20)
+  args = p.parse_args()
+  if args.shapes == "all":
+    shapes = SQUARE + LAYER_7B
+  elif args.shapes == "square":
+    shapes = SQUARE
+  elif args.shapes == "layer":
+    shapes = LAYER_7B
+  else:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+  configs = TUNE if args.tune else {"default": fm.DEFAULT_CONFIG}
+  if args.configs:
+    configs = {name: TUNE[name] for name in args.configs.split(",")}
+  if args.amax:
+    configs["default+amax"] = fm.DEFAULT_CONFIG
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  key = jax.random.key(0)
+  table = []
+  for m, n, k in shapes:
+    key, sub = jax.random.split(key)
+    flops, t_bf16, t_fp8, rows = run_shape(m, n, k, configs, sub, args.iters)
+    for name, t_pl, err in rows:
+      print(f"  {m}x{n}x{k} {name:16s} {flops / t_pl / 1e12:7.1f} TFLOP/s  err {err:.2e}")
+    for name, t_pl, err in rows:
+      table.append((m, n, k, flops, t_bf16, t_fp8, name, t_pl, err))
+  print()
+  print(f"{'M x N x K':>22} | {'bf16':>6} {'xla8':>6} {'pallas8':>7} | {'pl/xla8':>7} "
+        f"{'pl/bf16':>7} | {'floor8 us':>9} {'pl us':>8} | {'rel err':>8} config")
+  for m, n, k, flops, t_bf16, t_fp8, name, t_pl, err in table:
+    tf = lambda t: flops / t / 1e12  # noqa: E731
+    print(f"{m:>6}x{n:>6}x{k:>6}   | {tf(t_bf16):6.0f} {tf(t_fp8):6.0f} {tf(t_pl):7.0f} | "
+          f"{t_fp8 / t_pl:7.2f} {t_bf16 / t_pl:7.2f} | {flops / PEAK_FP8 * 1e6:9.0f} "
+          f"{t_pl * 1e6:8.0f} | {err:8.1e} {name}")
+
+
+if __name__ == "__main__":
+  main()

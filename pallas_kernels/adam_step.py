@@ -1,0 +1,169 @@
+"""Fused COAT AdamW step (Pallas, Triton backend): one pass over param, grad and both FP8 moments.
+
+Per group of G (128) elements along the last axis, one row of a (P/G, G) view:
+dequantize + inverse expansion of m and v, Adam moment update, the float32 param update, then
+expansion + requantization of both moments (new amax, k_code, FP8 data). Same signature and
+arithmetic as `coat_jax.optim.adam_step_reference`; log2/exp2 may differ from XLA's in the last
+ulp, so a few FP8 codes can differ by one (tests/test_kernels_adam.py bounds this).
+Supported: last axis divisible by G; other shapes raise ValueError (`coat_jax.kernels` falls back).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from coat_jax import expansion
+from coat_jax.expansion import ExpandedMoment
+from coat_jax.formats import get_format
+from pallas_kernels.quantize import _pow2_divisor
+
+
+def supported(param: jax.Array, m, v, group_size: int) -> bool:
+  """Shapes/types the kernel takes: ndim >= 1, last axis % G == 0, ExpandedMoment moments."""
+  return (param.ndim >= 1 and param.size > 0 and param.shape[-1] % group_size == 0
+          and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
+          and jnp.issubdtype(param.dtype, jnp.floating))
+
+
+def _div(x, y, interpret):
+  # See pallas_kernels/quantize.py: the barrier keeps XLA:CPU's true division in interpret mode;
+  # on the GPU Triton's `/` and XLA's are both div.full.f32.
+  return x / jax.lax.optimization_barrier(y) if interpret else x / y
+
+
+def _load(q_ref, amax_ref, code_ref, fmax, expand_min, interpret):
+  """Inverse of the expansion (as `expansion.dequantize_expanded`): float32 (r, G)."""
+  q = q_ref[...].astype(jnp.float32)
+  qa = jnp.abs(q)
+  mx = amax_ref[...][:, None]
+  code = code_ref[...].astype(jnp.float32)[:, None]
+  inv_fmax = float(np.float32(1.0) / np.float32(fmax))
+  inv_k = _div(jnp.full(code.shape, float(expand_min), jnp.float32), code, interpret)
+  powered = mx * jnp.exp2(inv_k * jnp.log2(qa * inv_fmax))
+  linear = qa * (mx * inv_fmax)
+  mag = jnp.where(code == float(expand_min), linear, powered)
+  return jnp.sign(q) * mag
+
+
+def _store(x, fmax, log2_range, expand, expand_min, floor, interpret):
+  """Expansion + requantization (as `expansion.quantize_expanded`): (q f32, amax (r,), code)."""
+  a = jnp.abs(x)
+  mx = jnp.max(a, axis=-1) + floor
+  if expand:
+    mn_nz = jnp.min(jnp.where(a > 0, a, jnp.inf), axis=-1)
+    mn = jnp.where(mn_nz == jnp.inf, mx, mn_nz + floor)
+    lr = jnp.log2(_div(mx, mn, interpret))
+    ok = lr > 0
+    steps = jnp.floor(_div(jnp.full(lr.shape, log2_range, jnp.float32), jnp.where(ok, lr, 1.0),
+                           interpret) * float(expand_min))
+    steps = jnp.where(ok, steps, float(expand_min))
+    steps = jnp.minimum(jnp.maximum(steps, 1.0), float(expansion.MAX_K_CODE))
+    k = (steps * float(np.float32(1.0) / np.float32(expand_min)))[:, None]
+    ratio = _div(a, jnp.broadcast_to(mx[:, None], a.shape), interpret)
+    mag = fmax * jnp.exp2(k * jnp.log2(ratio))
+    y = jnp.sign(x) * mag
+  else:
+    steps = jnp.full(mx.shape, float(min(expand_min, expansion.MAX_K_CODE)), jnp.float32)
+    scale = mx * float(np.float32(1.0) / np.float32(fmax))
+    y = _div(x, jnp.broadcast_to(scale[:, None], x.shape), interpret)
+  y = jnp.where(y != y, y, jnp.minimum(jnp.maximum(y, -fmax), fmax))
+  return y, mx, steps
+
+
+def _kernel(s_ref, p_ref, g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
+            po_ref, mqo_ref, mao_ref, mko_ref, vqo_ref, vao_ref, vko_ref, *,
+            m_fmax, v_fmax, m_log2r, v_log2r, expand, expand_min, floor, interpret):
+  # (1, 16) float32 step scalars, 9 used.
+  lr, b1, omb1, b2, omb2, eps, wd, sqrt_bc2, bc1 = [s_ref[0, i] for i in range(9)]
+  m = _load(mq_ref, ma_ref, mk_ref, m_fmax, expand_min, interpret)
+  v = _load(vq_ref, va_ref, vk_ref, v_fmax, expand_min, interpret)
+  g = g_ref[...].astype(jnp.float32)
+  p = p_ref[...].astype(jnp.float32)
+  m = b1 * m + omb1 * g
+  v = b2 * v + omb2 * (g * g)
+  denom = (_div(jnp.sqrt(v), jnp.broadcast_to(sqrt_bc2, v.shape), interpret) + eps) * bc1
+  direction = _div(m, denom, interpret) + wd * p
+  po_ref[...] = (p - lr * direction).astype(po_ref.dtype)
+  for x, fmax, log2r, q_ref, a_ref, k_ref in ((m, m_fmax, m_log2r, mqo_ref, mao_ref, mko_ref),
+                                              (v, v_fmax, v_log2r, vqo_ref, vao_ref, vko_ref)):
+    y, mx, steps = _store(x, fmax, log2r, expand, expand_min, floor, interpret)
+    if jnp.issubdtype(q_ref.dtype, jnp.integer):
+      y = jnp.round(y)
+    q_ref[...] = y.astype(q_ref.dtype)
+    a_ref[...] = mx
+    k_ref[...] = steps.astype(jnp.uint8)
+
+
+def _step_scalars(lr, b1, b2, eps, weight_decay, count):
+  """The step's scalars, computed exactly as `optim._moments` does: float32 (1, 16), 9 used
+  (Triton blocks need power-of-two sizes)."""
+  t = jnp.asarray(count).astype(jnp.float32)
+  bc1 = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), t)
+  bc2 = 1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)
+  vals = [lr, b1, 1.0 - b1, b2, 1.0 - b2, eps, weight_decay, jnp.sqrt(bc2), bc1]
+  vals += [0.0] * (16 - len(vals))
+  return jnp.stack([jnp.asarray(x, jnp.float32) for x in vals]).reshape(1, 16)
+
+
+@functools.partial(jax.jit, static_argnames=("m_format", "v_format", "group_size", "expand",
+                                             "expand_min", "interpret", "block", "num_warps"))
+def adam_step(param, grad, m: ExpandedMoment, v: ExpandedMoment, *, lr, b1, b2, eps,
+              weight_decay, count, m_format, v_format, group_size, expand, expand_min,
+              interpret: bool = False, block: int = 16, num_warps: int = 4):
+  """Kernel form of `coat_jax.optim.adam_step_reference` (same arguments and results).
+
+  Args:
+    param: float (..., N), N % group_size == 0. grad: same shape.
+    m, v: ExpandedMoment of param's shape (data fmt dtype, amax float32 / k_code uint8 (..., N/G)).
+    block: groups (rows of G) per program.
+  Returns:
+    (new_param param.dtype, new_m, new_v).
+  """
+  if not supported(param, m, v, group_size):
+    raise ValueError(f"coat adam_step kernel: param shape {param.shape} / moments unsupported "
+                     f"(need ndim >= 1, last axis divisible by {group_size}, ExpandedMoment)")
+  if grad.shape != param.shape or m.data.shape != param.shape or v.data.shape != param.shape:
+    raise ValueError(f"coat adam_step kernel: grad {grad.shape}, m {m.data.shape}, "
+                     f"v {v.data.shape} must match param {param.shape}")
+  mf, vf = get_format(m_format), get_format(v_format)
+  rows = param.size // group_size
+  r = _pow2_divisor(rows, block)   # whole blocks only (see pallas_kernels/quantize.py)
+  scalars = _step_scalars(lr, b1, b2, eps, weight_decay, count)
+  big = pl.BlockSpec((r, group_size), lambda i: (i, 0))
+  small = pl.BlockSpec((r,), lambda i: (i,))
+  kernel = functools.partial(
+      _kernel, m_fmax=mf.max, v_fmax=vf.max,
+      m_log2r=float(np.float32(math.log2(expansion.expansion_range(mf)))),
+      v_log2r=float(np.float32(math.log2(expansion.expansion_range(vf)))),
+      expand=expand, expand_min=expand_min, floor=float(np.float32(expansion.AMAX_FLOOR)),
+      interpret=interpret)
+  flat = lambda a: a.reshape(rows, group_size)
+  meta = lambda a: a.reshape(rows)
+  outs = pl.pallas_call(
+      kernel, grid=(pl.cdiv(rows, r),),
+      in_specs=[pl.BlockSpec((1, 16), lambda i: (0, 0)), big, big, big, small, small, big, small,
+                small],
+      out_specs=[big, big, small, small, big, small, small],
+      out_shape=[jax.ShapeDtypeStruct((rows, group_size), param.dtype),
+                 jax.ShapeDtypeStruct((rows, group_size), mf.dtype),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32),
+                 jax.ShapeDtypeStruct((rows,), jnp.uint8),
+                 jax.ShapeDtypeStruct((rows, group_size), vf.dtype),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32),
+                 jax.ShapeDtypeStruct((rows,), jnp.uint8)],
+      interpret=interpret, compiler_params=pltriton.CompilerParams(num_warps=num_warps,
+                                                                   num_stages=1),
+      name="coat_adam_step")(
+          scalars, flat(param), flat(grad), flat(m.data), meta(m.amax), meta(m.k_code),
+          flat(v.data), meta(v.amax), meta(v.k_code))
+  p, mq, ma, mk, vq, va, vk = outs
+  meta_shape = m.amax.shape
+  new_m = ExpandedMoment(mq.reshape(param.shape), ma.reshape(meta_shape), mk.reshape(meta_shape))
+  new_v = ExpandedMoment(vq.reshape(param.shape), va.reshape(meta_shape), vk.reshape(meta_shape))
+  return p.reshape(param.shape), new_m, new_v

@@ -1,0 +1,380 @@
+"""FP8 "TN" matrix product for Hopper through Pallas Mosaic GPU `wgmma`.
+
+Computes out = (scale * (a @ b.T)).astype(out_dtype) for a: (M, K) and b: (N, K), both float8
+(e4m3fn or e5m2, mixed allowed), float32 accumulation in the tensor cores, the per-tensor scale
+applied in the epilogue. FP8 `wgmma` reads both operands K-major, which is why B comes as (N, K):
+its shared-memory tile (tile_n, tile_k) is handed to `wgmma` as a transposed view, K fastest.
+
+Kernel layout (one CTA per SM, persistent over output tiles):
+  - warpgroup 2: TMA producer, streams (cta_m, tile_k) tiles of A and (cta_n, tile_k) tiles of B
+    into a ring of `stages` shared-memory slots (swizzle 128 B: tile_k = 128 fp8 elements);
+  - warpgroups 0, 1: consumers, each owns a (tile_m, tile_n) float32 accumulator in registers and
+    issues `wgmma` per K step; the two split the CTA tile along M (default) or N (`wg_dim`);
+  - epilogue: acc * scale, cast, staged through swizzled shared memory in (epi_m, epi_n) pieces
+    and written with TMA stores, overlapping the next tile's loads; optionally the per-row
+    maxima of |scale * acc| (stage 1 of quantizing the output, `with_amax`).
+Shapes that the tiles do not divide are zero-padded in the wrapper (zeros add nothing to the
+products) and the output sliced back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+SMEM_BYTES = 232448  # H100 per-block shared memory limit (opt-in).
+_SMEM_RESERVE = 2048  # barriers and bookkeeping.
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Tiling of the FP8 GEMM.
+
+  Attributes:
+    tile_m, tile_n: one consumer warpgroup's accumulator tile (tile_m multiple of 64).
+    tile_k: K per pipeline step; 128 fp8 elements = one 128-byte swizzle row.
+    stages: shared-memory ring depth (0 = as many as fit).
+    wg_dim: "n" (the two consumers split the CTA tile along N) or "m".
+    epi_m, epi_n: epilogue store piece.
+    grid_minor: "n" or "m", the fast axis of the tile order.
+    grid_tile_width: width of the snake bands over output tiles (L2 reuse).
+  Default: CTA 256 x 128 (two 128 x 128 warpgroup tiles along M), 4 stages of 48 KiB; measured
+  best-or-within-noise on the H100 for the square and 7B-layer shapes (docs/kernel_notes_gemm.md).
+  """
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 128
+  stages: int = 0
+  wg_dim: str = "m"
+  epi_m: int = 64
+  epi_n: int = 64
+  grid_minor: str = "n"
+  grid_tile_width: int = 8
+
+  @property
+  def cta_m(self) -> int:
+    return self.tile_m * (2 if self.wg_dim == "m" else 1)
+
+  @property
+  def cta_n(self) -> int:
+    return self.tile_n * (2 if self.wg_dim == "n" else 1)
+
+
+DEFAULT_CONFIG = GemmConfig()
+
+
+def _out_slots(cfg: GemmConfig) -> int:
+  return min(2, (cfg.tile_m * cfg.tile_n) // (cfg.epi_m * cfg.epi_n))
+
+
+def smem_bytes_per_stage(cfg: GemmConfig) -> int:
+  """Shared memory of one pipeline stage (A and B tiles, 1 byte per element)."""
+  return (cfg.cta_m + cfg.cta_n) * cfg.tile_k
+
+
+def epilogue_smem_bytes(cfg: GemmConfig, out_dtype) -> int:
+  return 2 * _out_slots(cfg) * cfg.epi_m * cfg.epi_n * jnp.dtype(out_dtype).itemsize
+
+
+def max_stages(cfg: GemmConfig, out_dtype) -> int:
+  """Deepest ring that fits next to the epilogue buffers."""
+  free = SMEM_BYTES - _SMEM_RESERVE - epilogue_smem_bytes(cfg, out_dtype)
+  return free // smem_bytes_per_stage(cfg)
+
+
+def validate_config(cfg: GemmConfig, out_dtype) -> GemmConfig:
+  """Checks the tiling; fills in `stages` when 0. Raises ValueError naming the problem."""
+  if cfg.wg_dim not in ("m", "n") or cfg.grid_minor not in ("m", "n"):
+    raise ValueError(f"wg_dim and grid_minor must be 'm' or 'n', got {cfg}")
+  if cfg.tile_m % 64:
+    raise ValueError(f"tile_m={cfg.tile_m} must be a multiple of 64 (wgmma M)")
+  if cfg.tile_n % 8 or cfg.tile_n > 256:
+    raise ValueError(f"tile_n={cfg.tile_n} must be a multiple of 8 and <= 256 (wgmma N)")
+  if cfg.tile_k % 128:
+    raise ValueError(f"tile_k={cfg.tile_k} must be a multiple of 128 (fp8 swizzle row)")
+  if cfg.tile_m % cfg.epi_m or cfg.tile_n % cfg.epi_n:
+    raise ValueError(f"epilogue tile ({cfg.epi_m}, {cfg.epi_n}) must divide "
+                     f"({cfg.tile_m}, {cfg.tile_n})")
+  top = max_stages(cfg, out_dtype)
+  stages = cfg.stages or top
+  if stages > top:
+    raise ValueError(f"{stages} stages of {smem_bytes_per_stage(cfg)} B exceed shared memory "
+                     f"({SMEM_BYTES} B, at most {top} stages for {cfg})")
+  if stages < 2:
+    raise ValueError(f"need at least 2 pipeline stages, got {stages}")
+  return dataclasses.replace(cfg, stages=stages)
+
+
+def _swizzled(elems_minor: int, dtype):
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(elems_minor * bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _num_sms() -> int:
+  try:
+    return jax.devices()[0].core_count
+  except (AttributeError, RuntimeError):
+    return 132
+
+
+def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int, interpret,
+               with_amax: bool = False):
+  """Builds the pallas kernel for padded (m, n, k) (each divisible by its tile).
+
+  with_amax: also output float32 (n // tile_n, m): max|scale * acc| per row of each warpgroup
+  tile, i.e. per 1 x tile_n group (stored group-major so each store is contiguous).
+  """
+  tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
+  cta_m, cta_n = cfg.cta_m, cfg.cta_n
+  m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tile_k
+  in_transforms = _swizzled(tile_k, jnp.float8_e4m3fn)
+  out_transforms = _swizzled(cfg.epi_n, out_dtype)
+  slots = _out_slots(cfg)
+  epi_per_row = tile_n // cfg.epi_n
+  minor = 0 if cfg.grid_minor == "m" else 1
+
+  def body(a_gmem, b_gmem, scale_gmem, *outs, out_smem):
+    out_gmem, amax_gmem = outs if with_amax else (outs[0], None)
+
+    def make_pipeline(step_fn, context_fn):
+      return plgpu.emit_pipeline_warp_specialized(
+          step_fn,
+          grid=(k_iters,),
+          memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((cta_m, tile_k), lambda ki: (0, ki), transforms=in_transforms,
+                              memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((cta_n, tile_k), lambda ki: (0, ki), transforms=in_transforms,
+                              memory_space=plgpu.SMEM),
+          ],
+          wg_axis="wg",
+          num_compute_wgs=2,
+          max_concurrent_steps=cfg.stages,
+          compute_context=context_fn,
+      )
+
+    unused = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=make_pipeline(unused, unused).get_allocations(a_gmem, b_gmem),
+        collective_axes="wg",
+    )
+    def _scope(allocs):
+      wg = lax.axis_index("wg")
+      scale = scale_gmem[0]
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _tile_loop(info):
+        (lin,) = info.index
+        mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor, cfg.grid_tile_width)
+        cta_rows = pl.ds(mi * cta_m, cta_m)
+        cta_cols = pl.ds(ni * cta_n, cta_n)
+        if cfg.wg_dim == "m":
+          wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
+          b_rows = slice(None)
+        else:
+          wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
+          b_rows = pl.ds(wg * tile_n, tile_n)
+        a_rows = wg_rows
+
+        def context(run_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+          def _acc_scope(acc_ref):
+            run_pipeline(acc_ref)
+            scaled = acc_ref[...] * scale
+            if with_amax:
+              wg_m0 = mi * cta_m + (wg * tile_m if cfg.wg_dim == "m" else 0)
+              group = ni * (cta_n // tile_n) + (wg if cfg.wg_dim == "n" else 0)
+              amax_gmem[group, pl.ds(wg_m0, tile_m)] = jnp.max(jnp.abs(scaled), axis=1)
+            out = scaled.astype(out_dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dst = out_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols]
+            for em in range(tile_m // cfg.epi_m):
+              for en in range(epi_per_row):
+                rows = slice(em * cfg.epi_m, (em + 1) * cfg.epi_m)
+                cols = slice(en * cfg.epi_n, (en + 1) * cfg.epi_n)
+                slot = (em * epi_per_row + en) % slots
+                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                out_smem[wg, slot] = out[rows, cols]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+
+        def step(_, a_smem, b_smem, acc_ref):
+          plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[b_rows].transpose((1, 0)))
+          plgpu.wgmma_wait(0)  # the slot is released when this step returns
+          return acc_ref
+
+        make_pipeline(step, context)(
+            a_gmem.at[cta_rows, :], b_gmem.at[cta_cols, :], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
+                jax.ShapeDtypeStruct((n // tile_n, m), jnp.float32)) if with_amax
+      else jax.ShapeDtypeStruct((m, n), out_dtype),
+      scratch_types=dict(out_smem=plgpu.SMEM((2, slots, cfg.epi_m, cfg.epi_n), out_dtype,
+                                             transforms=out_transforms)),
+      grid=(num_ctas,),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret,
+  )
+
+
+def _pad_to(x: jax.Array, rows: int, cols: int) -> jax.Array:
+  pr, pc = rows - x.shape[0], cols - x.shape[1]
+  if pr == 0 and pc == 0:
+    return x
+  return jnp.pad(x, ((0, pr), (0, pc)))
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def check_operands(a: jax.Array, b: jax.Array, out_dtype) -> None:
+  """Raises ValueError unless a (M, K), b (N, K) are fp8 and out_dtype is bf16/float32."""
+  if a.ndim != 2 or b.ndim != 2:
+    raise ValueError(f"fp8_matmul_tn wants 2-D a (M, K) and b (N, K), got {a.shape}, {b.shape}")
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(f"contracting sizes differ: a {a.shape} vs b {b.shape} (both (., K))")
+  if jnp.dtype(a.dtype) not in FP8_DTYPES or jnp.dtype(b.dtype) not in FP8_DTYPES:
+    raise ValueError(f"fp8_matmul_tn wants float8 operands, got {a.dtype}, {b.dtype}")
+  if jnp.dtype(out_dtype) not in OUT_DTYPES:
+    raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+  if min(a.shape + b.shape) == 0:
+    raise ValueError(f"empty operand: a {a.shape}, b {b.shape}")
+
+
+def fp8_matmul_tn(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype=jnp.bfloat16, *,
+                  config: GemmConfig = DEFAULT_CONFIG, num_ctas: int | None = None,
+                  interpret=None, with_amax: bool = False):
+  """(scale * a @ b.T).astype(out_dtype) with float32 accumulation.
+
+  Args:
+    a: float8 (M, K).
+    b: float8 (N, K) (K-major: the "TN" layout FP8 wgmma needs).
+    scale: float32 scalar (a.scale * b.scale), applied to the float32 accumulator.
+    out_dtype: bfloat16 or float32.
+    config: tiling (`GemmConfig`); `stages=0` takes the deepest ring that fits.
+    num_ctas: persistent CTAs (default: the device's SM count).
+    interpret: None on the GPU, `plgpu.InterpretGPUParams()` to run on CPU.
+    with_amax: also return the epilogue's stage-1 maxima for quantizing the output.
+  Returns:
+    (M, N) array of out_dtype; with_amax: (out, amax) where amax is float32
+    (M, ceil(N / tile_n)), max|scale * acc| per 1 x tile_n group along N in float32 (before the
+    cast: cast it to out_dtype for max|out|, rounding is monotonic; NaN propagates).
+  """
+  check_operands(a, b, out_dtype)
+  cfg = validate_config(config, out_dtype)
+  (m, k), n = a.shape, b.shape[0]
+  mp, np_, kp = _round_up(m, cfg.cta_m), _round_up(n, cfg.cta_n), _round_up(k, cfg.tile_k)
+  a = _pad_to(a, mp, kp)
+  b = _pad_to(b, np_, kp)
+  scale = jnp.asarray(scale, jnp.float32).reshape(1)
+  tiles = (mp // cfg.cta_m) * (np_ // cfg.cta_n)
+  if num_ctas is None:
+    num_ctas = 2 if interpret is not None else _num_sms()
+  ctas = min(num_ctas, tiles)
+  out = _kernel_fn(mp, np_, kp, jnp.dtype(out_dtype), cfg, ctas, interpret, with_amax)(a, b, scale)
+  if with_amax:
+    out, amax = out
+    amax = amax.T[:m, :-(-n // cfg.tile_n)]
+    return (out[:m, :n] if (mp, np_) != (m, n) else out), amax
+  if (mp, np_) != (m, n):
+    out = out[:m, :n]
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# dot_general dispatch: reach the TN form from QuantizedArrays, else fall back to the reference.
+
+MIN_DIM = 128  # below this in M, N or K, cuBLASLt (the reference) is the better choice.
+
+
+def tn_operands(a, b, dimension_numbers, *, min_dim: int = MIN_DIM):
+  """Plans `dot_general(a, b, dimension_numbers)` as one TN product a2 (M, K) @ b2 (N, K).T.
+
+  Handled: no batch dims, one contracting dim each; lhs contracting its last axis (leading axes
+  folded into M) or, for 2-D lhs, its first axis through `a.data_t`; 2-D rhs contracting axis 1
+  (already (N, K)) or axis 0 through `b.data_t`.
+  Args:
+    a, b: QuantizedArrays (per-tensor).
+  Returns:
+    (a2, b2, out_shape, None) when the kernel applies, else (None, None, None, reason).
+  """
+  def no(reason):
+    return None, None, None, reason
+
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = tuple(lc), tuple(rc), tuple(lb), tuple(rb)
+  if lb or rb:
+    return no("batch dimensions")
+  if len(lc) != 1 or len(rc) != 1:
+    return no("more than one contracting dimension")
+  if jnp.dtype(a.data.dtype) not in FP8_DTYPES or jnp.dtype(b.data.dtype) not in FP8_DTYPES:
+    return no(f"non-float8 storage ({a.data.dtype}, {b.data.dtype})")
+  if b.data.ndim != 2:
+    return no(f"rhs of rank {b.data.ndim}")
+  lc, rc = lc[0] % a.data.ndim, rc[0] % 2
+  if lc == a.data.ndim - 1:
+    a2 = a.data.reshape(-1, a.data.shape[-1])
+    lead = a.data.shape[:-1]
+  elif a.data.ndim == 2 and lc == 0:
+    if a.data_t is None:
+      return no("lhs contracts axis 0 and has no data_t")
+    a2, lead = a.data_t, a.data.shape[1:]
+  else:
+    return no(f"lhs contracting axis {lc} of rank {a.data.ndim}")
+  if rc == 1:
+    b2 = b.data
+  elif b.data_t is not None:
+    b2 = b.data_t
+  else:
+    return no("rhs contracts axis 0 and has no data_t")
+  if a2.shape[1] != b2.shape[1]:
+    raise ValueError(f"contracting sizes differ: lhs {a.data.shape} vs rhs {b.data.shape} "
+                     f"for dimension_numbers {dimension_numbers}")
+  m, k = a2.shape
+  n = b2.shape[0]
+  if min(m, n, k) < min_dim:
+    return no(f"small problem (M, N, K) = {(m, n, k)} < {min_dim}")
+  return a2, b2, tuple(lead) + (n,), None
+
+
+def fp8_dot_general(a, b, dimension_numbers, out_dtype=jnp.bfloat16, *, interpret=None,
+                    config: GemmConfig = DEFAULT_CONFIG, min_dim: int = MIN_DIM):
+  """Drop-in for `coat_jax.gemm.fp8_dot_general_reference` through the Pallas TN kernel.
+
+  Cases `tn_operands` cannot map to TN (and non-bf16/float32 outputs) go to the reference.
+  Args:
+    a, b: per-tensor QuantizedArrays.
+    interpret: True/InterpretGPUParams runs the kernel in Mosaic GPU interpret mode (CPU).
+  """
+  from coat_jax import gemm  # local: coat_jax.kernels imports this module.
+  if not (a.per_tensor and b.per_tensor):
+    raise ValueError("fp8_dot_general needs per-tensor quantized operands "
+                     f"(got group sizes {a.group_size} and {b.group_size})")
+  a2, b2, out_shape, _ = tn_operands(a, b, dimension_numbers, min_dim=min_dim)
+  if a2 is None or jnp.dtype(out_dtype) not in OUT_DTYPES:
+    return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  elif interpret is False:
+    interpret = None
+  scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
+  out = fp8_matmul_tn(a2, b2, scale, out_dtype, config=config, interpret=interpret)
+  return out.reshape(out_shape)

@@ -1,0 +1,197 @@
+"""FP8 TN GEMM kernel (pallas_kernels/fp8_matmul.py) vs the XLA reference and float64.
+
+CPU: the Mosaic GPU kernel runs in interpret mode (plgpu.InterpretGPUParams) on small, odd shapes
+with small tiles; the dispatch (TN planning, data_t, fallbacks) and argument checks.
+GPU (@pytest.mark.gpu, run on the device machine with JAX_PLATFORMS=cuda): the compiled kernel
+with its default tiles against the XLA/cuBLASLt reference.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from coat_jax import gemm, kernels
+from coat_jax.quantize import (QuantizedArray, group_amax, quantize_per_group,
+                               quantize_per_tensor)
+from pallas_kernels import fp8_matmul as fm
+
+SMALL = fm.GemmConfig(tile_m=64, tile_n=64, epi_m=64, epi_n=32, stages=2)
+TN = (((1,), (1,)), ((), ()))
+
+
+def _fp8(rng, shape, dtype=jnp.float8_e4m3fn, spread=3.0):
+  x = rng.normal(size=shape) * spread
+  x = np.clip(x, -440.0, 440.0)
+  return jnp.asarray(x, jnp.float32).astype(dtype)
+
+
+def _ref64(a, b, scale):
+  return (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T) * np.float64(scale)
+
+
+def _rel(x, ref):
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  assert np.all(np.isfinite(x)), "non-finite output"
+  return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+
+
+def _interp():
+  return plgpu.InterpretGPUParams()
+
+
+@pytest.mark.parametrize("m,n,k,out_dtype,dtypes", [
+    (200, 136, 300, jnp.float32, (jnp.float8_e4m3fn, jnp.float8_e4m3fn)),   # no tile divides
+    (128, 192, 256, jnp.bfloat16, (jnp.float8_e4m3fn, jnp.float8_e5m2)),    # aligned, mixed fp8
+])
+def test_kernel_interpret_matches_float64(rng, m, n, k, out_dtype, dtypes):
+  a, b = _fp8(rng, (m, k), dtypes[0]), _fp8(rng, (n, k), dtypes[1])
+  scale = jnp.float32(rng.uniform(0.1, 2.0))
+  out = fm.fp8_matmul_tn(a, b, scale, out_dtype, config=SMALL, interpret=_interp())
+  assert out.shape == (m, n) and out.dtype == jnp.dtype(out_dtype)
+  tol = 1e-6 if out_dtype == jnp.float32 else 6e-3  # float32 accumulation / one bf16 rounding
+  assert _rel(out, _ref64(a, b, scale)) < tol
+
+
+def test_kernel_interpret_scales_near_limits(rng):
+  """Tiny and huge per-tensor scale products stay exact relative to float64 (float32 output)."""
+  m, n, k = 64, 128, 128
+  a, b = _fp8(rng, (m, k), spread=200.0), _fp8(rng, (n, k), spread=200.0)
+  for scale in (1e-20, 3e12):
+    out = fm.fp8_matmul_tn(a, b, jnp.float32(scale), jnp.float32, config=SMALL,
+                           interpret=_interp())
+    assert _rel(out, _ref64(a, b, scale)) < 1e-6
+
+
+@pytest.mark.parametrize("wg_dim", ["m", "n"])
+def test_kernel_interpret_epilogue_amax(rng, wg_dim):
+  """The epilogue's per-(1 x tile_n) maxima equal group_amax of the float32 output."""
+  m, n, k = 136, 200, 256
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  cfg = dataclasses.replace(SMALL, wg_dim=wg_dim)
+  out, amax = fm.fp8_matmul_tn(a, b, jnp.float32(rng.uniform(0.01, 3.0)), jnp.float32,
+                               config=cfg, interpret=_interp(), with_amax=True)
+  assert amax.shape == (m, -(-n // cfg.tile_n)) and amax.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(amax), np.asarray(group_amax(out, cfg.tile_n)))
+
+
+def _qa(rng, shape, with_t=False, fmt="e4m3"):
+  x = jnp.asarray(rng.normal(size=shape) * rng.uniform(0.5, 50.0), jnp.float32)
+  return quantize_per_tensor(x, fmt, with_transpose=with_t)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,dn,a_t,b_t", [
+    ((2, 72, 136), (144, 136), (((2,), (1,)), ((), ())), False, False),  # batch folded, TN
+    ((136, 144), (144, 128), (((1,), (0,)), ((), ())), False, True),     # NN via b.data_t
+    ((136, 144), (136, 128), (((0,), (0,)), ((), ())), True, True),      # dW: TT via both data_t
+])
+def test_dispatch_pallas_interpret_matches_reference(rng, a_shape, b_shape, dn, a_t, b_t):
+  a, b = _qa(rng, a_shape, a_t), _qa(rng, b_shape, b_t)
+  a2, _, out_shape, reason = fm.tn_operands(a, b, dn)
+  assert reason is None and a2 is not None
+  ref = gemm.fp8_dot_general_reference(a, b, dn, jnp.float32)
+  assert out_shape == ref.shape
+  with kernels.backend("pallas"):
+    out = kernels.fp8_dot_general(a, b, dn, jnp.float32)
+  assert out.shape == ref.shape and out.dtype == jnp.float32
+  assert _rel(out, np.asarray(ref, np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize("a_shape,b_shape,dn,a_t,b_t,why", [
+    ((136, 144), (144, 128), (((1,), (0,)), ((), ())), False, False, "no data_t"),
+    ((136, 144), (136, 128), (((0,), (0,)), ((), ())), False, True, "no data_t"),
+    ((4, 136, 144), (4, 144, 128), (((2,), (1,)), ((0,), (0,))), False, False, "batch"),
+    ((16, 144), (136, 144), TN, False, False, "small"),
+])
+def test_dispatch_falls_back(rng, a_shape, b_shape, dn, a_t, b_t, why):
+  a, b = _qa(rng, a_shape, a_t), _qa(rng, b_shape, b_t)
+  a2, _, _, reason = fm.tn_operands(a, b, dn)
+  assert a2 is None and why in reason
+  ref = gemm.fp8_dot_general_reference(a, b, dn, jnp.bfloat16)
+  out = fm.fp8_dot_general(a, b, dn, jnp.bfloat16, interpret=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def test_int8_falls_back_and_per_group_rejected(rng):
+  x = jnp.asarray(rng.normal(size=(136, 144)), jnp.float32)
+  qi = quantize_per_tensor(x, "int8")
+  assert "non-float8" in fm.tn_operands(qi, qi, TN)[3]
+  qg = quantize_per_group(x, 16)
+  with pytest.raises(ValueError, match="per-tensor"):
+    fm.fp8_dot_general(qg, qg, TN, jnp.bfloat16, interpret=True)
+
+
+def test_bad_arguments(rng):
+  a = _fp8(rng, (128, 128))
+  with pytest.raises(ValueError, match="contracting sizes"):
+    fm.fp8_matmul_tn(a, _fp8(rng, (128, 256)), 1.0)
+  with pytest.raises(ValueError, match="float8"):
+    fm.fp8_matmul_tn(a.astype(jnp.bfloat16), a, 1.0)
+  with pytest.raises(ValueError, match="out_dtype"):
+    fm.fp8_matmul_tn(a, a, 1.0, jnp.float16)
+  with pytest.raises(ValueError, match="tile_m"):
+    fm.validate_config(fm.GemmConfig(tile_m=96), jnp.bfloat16)
+  with pytest.raises(ValueError, match="exceed shared memory"):
+    fm.validate_config(fm.GemmConfig(stages=8), jnp.bfloat16)
+  qa = QuantizedArray(a, jnp.float32(1.0))
+  qb = QuantizedArray(_fp8(rng, (128, 256)), jnp.float32(1.0))
+  with pytest.raises(ValueError, match="contracting sizes"):
+    fm.tn_operands(qa, qb, TN)
+
+
+def test_default_config_fits_shared_memory():
+  for out_dtype in fm.OUT_DTYPES:
+    cfg = fm.validate_config(fm.DEFAULT_CONFIG, out_dtype)
+    used = cfg.stages * fm.smem_bytes_per_stage(cfg) + fm.epilogue_smem_bytes(cfg, out_dtype)
+    assert cfg.stages >= 3 and used <= fm.SMEM_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the compiled kernel (default tiles) vs XLA's cuBLASLt FP8 reference.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(256, 256, 128), (1000, 1500, 700), (2048, 4096, 1024),
+                                   (333, 4096, 4224)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_kernel_matches_reference(rng, m, n, k, out_dtype):
+  """Against float64: FP8 wgmma accumulates with a narrow-mantissa adder (XLA/cuBLASLt's fast
+  accumulation does too), so the error of both is ~1e-4 relative, not float32's 1e-7."""
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  scale = jnp.float32(rng.uniform(1e-3, 1e-1))
+  out = jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, out_dtype))(a, b, scale)
+  ref = jax.jit(lambda a, b, s: (jax.lax.dot_general(
+      a, b, TN, preferred_element_type=jnp.float32) * s).astype(out_dtype))(a, b, scale)
+  exact = _ref64(a, b, scale)
+  err, err_xla = _rel(out, exact), _rel(ref, exact)
+  print(f"GPUERR {m}x{n}x{k} {jnp.dtype(out_dtype).name}: pallas {err:.2e} xla {err_xla:.2e} "
+        f"pallas-vs-xla {_rel(out, np.asarray(jnp.asarray(ref, jnp.float32), np.float64)):.2e}")
+  assert err < 2.0 * err_xla + 2e-4 and err < 4e-3, (err, err_xla)
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_backward_shapes(rng):
+  """dX (NN via data_t) and dW (TT via both data_t) through kernels.fp8_dot_general."""
+  t, d, f = 512, 256, 384
+  dy = _qa(rng, (t, f), with_t=True)
+  w = _qa(rng, (d, f), with_t=True)    # y = x @ w.T style weight (out f, in d) stored (d, f)
+  x = _qa(rng, (t, d), with_t=True)
+  with kernels.backend("pallas"):
+    for lhs, rhs, dn in [(dy, w, (((1,), (1,)), ((), ()))),     # dX = dY @ W.T   (TN)
+                         (x, dy, (((0,), (0,)), ((), ()))),      # dW = X.T @ dY  (via data_t)
+                         (dy, _qa(rng, (f, d), True), (((1,), (0,)), ((), ())))]:  # NN
+      assert fm.tn_operands(lhs, rhs, dn)[3] is None
+      out = jax.jit(lambda a, b, dn=dn: kernels.fp8_dot_general(a, b, dn, jnp.float32))(lhs, rhs)
+      ref = gemm.fp8_dot_general_reference(lhs, rhs, dn, jnp.float32)
+      assert _rel(out, np.asarray(ref, np.float64)) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_epilogue_amax(rng):
+  m, n, k = 1000, 1300, 512
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  out, amax = jax.jit(lambda a, b: fm.fp8_matmul_tn(a, b, 0.05, jnp.float32, with_amax=True))(a, b)
+  tile_n = fm.DEFAULT_CONFIG.tile_n
+  assert amax.shape == (m, -(-n // tile_n))
+  np.testing.assert_array_equal(np.asarray(amax), np.asarray(group_amax(out, tile_n)))
