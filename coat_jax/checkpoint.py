@@ -1,0 +1,182 @@
+"""Orbax checkpoints of a training run: parameters, optimizer state (FP8 leaves included), metadata.
+
+A checkpoint at step `s` holds:
+  "state": every array leaf of the train state (parameters, optimizer state, other model state),
+    keyed by its pytree path. Orbax stores float8_e4m3fn / float8_e5m2 / bfloat16 natively and
+    restores them bit-exactly (tests/test_train.py checks it).
+  "meta" (JSON): step, the data position (batches are a pure function of (seed, step), so the
+    step is the position), seed, the RNG key data, and the run config.
+
+Orbax writes each checkpoint into a temporary directory and renames it when complete, so a save
+interrupted by a crash or a kill never replaces the last good checkpoint; leftover temporary
+directories are ignored and cleaned up by the next run.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+_STATE, _META = "state", "meta"
+
+
+def _quiet_orbax() -> None:
+  for name in ("absl", "orbax", "orbax.checkpoint"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _is_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def keys_to_data(tree: Any) -> Any:
+  """Replaces typed PRNG key arrays by their raw uint32 data (what can be stored)."""
+  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def data_to_keys(template: Any, tree: Any) -> Any:
+  """Inverse of `keys_to_data`: wraps raw key data back where `template` has typed keys."""
+  return jax.tree.map(
+      lambda t, x: jax.random.wrap_key_data(x, impl=jax.random.key_impl(t)) if _is_key(t) else x,
+      template, tree)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+  """The storable abstract value of a leaf (typed keys become their uint32 data)."""
+  if _is_key(x):
+    data = jax.eval_shape(jax.random.key_data, x)
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and hasattr(sharding, "spec"):
+      from jax.sharding import NamedSharding, PartitionSpec
+      spec = tuple(sharding.spec) + (None,) * (len(data.shape) - len(sharding.spec))
+      sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def flatten_state(tree: Any) -> dict[str, Any]:
+  """A flat {path: leaf} dict of a pytree (paths sanitized for storage, order kept)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    key = re.sub(r"[^A-Za-z0-9_.-]+", ".", jax.tree_util.keystr(path)).strip(".") or "leaf"
+    if key in out:
+      raise ValueError(f"two state leaves map to the checkpoint key {key!r}")
+    out[key] = leaf
+  return out
+
+
+def unflatten_state(template: Any, flat: dict[str, Any]) -> Any:
+  """Rebuilds `template`'s structure from a dict produced by `flatten_state`."""
+  keys = list(flatten_state(template))
+  missing = [k for k in keys if k not in flat]
+  if missing:
+    raise ValueError(f"checkpoint lacks {len(missing)} state entries, e.g. {missing[:3]}; "
+                     f"was it written by a different model or optimizer config?")
+  treedef = jax.tree_util.tree_structure(template)
+  return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in keys])
+
+
+class Checkpointer:
+  """Periodic, optionally asynchronous, saving and restoring of a run's state.
+
+  Args:
+    directory: where step directories go (created if missing).
+    every: save when `step % every == 0` (0: only when forced, e.g. at the end or on a signal).
+    keep: how many checkpoints to keep (oldest deleted first).
+    async_save: write in a background thread while training continues.
+  """
+
+  def __init__(self, directory: str | os.PathLike, every: int, keep: int, async_save: bool):
+    import orbax.checkpoint as ocp
+
+    _quiet_orbax()
+    self._ocp = ocp
+    self.directory = Path(directory).absolute()
+    self.every = every
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
+        save_interval_steps=1, create=True)
+    handlers = {_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()}
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self._last_saved = self._manager.latest_step()
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    return self.every > 0 and step % self.every == 0
+
+  def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = False) -> bool:
+    """Saves `state` (a pytree of arrays) and JSON `meta` at `step` if due (or `force`); True if saved."""
+    if not (force or self.should_save(step)) or self._last_saved == step:
+      return False
+    args = self._ocp.args.Composite(**{
+        _STATE: self._ocp.args.StandardSave(flatten_state(keys_to_data(state))),
+        _META: self._ocp.args.JsonSave(meta),
+    })
+    self._manager.save(step, args=args, force=True)
+    self._last_saved = step
+    return True
+
+  def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any], int]:
+    """Restores `step` (default: the latest) into `template`'s structure, dtypes and shardings.
+
+    `template` is a pytree of arrays or ShapeDtypeStructs (with `.sharding`). Returns
+    (state, meta, step).
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise ValueError(f"no checkpoint to resume from in {self.directory}")
+    target = flatten_state(jax.tree.map(_abstract, template))
+    stored = self._manager.item_metadata(step)[_STATE]
+    if stored is not None:
+      _check_compatible(target, stored, self.directory / str(step))
+    restored = self._manager.restore(step, args=self._ocp.args.Composite(**{
+        _STATE: self._ocp.args.StandardRestore(target),
+        _META: self._ocp.args.JsonRestore(),
+    }))
+    state = unflatten_state(jax.tree.map(_abstract, template), restored[_STATE])
+    return data_to_keys(template, state), dict(restored[_META]), step
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases the manager (safe to call twice)."""
+    if self._manager is None:
+      return
+    self._manager.wait_until_finished()
+    self._manager.close()
+    self._manager = None
+
+
+def _check_compatible(target: dict[str, Any], stored: Any, where: Path) -> None:
+  """Raises ValueError when the stored arrays' keys, shapes or dtypes differ from the run's."""
+  try:
+    stored = dict(stored)
+  except (TypeError, ValueError):
+    return
+  extra = sorted(set(stored) - set(target))
+  missing = sorted(set(target) - set(stored))
+  if extra or missing:
+    raise ValueError(f"checkpoint {where} does not match this run's model/optimizer: "
+                     f"{len(missing)} entries missing (e.g. {missing[:3]}), "
+                     f"{len(extra)} unexpected (e.g. {extra[:3]})")
+  for key, want in target.items():
+    got = stored[key]
+    shape = getattr(got, "shape", None)
+    dtype = getattr(got, "dtype", None)
+    if shape is not None and tuple(shape) != tuple(want.shape):
+      raise ValueError(f"checkpoint {where}: {key} has shape {tuple(shape)}, this run expects "
+                       f"{tuple(want.shape)}")
+    if dtype is not None and np.dtype(dtype) != np.dtype(want.dtype):
+      raise ValueError(f"checkpoint {where}: {key} has dtype {np.dtype(dtype)}, this run expects "
+                       f"{np.dtype(want.dtype)}")
