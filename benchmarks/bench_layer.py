@@ -5,7 +5,8 @@ Default shape: COAT's per-layer benchmark (OLMo/Llama-2-7B layer: d_model 4096, 
   fwd ms       median of --iters jitted forward calls (after --warmup), block_until_ready
   fwd+bwd ms   median of one jitted jax.vjp + pullback
   saved MB     bytes of the residuals JAX keeps for backward (coat_jax.memory), params/input excluded
-  held MB      device bytes_in_use added by a forward that returns its pullback (GPU only)
+  held MB      device bytes_in_use added by a forward that returns its pullback, less the
+               output and any weight copies among the pullback's leaves (GPU only)
   peak MB      device peak_bytes_in_use during forward + backward (GPU only)
 with ratios against "bf16", next to COAT's PyTorch numbers measured on the same H100 model.
 
@@ -16,7 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -47,6 +52,10 @@ def parse_args(argv=None):
   p.add_argument("--attention", default="auto",
                  help="attention implementation: auto (cudnn on GPU, xla elsewhere), cudnn, xla")
   p.add_argument("--json", default=None, help="also write the results to this file")
+  p.add_argument("--in-process", action="store_true",
+                 help="run all modes in this process (default: one subprocess per mode, so that "
+                      "each mode's peak_bytes_in_use is its own)")
+  p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
   bad = [m for m in args.modes if m not in MODES]
@@ -69,6 +78,24 @@ def median_ms(fn, iters: int, warmup: int) -> float:
 def device_bytes(key: str) -> int | None:
   stats = jax.devices()[0].memory_stats()
   return None if not stats or key not in stats else int(stats[key])
+
+
+def param_copy_bytes(pullback, params) -> int:
+  """Bytes of pullback leaves that equal a parameter in value but live in another buffer."""
+  param_leaves = jax.tree_util.tree_leaves(params)
+  ptrs = {p.unsafe_buffer_pointer() for p in param_leaves}
+  total, seen = 0, set()
+  for leaf in jax.tree_util.tree_leaves(pullback):
+    if not hasattr(leaf, "unsafe_buffer_pointer"):
+      continue
+    ptr = leaf.unsafe_buffer_pointer()
+    if ptr in ptrs or ptr in seen:
+      continue
+    if any(p.shape == leaf.shape and p.dtype == leaf.dtype and bool(jnp.array_equal(p, leaf))
+           for p in param_leaves):
+      seen.add(ptr)
+      total += leaf.nbytes
+  return total
 
 
 def bench_mode(mode: str, args) -> dict:
@@ -111,7 +138,12 @@ def bench_mode(mode: str, args) -> dict:
   y, pullback = fwd_with_pullback(params, x)
   jax.block_until_ready((y, pullback))
   after = device_bytes("bytes_in_use")
-  result["held_bytes"] = None if before is None else after - before - y.nbytes
+  # A jit that returns its pullback may return copies of the (bf16) weights the pullback keeps,
+  # where an in-step backward would read the parameters themselves: those copies are weights,
+  # not activations, and are not counted.
+  copies = param_copy_bytes(pullback, params)
+  result["param_copy_bytes"] = copies
+  result["held_bytes"] = None if before is None else after - before - y.nbytes - copies
   del y, pullback
   result["peak_bytes"] = device_bytes("peak_bytes_in_use")
   return result
@@ -148,12 +180,44 @@ def print_table(results: list[dict], args) -> None:
           f"{f'{mem:.1f} ({mem / base[2]:.2f}x)':>18}")
 
 
+def bench_mode_subprocess(mode: str, argv: list[str]) -> dict:
+  """Runs one mode in a fresh process (its own device peak counter) and returns its result."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "result.json")
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--modes", mode, "--in-process",
+           "--json", out, "--quiet"]
+    subprocess.run(cmd, check=True)
+    with open(out) as f:
+      return json.load(f)["results"][0]
+
+
+def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+  """argv without `flags` and their values (both `--flag v` and `--flag=v` forms)."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a in flags:
+      skip = True
+    elif not any(a.startswith(f + "=") for f in flags):
+      out.append(a)
+  return out
+
+
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
   results = []
   for mode in args.modes:
     print(f"benchmarking {mode} ...", flush=True)
-    results.append(bench_mode(mode, args))
+    if args.in_process:
+      results.append(bench_mode(mode, args))
+    else:
+      results.append(bench_mode_subprocess(mode, strip_flags(argv, ("--modes", "--json"))))
+  if args.quiet:
+    with open(args.json, "w") as f:
+      json.dump({"results": results}, f)
+    return
   print_table(results, args)
   if args.json:
     with open(args.json, "w") as f:

@@ -22,5 +22,21 @@ def fp8_dot_general_reference(a: QuantizedArray, b: QuantizedArray, dimension_nu
   if not (a.per_tensor and b.per_tensor):
     raise ValueError("fp8_dot_general needs per-tensor quantized operands "
                      f"(got group sizes {a.group_size} and {b.group_size})")
-  acc = jax.lax.dot_general(a.data, b.data, dimension_numbers, preferred_element_type=jnp.float32)
+  a_data, b_data, dimension_numbers = _prefer_transposed(a, b, dimension_numbers)
+  acc = jax.lax.dot_general(a_data, b_data, dimension_numbers, preferred_element_type=jnp.float32)
   return (acc * (a.scale * b.scale)).astype(out_dtype)
+
+
+def _prefer_transposed(a: QuantizedArray, b: QuantizedArray, dimension_numbers):
+  """Uses a 2-D operand's `data_t` where it turns a contraction over axis 0 into one over axis 1.
+
+  Same product; XLA then sees the "TN" layout cuBLASLt's FP8 GEMM wants, with no transpose.
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  a_data, b_data = a.data, b.data
+  if not lb and not rb and len(lc) == 1 and len(rc) == 1:
+    if a.data_t is not None and a.data.ndim == 2 and lc[0] % 2 == 0:
+      a_data, lc = a.data_t, (1,)
+    if b.data_t is not None and b.data.ndim == 2 and rc[0] % 2 == 0:
+      b_data, rc = b.data_t, (1,)
+  return a_data, b_data, ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))

@@ -290,7 +290,7 @@ def train_losses(mode, data, steps, batch, seq, seed=0):
 
 def test_training_coat_matches_bf16_on_stdlib_text():
   data = stdlib_bytes()
-  steps = 80
+  steps = 160  # at 80 steps the loss still falls fast and run-to-run trajectories differ by ~2%
   losses = {mode: train_losses(mode, data, steps, batch=16, seq=64) for mode in ("bf16", "coat")}
   final = {m: float(l[-10:].mean()) for m, l in losses.items()}
   gap = abs(final["coat"] - final["bf16"]) / final["bf16"]

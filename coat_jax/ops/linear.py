@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels
+from coat_jax.quantize import QuantizedArray
 
 MODES = ("bf16", "fp8_linear", "coat")
 
@@ -23,6 +24,17 @@ def check_mode(mode: str) -> None:
     raise ValueError(f"unknown precision mode {mode!r}; expected one of {MODES}")
 
 
+def quantize_input(x: jax.Array) -> QuantizedArray:
+  """Per-tensor E4M3 of a linear layer's input x (..., K), with its K-major transpose.
+
+  data is x's shape (the forward GEMM's operand); data_t is (K, M), M = prod(x.shape[:-1]), made
+  in the same pass: the dW GEMM's operand, and the copy the backward keeps.
+  """
+  k = x.shape[-1]
+  q = kernels.quantize_per_tensor(x.reshape(-1, k), "e4m3", with_transpose=True)
+  return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size, data_t=q.data_t)
+
+
 def _fwd_gemm(xq, w, out_dtype):
   """(..., K) FP8 x times w (K, N) in the TN layout: w quantized as (N, K)."""
   wq = kernels.quantize_per_tensor(jnp.swapaxes(w, 0, 1), "e4m3")
@@ -30,36 +42,41 @@ def _fwd_gemm(xq, w, out_dtype):
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype)
 
 
-def _bwd_gemms(xq, w, g):
-  """dX (..., K) and dW (K, N) from FP8 x, param w and cotangent g (..., N)."""
-  gq = kernels.quantize_per_tensor(g, "e5m2")
-  wq = kernels.quantize_per_tensor(w, "e4m3")  # (K, N): contracts N, its last axis (TN).
-  nd = g.ndim
-  dx = kernels.fp8_dot_general(gq, wq, (((nd - 1,), (1,)), ((), ())), g.dtype)
+def _bwd_gemms(x_t, x_scale, w, g):
+  """dX (..., K) and dW (K, N) from the saved FP8 x^T (K, M), param w and cotangent g (..., N).
+
+  Both GEMMs are TN: dX = gq (M, N) . wq (K, N)^T, and dW = x^T (K, M) . (g^T (N, M))^T, whose
+  M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
+  """
   k, n = w.shape
-  x2 = type(xq)(xq.data.reshape(-1, k), xq.scale, xq.fmt, xq.group_size)
-  g2 = type(gq)(gq.data.reshape(-1, n), gq.scale, gq.fmt, gq.group_size)
-  dw = kernels.fp8_dot_general(x2, g2, (((0,), (0,)), ((), ())), jnp.float32)
+  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True)
+  wq = kernels.quantize_per_tensor(w, "e4m3")  # (K, N): contracts N, its last axis (TN).
+  tn = (((1,), (1,)), ((), ()))
+  dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
+  x_tq = QuantizedArray(x_t, x_scale, "e4m3")
+  g_tq = QuantizedArray(gq.data_t, gq.scale, gq.fmt)
+  dw = kernels.fp8_dot_general(x_tq, g_tq, tn, jnp.float32)
   return dx, dw.astype(w.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear_fp8(x, w, save_bf16):
-  xq = kernels.quantize_per_tensor(x, "e4m3")
-  return _fwd_gemm(xq, w, x.dtype)
+  return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)
 
 
 def _linear_fp8_fwd(x, w, save_bf16):
-  xq = kernels.quantize_per_tensor(x, "e4m3")
-  y = _fwd_gemm(xq, w, x.dtype)
-  return y, ((x if save_bf16 else xq), w)
+  if save_bf16:  # "fp8_linear": the bf16 x is kept and re-quantized in the backward.
+    return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype), (x, None, w)
+  xq = quantize_input(x)
+  return _fwd_gemm(xq, w, x.dtype), (xq.data_t, xq.scale, w)
 
 
 def _linear_fp8_bwd(save_bf16, res, g):
-  x_or_q, w = res
-  xq = kernels.quantize_per_tensor(x_or_q, "e4m3") if save_bf16 else x_or_q
-  dx, dw = _bwd_gemms(xq, w, g)
-  return dx, dw
+  x_t, x_scale, w = res
+  if save_bf16:
+    xq = quantize_input(x_t)
+    x_t, x_scale = xq.data_t, xq.scale
+  return _bwd_gemms(x_t, x_scale, w, g)
 
 
 _linear_fp8.defvjp(_linear_fp8_fwd, _linear_fp8_bwd)
@@ -71,13 +88,17 @@ def _linear_coat_q(x, w, x_q):
 
 
 def _linear_coat_q_fwd(x, w, x_q):
-  return _fwd_gemm(x_q, w, x.dtype), (x_q, w)
+  return _fwd_gemm(x_q, w, x.dtype), (x_q.data_t, x_q.scale, w)
 
 
 def _linear_coat_q_bwd(res, g):
-  x_q, w = res
-  dx, dw = _bwd_gemms(x_q, w, g)
-  return dx, dw, jax.tree_util.tree_map(jnp.zeros_like, x_q)
+  x_t, x_scale, w = res
+  dx, dw = _bwd_gemms(x_t, x_scale, w, g)
+  # x_q carries no gradient (it flows through x); its zero cotangent is built from shapes so
+  # that nothing but x^T is kept.
+  zero_q = QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
+                          data_t=jnp.zeros_like(x_t))
+  return dx, dw, zero_q
 
 
 _linear_coat_q.defvjp(_linear_coat_q_fwd, _linear_coat_q_bwd)
@@ -103,8 +124,9 @@ def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None) -> jax.Array:
   if mode == "bf16":
     return jnp.matmul(x, w)
   if x_q is not None:
-    if x_q.shape != x.shape or not x_q.per_tensor:
-      raise ValueError(f"linear: x_q must be per-tensor with shape {x.shape}, got {x_q.shape}")
+    if x_q.shape != x.shape or not x_q.per_tensor or x_q.data_t is None:
+      raise ValueError(f"linear: x_q must be `quantize_input(x)` (per-tensor, with data_t) for x "
+                       f"of shape {x.shape}, got shape {x_q.shape}")
     if mode == "coat":
       return _linear_coat_q(x, w, x_q)
   return _linear_fp8(x, w, mode == "fp8_linear")

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels
-from coat_jax.ops.linear import check_mode
+from coat_jax.ops.linear import check_mode, quantize_input
 
 GROUP_SIZE = 16
 
@@ -28,7 +28,7 @@ def _plain(x, scale, eps):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rmsnorm_coat(x, scale, eps):
   y = _plain(x, scale, eps)
-  return y, kernels.quantize_per_tensor(y, "e4m3")
+  return y, quantize_input(y)
 
 
 def _coat_fwd(x, scale, eps):
@@ -36,7 +36,7 @@ def _coat_fwd(x, scale, eps):
   rstd = _rstd(x32, eps)
   y = (x32 * rstd * scale.astype(jnp.float32)).astype(x.dtype)
   xg = kernels.quantize_per_group(x, GROUP_SIZE, "e4m3")
-  return (y, kernels.quantize_per_tensor(y, "e4m3")), (xg, rstd, scale)
+  return (y, quantize_input(y)), (xg, rstd, scale)
 
 
 def _coat_bwd(eps, res, cts):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels
-from coat_jax.ops.linear import check_mode
+from coat_jax.ops.linear import check_mode, quantize_input
 
 GROUP_SIZE = 16
 
@@ -23,14 +23,14 @@ def _plain(gate, up):
 @jax.custom_vjp
 def _swiglu_coat(gate, up):
   h = _plain(gate, up)
-  return h, kernels.quantize_per_tensor(h, "e4m3")
+  return h, quantize_input(h)
 
 
 def _coat_fwd(gate, up):
   h = _plain(gate, up)
   res = (kernels.quantize_per_group(gate, GROUP_SIZE, "e4m3"),
          kernels.quantize_per_group(up, GROUP_SIZE, "e4m3"))
-  return (h, kernels.quantize_per_tensor(h, "e4m3")), res
+  return (h, quantize_input(h)), res
 
 
 def _coat_bwd(res, cts):

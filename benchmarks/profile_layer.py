@@ -1,0 +1,88 @@
+"""GPU kernel-time breakdown of one decoder layer's forward + backward, per precision mode.
+
+Traces --iters jitted fwd+bwd calls with jax.profiler, reads the XSpace back with
+`jax.profiler.ProfileData` and sums device time per kernel name (GPU planes only), so one sees
+which GEMMs, quantize kernels and fusions the time goes to.
+
+  python benchmarks/profile_layer.py --modes coat,fp8_linear --top 25     # GPU
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coat_jax import ops
+from coat_jax.nn import DecoderBlock
+
+
+def layer_fn(mode, a):
+  head_dim = a.hidden // a.heads
+  impl = "cudnn" if jax.default_backend() == "gpu" else None
+  block = DecoderBlock(a.hidden, a.ffn, a.heads, a.heads, head_dim, mode=mode, dtype=jnp.bfloat16,
+                       param_dtype=jnp.bfloat16, attention_impl=impl, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(block)
+  cos, sin = ops.rope_frequencies(head_dim, a.seq)
+  kx, kd = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (a.batch, a.seq, a.hidden), jnp.bfloat16)
+  dy = jax.random.normal(kd, x.shape, jnp.bfloat16)
+
+  @jax.jit
+  def fwd_bwd(params, x, dy):
+    y, pullback = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x, cos, sin), params, x)
+    return y, pullback(dy)
+  return lambda: fwd_bwd(params, x, dy)
+
+
+def kernel_times(trace_dir: str) -> dict[str, float]:
+  """Microseconds per kernel name summed over the GPU planes of the newest trace."""
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+  data = jax.profiler.ProfileData.from_file(path)
+  out = collections.Counter()
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "stream" not in line.name.lower():  # kernel lines are per CUDA stream
+        continue
+      for ev in line.events:
+        out[ev.name] += ev.duration_ns / 1e3
+  if not out:
+    print("no GPU kernel events; planes/lines:",
+          [(pl.name, [ln.name for ln in pl.lines][:6]) for pl in data.planes][:8])
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--hidden", type=int, default=4096)
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--ffn", type=int, default=11008)
+  p.add_argument("--modes", default="coat,fp8_linear")
+  p.add_argument("--iters", type=int, default=3)
+  p.add_argument("--top", type=int, default=25)
+  a = p.parse_args(argv)
+  for mode in a.modes.split(","):
+    run = layer_fn(mode, a)
+    jax.block_until_ready(run())
+    with tempfile.TemporaryDirectory() as tmp:
+      with jax.profiler.trace(tmp):
+        for _ in range(a.iters):
+          jax.block_until_ready(run())
+      times = kernel_times(tmp)
+    total = sum(times.values()) / a.iters
+    print(f"\n== {mode}: {total / 1e3:.2f} ms of kernel time per fwd+bwd ({len(times)} kernels)")
+    for name, us in times.most_common(a.top):
+      print(f"{us / a.iters / 1e3:8.3f} ms  {100 * us / a.iters / total:5.1f}%  {name[:110]}")
+
+
+if __name__ == "__main__":
+  main()
