@@ -5,7 +5,7 @@
 #   bash benchmarks/run_gpu.sh train1b e2e
 # Sections: tests (GPU-marked tests + ops/kernel tests compiled), kernels (quantize bandwidth,
 # fused Adam step, FP8 GEMM), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params),
-# train1b (train.py, olmo-1b shape, 3 modes, short), e2e (benchmarks/bench_e2e.py).
+# train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e (benchmarks/bench_e2e.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coat_gpu_out}; mkdir -p "$OUT"
@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 for s in "$@"; do
   case $s in
-    tests) section tests 420 env JAX_PLATFORMS=cuda $PY -m pytest -q -rf --tb=line -p no:cacheprovider -m "gpu or not slow" \
+    tests) section tests 420 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -q -rf --tb=line -p no:cacheprovider -m "gpu or not slow" \
              tests/test_kernels_quantize.py tests/test_kernels_matmul.py tests/test_kernels_adam.py tests/test_ops.py tests/test_quantize.py ;;
     kernels) section kernels 420 bash -c "$PY benchmarks/bench_kernels_memory.py --adam && $PY benchmarks/bench_kernels_gemm.py --shapes all" ;;
     ops) section ops 240 $PY benchmarks/bench_ops.py ;;
@@ -31,9 +31,14 @@ for s in "$@"; do
     optimizer) section optimizer 420 $PY benchmarks/bench_optimizer.py ;;
     train1b) for m in "bf16 adamw" "fp8_linear adamw" "coat coat_adamw"; do set -- $m
                section train1b 200 $PY train.py --config configs/olmo-1b.yaml --no-progress \
-                 --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=8 \
+                 --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=8 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
                  --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \
                  --set run.eval_every=1000 --set checkpoint.every=100000 --out-dir /tmp/run_$1; done ;;
+    train_sharded) for m in "bf16 adamw" "coat coat_adamw"; do set -- $m  # all GPUs, FSDP
+               section train_sharded 240 $PY train.py --config configs/olmo-1b.yaml --no-progress \
+                 --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=16 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
+                 --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \
+                 --set run.eval_every=1000 --set checkpoint.every=100000 --set mesh.fsdp=-1 --out-dir /tmp/runs_$1; done ;;
     e2e) section e2e 500 $PY benchmarks/bench_e2e.py ${E2E_ARGS:-} ;;
     *) echo "unknown section $s" >&2 ;;
   esac

@@ -9,14 +9,8 @@ __all__ = [
     "quantize_per_group", "quantize_per_tensor",
 ]
 
-# Optional parts are imported as they land (optimizer, modules, model).
-try:
-  from coat_jax.optim import coat_adamw, optimizer_state_bytes, state_shardings  # noqa: F401
-  __all__ += ["coat_adamw", "optimizer_state_bytes", "state_shardings"]
-except ImportError:  # pragma: no cover - during bring-up only
-  pass
-try:
-  from coat_jax.models.llama import Llama, LlamaConfig  # noqa: F401
-  __all__ += ["Llama", "LlamaConfig"]
-except ImportError:  # pragma: no cover
-  pass
+from coat_jax.optim import coat_adamw, coat_adamw_apply, optimizer_state_bytes, state_shardings  # noqa: E402
+from coat_jax.models.llama import Llama, LlamaConfig  # noqa: E402
+
+__all__ += ["coat_adamw", "coat_adamw_apply", "optimizer_state_bytes", "state_shardings", "Llama",
+            "LlamaConfig"]

@@ -1,10 +1,17 @@
 """Fused COAT AdamW step (Pallas, Triton backend): one pass over param, grad and both FP8 moments.
 
 Per group of G (128) elements along the last axis, one row of a (P/G, G) view:
-dequantize + inverse expansion of m and v, Adam moment update, the float32 param update, then
+dequantize + inverse expansion of m and v, Adam moment update, the float32 step, then
 expansion + requantization of both moments (new amax, k_code, FP8 data). Same signature and
-arithmetic as `coat_jax.optim.adam_step_reference`; log2/exp2 may differ from XLA's in the last
-ulp, so a few FP8 codes can differ by one (tests/test_kernels_adam.py bounds this).
+arithmetic as `coat_jax.optim.adam_step_reference`. `output` picks what the step writes: the new
+param (`"param"`) or optax's update u = -lr * (m/denom + wd*p) (`"update"`, as `coat_adamw` uses).
+
+Not bit-exact with the reference: log2/exp2 may differ from XLA's in the last ulp, and two
+per-element divisions of the reference are replaced (fewer MUFU ops per element):
+  - requantization computes log2(|x| / mx) as log2|x| - log2(mx) (log2(mx) once per row);
+  - the denominator uses sqrt(v) * (1 / sqrt(1 - b2^t)) instead of sqrt(v) / sqrt(1 - b2^t).
+Both move values by ~1e-6 relative (the second touches only the param / update), so a few FP8
+codes can differ by one (tests/test_kernels_adam.py bounds this).
 Supported: last axis divisible by G; other shapes raise ValueError (`coat_jax.kernels` falls back).
 """
 from __future__ import annotations
@@ -23,9 +30,14 @@ from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
 from pallas_kernels.quantize import _pow2_divisor
 
+OUTPUTS = ("param", "update")
+
 
 def supported(param: jax.Array, m, v, group_size: int) -> bool:
-  """Shapes/types the kernel takes: ndim >= 1, last axis % G == 0, ExpandedMoment moments."""
+  """Shapes/types the kernel takes: ndim >= 1, last axis % G == 0, ExpandedMoment moments.
+
+  `param` may be any float array of the param's shape (e.g. the gradient when there is no param).
+  """
   return (param.ndim >= 1 and param.size > 0 and param.shape[-1] % group_size == 0
           and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
           and jnp.issubdtype(param.dtype, jnp.floating))
@@ -52,7 +64,13 @@ def _load(q_ref, amax_ref, code_ref, fmax, expand_min, interpret):
 
 
 def _store(x, fmax, log2_range, expand, expand_min, floor, interpret):
-  """Expansion + requantization (as `expansion.quantize_expanded`): (q f32, amax (r,), code)."""
+  """Expansion + requantization (as `expansion.quantize_expanded`): (q f32, amax (r,), code).
+
+  The power (|x| / mx)^k is exp2(k * (log2|x| - log2(mx))): per element one log2 and one exp2,
+  no division (the reference divides first). |x| = 0 gives -inf, hence 0, as before; a rounding
+  that lands just above fmax is clamped below. k itself is computed as in the reference (per row,
+  from log2(mx / mn)), since a k one step off would move every code of the group.
+  """
   a = jnp.abs(x)
   mx = jnp.max(a, axis=-1) + floor
   if expand:
@@ -65,8 +83,8 @@ def _store(x, fmax, log2_range, expand, expand_min, floor, interpret):
     steps = jnp.where(ok, steps, float(expand_min))
     steps = jnp.minimum(jnp.maximum(steps, 1.0), float(expansion.MAX_K_CODE))
     k = (steps * float(np.float32(1.0) / np.float32(expand_min)))[:, None]
-    ratio = _div(a, jnp.broadcast_to(mx[:, None], a.shape), interpret)
-    mag = fmax * jnp.exp2(k * jnp.log2(ratio))
+    log2_ratio = jnp.log2(a) - jnp.log2(mx)[:, None]
+    mag = fmax * jnp.exp2(k * log2_ratio)
     y = jnp.sign(x) * mag
   else:
     steps = jnp.full(mx.shape, float(min(expand_min, expansion.MAX_K_CODE)), jnp.float32)
@@ -76,20 +94,28 @@ def _store(x, fmax, log2_range, expand, expand_min, floor, interpret):
   return y, mx, steps
 
 
-def _kernel(s_ref, p_ref, g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
-            po_ref, mqo_ref, mao_ref, mko_ref, vqo_ref, vao_ref, vko_ref, *,
-            m_fmax, v_fmax, m_log2r, v_log2r, expand, expand_min, floor, interpret):
+def _kernel(*refs, has_param, output, m_fmax, v_fmax, m_log2r, v_log2r, expand, expand_min,
+            floor, interpret):
+  """refs: scalars, [param], grad, m (q, amax, code), v (q, amax, code); then the outputs:
+  new param or update, m (q, amax, code), v (q, amax, code)."""
+  s_ref, *refs = refs
+  p_ref = refs.pop(0) if has_param else None
+  (g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
+   o_ref, mqo_ref, mao_ref, mko_ref, vqo_ref, vao_ref, vko_ref) = refs
   # (1, 16) float32 step scalars, 9 used.
-  lr, b1, omb1, b2, omb2, eps, wd, sqrt_bc2, bc1 = [s_ref[0, i] for i in range(9)]
+  lr, b1, omb1, b2, omb2, eps, wd, inv_sqrt_bc2, bc1 = [s_ref[0, i] for i in range(9)]
   m = _load(mq_ref, ma_ref, mk_ref, m_fmax, expand_min, interpret)
   v = _load(vq_ref, va_ref, vk_ref, v_fmax, expand_min, interpret)
   g = g_ref[...].astype(jnp.float32)
-  p = p_ref[...].astype(jnp.float32)
   m = b1 * m + omb1 * g
   v = b2 * v + omb2 * (g * g)
-  denom = (_div(jnp.sqrt(v), jnp.broadcast_to(sqrt_bc2, v.shape), interpret) + eps) * bc1
-  direction = _div(m, denom, interpret) + wd * p
-  po_ref[...] = (p - lr * direction).astype(po_ref.dtype)
+  denom = (jnp.sqrt(v) * inv_sqrt_bc2 + eps) * bc1
+  direction = _div(m, denom, interpret)
+  if p_ref is not None:
+    p = p_ref[...].astype(jnp.float32)
+    direction = direction + wd * p
+  out = p - lr * direction if output == "param" else -(lr * direction)
+  o_ref[...] = out.astype(o_ref.dtype)
   for x, fmax, log2r, q_ref, a_ref, k_ref in ((m, m_fmax, m_log2r, mqo_ref, mao_ref, mko_ref),
                                               (v, v_fmax, v_log2r, vqo_ref, vao_ref, vko_ref)):
     y, mx, steps = _store(x, fmax, log2r, expand, expand_min, floor, interpret)
@@ -101,56 +127,69 @@ def _kernel(s_ref, p_ref, g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
 
 
 def _step_scalars(lr, b1, b2, eps, weight_decay, count):
-  """The step's scalars, computed exactly as `optim._moments` does: float32 (1, 16), 9 used
-  (Triton blocks need power-of-two sizes)."""
+  """The step's scalars, computed as `optim._moments` does (plus 1 / sqrt(bc2)): float32 (1, 16),
+  9 used (Triton blocks need power-of-two sizes)."""
   t = jnp.asarray(count).astype(jnp.float32)
   bc1 = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), t)
   bc2 = 1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)
-  vals = [lr, b1, 1.0 - b1, b2, 1.0 - b2, eps, weight_decay, jnp.sqrt(bc2), bc1]
+  vals = [lr, b1, 1.0 - b1, b2, 1.0 - b2, eps, weight_decay, 1.0 / jnp.sqrt(bc2), bc1]
   vals += [0.0] * (16 - len(vals))
   return jnp.stack([jnp.asarray(x, jnp.float32) for x in vals]).reshape(1, 16)
 
 
 @functools.partial(jax.jit, static_argnames=("m_format", "v_format", "group_size", "expand",
-                                             "expand_min", "interpret", "block", "num_warps"))
+                                             "expand_min", "output", "interpret", "block",
+                                             "num_warps"))
 def adam_step(param, grad, m: ExpandedMoment, v: ExpandedMoment, *, lr, b1, b2, eps,
               weight_decay, count, m_format, v_format, group_size, expand, expand_min,
-              interpret: bool = False, block: int = 16, num_warps: int = 4):
+              output: str = "param", interpret: bool = False, block: int = 16,
+              num_warps: int = 4):
   """Kernel form of `coat_jax.optim.adam_step_reference` (same arguments and results).
 
   Args:
-    param: float (..., N), N % group_size == 0. grad: same shape.
+    param: float (..., N), N % group_size == 0; None only with output="update" (no decay term).
+    grad: float, param's shape.
     m, v: ExpandedMoment of param's shape (data fmt dtype, amax float32 / k_code uint8 (..., N/G)).
+    lr, b1, b2, eps, weight_decay: float scalars (may be traced); count: int32 step t >= 1.
+    output: "param" -> new param (param.dtype); "update" -> u = -lr * (m/denom + wd*p) in
+      grad.dtype (the optax update).
     block: groups (rows of G) per program.
   Returns:
-    (new_param param.dtype, new_m, new_v).
+    (new_param or update, new_m, new_v).
   """
-  if not supported(param, m, v, group_size):
-    raise ValueError(f"coat adam_step kernel: param shape {param.shape} / moments unsupported "
+  if output not in OUTPUTS:
+    raise ValueError(f"coat adam_step kernel: output must be one of {OUTPUTS}, got {output!r}")
+  if param is None and output == "param":
+    raise ValueError("coat adam_step kernel: output='param' needs param")
+  like = grad if param is None else param
+  if not supported(like, m, v, group_size):
+    raise ValueError(f"coat adam_step kernel: param shape {like.shape} / moments unsupported "
                      f"(need ndim >= 1, last axis divisible by {group_size}, ExpandedMoment)")
-  if grad.shape != param.shape or m.data.shape != param.shape or v.data.shape != param.shape:
+  if grad.shape != like.shape or m.data.shape != like.shape or v.data.shape != like.shape:
     raise ValueError(f"coat adam_step kernel: grad {grad.shape}, m {m.data.shape}, "
-                     f"v {v.data.shape} must match param {param.shape}")
+                     f"v {v.data.shape} must match param {like.shape}")
   mf, vf = get_format(m_format), get_format(v_format)
-  rows = param.size // group_size
+  rows = like.size // group_size
   r = _pow2_divisor(rows, block)   # whole blocks only (see pallas_kernels/quantize.py)
   scalars = _step_scalars(lr, b1, b2, eps, weight_decay, count)
   big = pl.BlockSpec((r, group_size), lambda i: (i, 0))
   small = pl.BlockSpec((r,), lambda i: (i,))
   kernel = functools.partial(
-      _kernel, m_fmax=mf.max, v_fmax=vf.max,
+      _kernel, has_param=param is not None, output=output, m_fmax=mf.max, v_fmax=vf.max,
       m_log2r=float(np.float32(math.log2(expansion.expansion_range(mf)))),
       v_log2r=float(np.float32(math.log2(expansion.expansion_range(vf)))),
       expand=expand, expand_min=expand_min, floor=float(np.float32(expansion.AMAX_FLOOR)),
       interpret=interpret)
   flat = lambda a: a.reshape(rows, group_size)
   meta = lambda a: a.reshape(rows)
+  p_in = [] if param is None else [flat(param)]
+  out_dtype = grad.dtype if output == "update" else param.dtype
   outs = pl.pallas_call(
       kernel, grid=(pl.cdiv(rows, r),),
-      in_specs=[pl.BlockSpec((1, 16), lambda i: (0, 0)), big, big, big, small, small, big, small,
-                small],
+      in_specs=[pl.BlockSpec((1, 16), lambda i: (0, 0))] + [big] * len(p_in)
+               + [big, big, small, small, big, small, small],
       out_specs=[big, big, small, small, big, small, small],
-      out_shape=[jax.ShapeDtypeStruct((rows, group_size), param.dtype),
+      out_shape=[jax.ShapeDtypeStruct((rows, group_size), out_dtype),
                  jax.ShapeDtypeStruct((rows, group_size), mf.dtype),
                  jax.ShapeDtypeStruct((rows,), jnp.float32),
                  jax.ShapeDtypeStruct((rows,), jnp.uint8),
@@ -160,10 +199,10 @@ def adam_step(param, grad, m: ExpandedMoment, v: ExpandedMoment, *, lr, b1, b2, 
       interpret=interpret, compiler_params=pltriton.CompilerParams(num_warps=num_warps,
                                                                    num_stages=1),
       name="coat_adam_step")(
-          scalars, flat(param), flat(grad), flat(m.data), meta(m.amax), meta(m.k_code),
+          scalars, *p_in, flat(grad), flat(m.data), meta(m.amax), meta(m.k_code),
           flat(v.data), meta(v.amax), meta(v.k_code))
-  p, mq, ma, mk, vq, va, vk = outs
+  out, mq, ma, mk, vq, va, vk = outs
   meta_shape = m.amax.shape
-  new_m = ExpandedMoment(mq.reshape(param.shape), ma.reshape(meta_shape), mk.reshape(meta_shape))
-  new_v = ExpandedMoment(vq.reshape(param.shape), va.reshape(meta_shape), vk.reshape(meta_shape))
-  return p.reshape(param.shape), new_m, new_v
+  new_m = ExpandedMoment(mq.reshape(like.shape), ma.reshape(meta_shape), mk.reshape(meta_shape))
+  new_v = ExpandedMoment(vq.reshape(like.shape), va.reshape(meta_shape), vk.reshape(meta_shape))
+  return out.reshape(like.shape), new_m, new_v

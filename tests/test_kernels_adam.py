@@ -4,6 +4,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from coat_jax import expansion, kernels, optim
@@ -91,3 +92,136 @@ def test_gpu_adam_step_compiled(rng):
                 expand=True, expand_min=16)
     want = jax.jit(functools.partial(optim.adam_step_reference, **args))(p, g, m, v)
     _compare(pk.adam_step(p, g, m, v, **args), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# coat_adamw through the dispatch: the Pallas backend must give the reference backend's step.
+
+
+def _compiled(backend, fn, *args):
+  """(fn jitted and compiled under `backend`, its number of pallas_calls); the kernel choice is
+  made at trace time, so the compiled function keeps it."""
+  with kernels.backend(backend):
+    traced = jax.jit(fn).trace(*args)
+    return traced.lower().compile(), str(traced.jaxpr).count("pallas_call")
+
+
+_dequantize = jax.jit(expansion.dequantize_expanded, static_argnums=(1, 2, 3))
+
+
+def _assert_updates_close(got, want):
+  """Same step on both paths: float32 rounding plus ulp-level log2/exp2 differences in the
+  dequantized moments (relative ~1e-5 at worst where m nearly cancels, so the bound is scaled by
+  the leaf's largest update there); one ulp of a narrower update dtype (bf16)."""
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    rtol = max(2e-5, float(jnp.finfo(a.dtype).eps))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=2e-5 * np.abs(b).max())
+
+
+def _assert_moments_close(got, want, fmt):
+  """k codes equal but for a rare group one step off (a floor of a log ratio); in the groups whose
+  k agrees, FP8 codes equal but for rare one-code flips, and where codes agree the dequantized
+  moments agree to ~amax rounding. float32 moments: float32 rounding."""
+  if not isinstance(want, optim.ExpandedMoment):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-12)
+    return
+  ka, kb = np.asarray(got.k_code, np.int32), np.asarray(want.k_code, np.int32)
+  assert (ka != kb).sum() <= 1 and np.abs(ka - kb).max() <= 1
+  np.testing.assert_allclose(np.asarray(got.amax), np.asarray(want.amax), rtol=5e-5)
+  n = want.data.shape[-1]
+  same_k = np.repeat(ka == kb, 128, axis=-1)[..., :n]
+  qa = np.asarray(jax.lax.bitcast_convert_type(got.data, jnp.uint8)).astype(np.int32)[same_k]
+  qb = np.asarray(jax.lax.bitcast_convert_type(want.data, jnp.uint8)).astype(np.int32)[same_k]
+  assert (qa != qb).sum() <= max(2, qa.size // 200) and np.abs(qa - qb).max() <= 1
+  da, db = (np.asarray(_dequantize(x, fmt, 128, 16))[same_k] for x in (got, want))
+  np.testing.assert_allclose(da[qa == qb], db[qa == qb], rtol=1e-4, atol=0)
+
+
+def test_coat_adamw_pallas_matches_reference_backend(rng):
+  """3 steps with a schedule, masked decay, E4M3/E5M2 moments; small odd shapes: two leaves take
+  the kernel, one falls back (200 % 128 != 0), one keeps float32 moments. Each step starts both
+  paths from the same (reference) state; coat_adamw_apply (kernel writing params) rides along."""
+  shapes = {"w": (3, 256), "u": (2, 3, 128), "odd": (5, 200), "bias": (7,)}
+  params = {n: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for n, s in shapes.items()}
+  kw = dict(b1=0.9, b2=0.99, weight_decay=0.1, v_format="e5m2", min_quantized_size=100,
+            mask={"w": True, "u": False, "odd": True, "bias": False})
+  sched = optax.linear_schedule(1e-2, 2e-3, 3)          # lr moves every step: a traced scalar
+  opt = optim.coat_adamw(sched, **kw)
+  state = jax.jit(opt.init)(params)
+  assert isinstance(state.mu["odd"], optim.ExpandedMoment) and state.mu["bias"].ndim == 1
+  grads = lambda: {n: jnp.asarray(rng.standard_normal(s) * np.exp2(rng.integers(-8, 2, s)),
+                                  jnp.float32) for n, s in shapes.items()}
+  g = grads()
+  ref, n_ref = _compiled("reference", opt.update, g, state, params)
+  pal, n_pal = _compiled("pallas", optim.coat_adamw(sched, **kw).update, g, state, params)
+  apply, n_apply = _compiled("pallas", optim.coat_adamw_apply(sched, **kw), g, state, params)
+  assert (n_ref, n_pal, n_apply) == (0, 2, 2)   # the kernel for "w" and "u"
+  with pytest.raises(ValueError, match="params are required"):
+    optim.coat_adamw_apply(sched, **kw)(g, state)
+  for step in range(3):
+    want_u, want_s = ref(g, state, params)
+    got_u, got_s = pal(g, state, params)
+    new_params, apply_s = apply(g, state, params)
+    _assert_updates_close(got_u, want_u)
+    assert int(got_s.count) == int(want_s.count) == step + 1
+    for got_state in (got_s, apply_s):
+      for name in shapes:
+        _assert_moments_close(got_state.mu[name], want_s.mu[name], "e4m3")
+        _assert_moments_close(got_state.nu[name], want_s.nu[name], "e5m2")
+    want_p = jax.jit(optax.apply_updates)(params, want_u)
+    for name in shapes:   # p - lr*d vs p + (-lr*d): one more float32 rounding at the params' scale
+      ulp = float(np.spacing(np.float32(np.abs(np.asarray(params[name])).max())))
+      np.testing.assert_allclose(new_params[name], want_p[name], rtol=0,
+                                 atol=ulp + 2e-5 * np.abs(np.asarray(want_u[name])).max())
+    params, state, g = want_p, want_s, grads()
+
+
+def test_adam_step_update_output(rng):
+  """output="update" without a param (no decay term) writes optax's update in grad.dtype (bf16)
+  (with a param, through coat_adamw: test_coat_adamw_pallas_matches_reference_backend)."""
+  p, g, m, v = _state(rng, (5, 128), "e4m3", "e4m3", True)   # 5 groups: one per program
+  g = g.astype(jnp.bfloat16)
+  args = dict(HYPER, weight_decay=0.0, count=jnp.int32(4), m_format="e4m3", v_format="e4m3",
+              group_size=128, expand=True, expand_min=16, output="update")
+  want = jax.jit(functools.partial(optim.adam_step_reference, **args))(None, g, m, v)
+  got = pk.adam_step(None, g, m, v, interpret=INTERPRET, **args)
+  assert got[0].dtype == jnp.bfloat16 and got[0].shape == p.shape
+  _assert_updates_close(got[0], want[0])
+  for i in (1, 2):   # m, v
+    _assert_moments_close(got[i], want[i], "e4m3")
+  with pytest.raises(ValueError, match="needs param"):
+    pk.adam_step(None, g, m, v, interpret=True, **dict(args, output="param"))
+  with pytest.raises(ValueError, match="output"):
+    pk.adam_step(p, g, m, v, interpret=True, **dict(args, output="delta"))
+
+
+def test_coat_adamw_pallas_under_apply_if_finite_without_params(rng):
+  """weight_decay=0 and no params passed (the kernel's param-free form) inside apply_if_finite:
+  same step as the reference backend; a non-finite gradient keeps the FP8 state bit-identical
+  and gives zero updates."""
+  shapes = {"w": (4, 256), "b": (7,)}
+  grads = lambda: {n: jnp.asarray(rng.standard_normal(s), jnp.float32) for n, s in shapes.items()}
+  make = lambda: optax.apply_if_finite(
+      optim.coat_adamw(1e-3, weight_decay=0.0, min_quantized_size=100), max_consecutive_errors=3)
+  opt = make()
+  state = jax.jit(opt.init)({n: jnp.zeros(s) for n, s in shapes.items()})
+  g = grads()
+  ref, _ = _compiled("reference", make().update, g, state)
+  pal, n_pal = _compiled("pallas", opt.update, g, state)
+  assert n_pal == 1
+  state = ref(g, state)[1]   # non-zero moments
+  g = grads()
+  (want_u, want_s), (got_u, got_s) = ref(g, state), pal(g, state)
+  _assert_updates_close(got_u, want_u)
+  for name in shapes:
+    _assert_moments_close(got_s.inner_state.mu[name], want_s.inner_state.mu[name], "e4m3")
+    _assert_moments_close(got_s.inner_state.nu[name], want_s.inner_state.nu[name], "e4m3")
+  g["w"] = g["w"].at[2, 5].set(jnp.inf)
+  bad_u, bad_s = pal(g, state)
+  assert int(bad_s.notfinite_count) == 1
+  for a, b in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(bad_s.inner_state)):
+    a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(bad_u))

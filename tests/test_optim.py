@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from coat_jax import expansion as ex
+from coat_jax import optim
 from coat_jax.optim import (CoatAdamWState, ExpandedMoment, adam_step_reference, coat_adamw,
                             optimizer_state_bytes, state_shardings)
 from tests.test_expansion import char_batches, init_char_lm, stdlib_text, train
@@ -235,3 +236,14 @@ def test_other_formats_and_bf16_params(rng, m_format, v_format, expand):
   for x in jax.tree.leaves(new):
     assert np.all(np.isfinite(np.asarray(x, np.float32)))
   assert not np.allclose(np.asarray(new["w"], np.float32), np.asarray(params["w"], np.float32))
+
+
+@pytest.mark.parametrize("fmt,expand", [("e4m3", True), ("e5m2", False), ("int8", True)])
+def test_init_state_equals_quantized_zeros(fmt, expand):
+  """The broadcast initial moments are exactly quantize_expanded(zeros), tail group included."""
+  shape = (3, 300)
+  want = ex.quantize_expanded(jnp.zeros(shape, jnp.float32), fmt, 128, 16, expand)
+  got = optim._zero_moment(shape, fmt, group_size=128, expand_min=16, expand=expand)
+  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    assert w.shape == g.shape and w.dtype == g.dtype
+    np.testing.assert_array_equal(np.asarray(w).astype(np.float32), np.asarray(g).astype(np.float32))

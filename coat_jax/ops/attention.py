@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def attention(q, k, v, *, causal: bool = True, implementation=None):
@@ -12,8 +13,9 @@ def attention(q, k, v, *, causal: bool = True, implementation=None):
   """
   if k.shape != v.shape or q.ndim != 4 or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
     raise ValueError(f"attention: bad shapes q {q.shape}, k {k.shape}, v {v.shape}")
-  if implementation is None:
-    implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  if implementation is None:  # cuDNN's fused attention takes 16-bit (or FP8) inputs only.
+    cudnn_ok = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    implementation = "cudnn" if cudnn_ok else "xla"
   fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                      implementation=implementation)
   if implementation == "xla":
