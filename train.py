@@ -188,11 +188,12 @@ def model_parts(llama_cfg, seed: int, mesh) -> tuple[ModelParts, Callable[[], tu
   parts = ModelParts(graphdef, params_state, rest_state, params_abstract, rest_abstract,
                      params_sh, rest_sh)
 
-  def init():
-    _, p, r = nnx.split(build(), nnx.Param, ...)
+  def init(key):  # the key is an argument: a constant one lets XLA constant-fold the RNG (minutes)
+    _, p, r = nnx.split(Llama(llama_cfg, rngs=nnx.Rngs(key)), nnx.Param, ...)
     return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
 
-  return parts, jax.jit(init, out_shardings=(params_sh, rest_sh))
+  init_jit = jax.jit(init, out_shardings=(params_sh, rest_sh))
+  return parts, lambda: init_jit(jax.random.key(seed))
 
 
 def make_steps(parts: ModelParts, tx, opt_shardings, mesh):
@@ -380,7 +381,8 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         logger.step_done(step, out, log_now=step % cfg.run.log_every == 0 or step == end_step)
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < end_step:
           eval_history[step] = evaluate(step)
-          (say if bar.disable else bar.write)(f"[eval] step {step}: loss {eval_history[step]:.4f}")
+          if eval_history[step] is not None:  # None: no held-out batches configured
+            (say if bar.disable else bar.write)(f"[eval] step {step}: loss {eval_history[step]:.4f}")
         save(step, force=False)
         if on_step is not None:
           on_step(step, stop)

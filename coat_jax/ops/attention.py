@@ -14,7 +14,10 @@ def attention(q, k, v, *, causal: bool = True, implementation=None):
   if k.shape != v.shape or q.ndim != 4 or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
     raise ValueError(f"attention: bad shapes q {q.shape}, k {k.shape}, v {v.shape}")
   if implementation is None:  # cuDNN's fused attention takes 16-bit (or FP8) inputs only.
-    cudnn_ok = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    # Its partitioner also wants q, k and v sharded alike, which FSDP-sharded projections do
+    # not guarantee: with several devices XLA's attention is used.
+    cudnn_ok = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+                and jax.device_count() == 1)
     implementation = "cudnn" if cudnn_ok else "xla"
   fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                      implementation=implementation)

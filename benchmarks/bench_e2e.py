@@ -1,0 +1,429 @@
+"""End-to-end training step: peak memory, tokens/s and MFU per mode, each mode in its own process.
+
+Modes: "bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw" (precision + optimizer). Each
+measurement is a child process of this script (`--one MODE --batch B`), so every mode's
+`peak_bytes_in_use` is its own. A child builds the model and optimizer with train.py's
+`model_config`, `build_optimizer`, `model_parts` and `make_steps`, compiles the train step ahead
+of time (XLA's `memory_analysis` is recorded), runs --warmup steps and then --steps timed steps on
+synthetic random tokens (each ended by block_until_ready; the median is reported), and prints one
+`RESULT {json}` line. Before compiling it checks the bound params + grads + optimizer state
+(float32 master weights and gradients, all alive at the update) against the device's
+`bytes_limit`: a mode that cannot fit even that is reported "oom (state)" without compiling.
+An XLA RESOURCE_EXHAUSTED error (compile or run) is reported "oom".
+
+MFU = coat_jax.models.llama.flops_per_token x tokens/s / 989e12 (H100 dense BF16 peak, the same
+denominator for every mode; train.py's metrics.mfu).
+
+GPU (H100; children get XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 unless it is set):
+  python benchmarks/bench_e2e.py --json $OUT/e2e_olmo1b.json --seconds-budget 450
+      # olmo-1b, seq 2048, batch 8, remat none: 3 modes, ~1.5 min each (compile ~1 min), ~5 min
+  python benchmarks/bench_e2e.py --modes coat+coat_adamw --find-max-batch --batch 8 \
+      --steps 5 --json $OUT/e2e_maxbatch_coat.json --seconds-budget 450
+      # doubling 8, 16, 32, ... until the first OOM; one mode per command (a compile per batch)
+  python benchmarks/bench_e2e.py --preset llama2-7b --remat full --batch 2 --steps 5 \
+      --json $OUT/e2e_7b.json --seconds-budget 450
+      # which modes fit on one 80 GB H100 (bf16/fp8_linear fail the static check in ~20 s each)
+CPU smoke (~45 s on 2 cores):
+  JAX_PLATFORMS=cpu python benchmarks/bench_e2e.py --preset tiny --set model.num_layers=1 \
+      --seq-len 32 --batch 2 --steps 2 --warmup 1 --find-max-batch --max-batch 4 \
+      --modes bf16+adamw,coat+coat_adamw --json /tmp/e2e_smoke.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
+REMATS = ("none", "full", "dots", "dots_saveable")
+H100_PEAK_BF16 = 989e12
+RESULT_TAG = "RESULT "
+GB = 1e9
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", default="olmo-1b",
+                 help="LlamaConfig preset (tiny, llama-125m, olmo-1b, llama2-7b, ...)")
+  p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+  p.add_argument("--seq-len", type=int, default=2048)
+  p.add_argument("--batch", type=int, default=8, help="the equal batch for all modes (sequences)")
+  p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+  p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
+  p.add_argument("--remat", default="none", choices=REMATS, help="per-block rematerialization policy")
+  p.add_argument("--attention-impl", default=None, help="None: cudnn on GPU, xla elsewhere")
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                 help="extra train.py config override for the children, e.g. model.num_layers=2")
+  p.add_argument("--find-max-batch", action="store_true",
+                 help="also double the batch from --batch until the first OOM, per mode")
+  p.add_argument("--max-batch", type=int, default=1024, help="stop the doubling here")
+  p.add_argument("--seconds-budget", type=float, default=None,
+                 help="stop launching (and kill a running child) so the whole script ends in time")
+  p.add_argument("--json", default=None, help="write the results here")
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: measure one mode
+  p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  bad = [m for m in args.modes + ([args.one] if args.one else []) if m not in MODES]
+  if bad:
+    p.error(f"unknown modes {bad}; choose from {MODES}")
+  for name in ("seq_len", "batch", "steps", "max_batch"):
+    if getattr(args, name) <= 0:
+      p.error(f"--{name.replace('_', '-')} must be > 0")
+  if args.warmup < 0:
+    p.error("--warmup must be >= 0")
+  return args
+
+
+def say(msg: str) -> None:
+  print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Child: one mode at one batch.
+
+
+def _is_oom(e: BaseException) -> bool:
+  text = f"{type(e).__name__} {e}"
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def _tree_bytes(tree) -> int:
+  import jax
+  import numpy as np
+  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+                 if hasattr(x, "shape")))
+
+
+def measure_one(args: argparse.Namespace) -> dict:
+  """Builds, compiles and times one mode at args.batch; returns a JSON-able dict (never raises)."""
+  out: dict = {"mode": args.one, "batch": args.batch, "seq_len": args.seq_len, "preset": args.preset,
+               "remat": args.remat, "status": "error"}
+  try:
+    _measure(args, out)
+  except Exception as e:  # reported, not raised: the parent tabulates it
+    out["status"] = "oom" if _is_oom(e) else "error"
+    out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+  return out
+
+
+def _measure(args: argparse.Namespace, out: dict) -> None:
+  import jax
+  import numpy as np
+
+  sys.path.insert(0, str(REPO))
+  import train as train_lib
+  from coat_jax import config as config_lib
+  from coat_jax import metrics as metrics_lib
+  from coat_jax import sharding as sharding_lib
+  from coat_jax.models import llama as llama_lib
+
+  precision, opt_name = args.one.split("+")
+  overrides = [f"model.preset={args.preset}", "model.dtype=auto", f"model.remat={args.remat}",
+               f"precision={precision}", f"optimizer.name={opt_name}",
+               f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}"]
+  if args.attention_impl:
+    overrides.append(f"model.attention_impl={args.attention_impl}")
+  cfg = config_lib.load(None, overrides + list(args.overrides))
+  llama_cfg = train_lib.model_config(cfg, None)
+  mesh = sharding_lib.make_mesh(cfg.mesh)
+  if args.batch % sharding_lib.batch_shards(mesh):
+    raise ValueError(f"batch {args.batch} is not divisible by the "
+                     f"{sharding_lib.batch_shards(mesh)} batch shards")
+  dev = jax.devices()[0]
+  out.update(device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}", num_devices=mesh.devices.size,
+             dtype=llama_cfg.dtype, num_params=llama_lib.num_params(llama_cfg),
+             flops_per_token=float(llama_lib.flops_per_token(llama_cfg, args.seq_len)))
+
+  parts, init_fn = train_lib.model_parts(llama_cfg, 0, mesh)
+  tx, _ = train_lib.build_optimizer(cfg.optimizer, total_steps=1000)
+  opt_abstract = jax.eval_shape(tx.init, parts.params_abstract)
+  opt_sh = sharding_lib.optimizer_state_shardings(tx, opt_abstract, parts.params_shardings, mesh,
+                                                  cfg.optimizer.name)
+  train_step, _ = train_lib.make_steps(parts, tx, opt_sh, mesh)
+  params_bytes, opt_bytes = _tree_bytes(parts.params_abstract), _tree_bytes(opt_abstract)
+  stats = dev.memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  bound = 2 * params_bytes + opt_bytes  # params + grads (param dtype) + optimizer state
+  out.update(params_bytes=params_bytes, opt_state_bytes=opt_bytes, bytes_limit=limit,
+             state_lower_bound_bytes=bound)
+  say(f"[child {args.one} b={args.batch}] {out['num_params'] / 1e6:.0f}M params, params "
+      f"{params_bytes / GB:.2f} GB, optimizer state {opt_bytes / GB:.2f} GB, device limit "
+      f"{'n/a' if limit is None else f'{limit / GB:.2f} GB'}")
+  if limit is not None and bound > limit:  # the mesh is data-parallel: every device holds all of it
+    out["status"] = "oom (state)"
+    out["error"] = (f"params + grads + optimizer state = {bound / GB:.2f} GB > device limit "
+                    f"{limit / GB:.2f} GB: cannot fit at any batch")
+    return
+
+  batch_sh = sharding_lib.batch_sharding(mesh)
+  tokens_abs = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), np.int32, sharding=batch_sh)
+  abstract = (train_lib._with_shardings(parts.params_abstract, parts.params_shardings),
+              train_lib._with_shardings(opt_abstract, opt_sh),
+              train_lib._with_shardings(parts.rest_abstract, parts.rest_shardings), tokens_abs)
+  t0 = time.perf_counter()
+  compiled = train_step.lower(*abstract).compile()
+  out["compile_s"] = time.perf_counter() - t0
+  try:
+    ma = compiled.memory_analysis()
+    mem = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                             "alias_size_in_bytes", "temp_size_in_bytes")}
+    mem["predicted_bytes"] = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"]
+                              - mem["alias_size_in_bytes"] + mem["temp_size_in_bytes"])
+    out["memory_analysis"] = mem
+  except Exception:  # not every backend reports it
+    mem = None
+  say(f"[child {args.one} b={args.batch}] compiled in {out['compile_s']:.1f} s"
+      + (f", XLA predicts {mem['predicted_bytes'] / GB:.2f} GB" if mem else ""))
+
+  params, rest = init_fn()
+  opt_state = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)(params)
+  tokens = jax.device_put(
+      jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, llama_cfg.vocab_size,
+                         dtype=np.int32), batch_sh)
+  deadline = args.deadline or float("inf")
+  losses, times = [], []
+  for i in range(args.warmup + args.steps):
+    t0 = time.perf_counter()
+    params, opt_state, rest, metrics = compiled(params, opt_state, rest, tokens)
+    jax.block_until_ready(metrics["loss"])
+    dt = time.perf_counter() - t0
+    losses.append(float(metrics["loss"]))
+    if i >= args.warmup:
+      times.append(dt)
+    if times and time.time() + 2 * dt > deadline:
+      say(f"[child {args.one} b={args.batch}] deadline: stopping after {len(times)} timed steps")
+      break
+  peak, kind = metrics_lib.peak_memory_bytes(list(mesh.devices.flat))
+  step_s = statistics.median(times) if times else None
+  tokens_per_s = args.batch * args.seq_len / step_s if step_s else None
+  peak_flops = metrics_lib.peak_flops(dev)
+  if peak_flops is None and dev.platform == "gpu":
+    peak_flops = H100_PEAK_BF16
+  out.update(status="ok", peak_bytes=peak, peak_kind=kind, step_s=step_s,
+             step_s_all=times, tokens_per_s=tokens_per_s,
+             mfu=(out["flops_per_token"] * tokens_per_s / (peak_flops * mesh.devices.size)
+                  if tokens_per_s and peak_flops else None),
+             loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
+             loss_finite=all(math.isfinite(x) for x in losses))
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent: one child per measurement.
+
+
+_RUNNING: dict = {"proc": None, "signal": None}
+
+
+def _on_signal(signum, frame):
+  """SIGTERM/SIGINT (e.g. from `timeout`): kill the running child, launch no more, report."""
+  del frame
+  _RUNNING["signal"] = signal.Signals(signum).name
+  proc = _RUNNING["proc"]
+  if proc is not None and proc.poll() is None:
+    proc.kill()
+
+
+class Budget:
+  """Wall-clock budget of the whole script (None: unlimited)."""
+
+  def __init__(self, seconds: float | None, reserve: float = 10.0):
+    self.t0, self.seconds, self.reserve = time.time(), seconds, reserve
+
+  def deadline(self) -> float | None:
+    return None if self.seconds is None else self.t0 + self.seconds - self.reserve
+
+  def left(self) -> float:
+    d = self.deadline()
+    return math.inf if d is None else d - time.time()
+
+
+def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget) -> dict:
+  """Runs `--one mode --batch batch` in a subprocess, streaming its output; returns its result."""
+  cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mode, "--batch", str(batch),
+         "--preset", args.preset, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+         "--warmup", str(args.warmup), "--remat", args.remat]
+  if args.attention_impl:
+    cmd += ["--attention-impl", args.attention_impl]
+  for item in args.overrides:
+    cmd += ["--set", item]
+  deadline = budget.deadline()
+  if deadline is not None:
+    cmd += ["--deadline", str(deadline)]
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  env.setdefault("PYTHONUNBUFFERED", "1")
+  env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+  say(f"[e2e] {mode} batch {batch}: starting child ({budget.left():.0f} s of budget left)")
+  t0 = time.time()
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          cwd=str(REPO))
+  _RUNNING["proc"] = proc
+  result, tail = None, []
+
+  def watchdog():
+    while proc.poll() is None:
+      if budget.left() < 0:
+        proc.kill()
+        return
+      time.sleep(0.5)
+
+  threading.Thread(target=watchdog, daemon=True).start()
+  for line in proc.stdout:
+    line = line.rstrip("\n")
+    if line.startswith(RESULT_TAG):
+      result = json.loads(line[len(RESULT_TAG):])
+    elif line.strip():
+      tail = (tail + [line])[-40:]
+      say("    " + line)
+  rc = proc.wait()
+  _RUNNING["proc"] = None
+  wall = time.time() - t0
+  if result is None:
+    text = "\n".join(tail)
+    status = (f"killed ({_RUNNING['signal']})" if _RUNNING["signal"] else
+              "timeout (budget)" if budget.left() < 0 else
+              "oom" if ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()) else "crash")
+    result = {"mode": mode, "batch": batch, "status": status, "error": f"rc {rc}: {text[-600:]}"}
+  result["wall_s"] = wall
+  say(f"[e2e] {mode} batch {batch}: {result['status']} in {wall:.0f} s"
+      + (f", {result['tokens_per_s']:,.0f} tokens/s, peak {result['peak_bytes'] / GB:.2f} GB"
+         if result.get("status") == "ok" else f" ({result.get('error', '')[:200]})"))
+  return result
+
+
+def _fmt(v, spec: str, none: str = "n/a") -> str:
+  return none if v is None else format(v, spec)
+
+
+def ratio_rows(results: list[dict]) -> list[dict]:
+  """Per mode: memory and tokens/s ratios vs bf16+adamw (when both ran)."""
+  base = next((r for r in results if r["mode"] == "bf16+adamw" and r.get("status") == "ok"), None)
+  rows = []
+  for r in results:
+    ok = r.get("status") == "ok"
+    row = dict(r)
+    row["mem_ratio"] = (r["peak_bytes"] / base["peak_bytes"]) if ok and base else None
+    row["tps_ratio"] = (r["tokens_per_s"] / base["tokens_per_s"]) if ok and base else None
+    rows.append(row)
+  return rows
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+  say(f"\n{title}")
+  head = (f"{'mode':18} {'batch':>5} {'status':>16} {'peak GB':>8} {'mem/bf16':>8} {'step ms':>8} "
+          f"{'tokens/s':>10} {'tok/s vs bf16':>13} {'MFU':>6} {'compile s':>9} {'XLA pred GB':>11}")
+  say(head)
+  say("-" * len(head))
+  for r in rows:
+    ok = r.get("status") == "ok"
+    mfu_ok = ok and r.get("mfu") is not None
+    pred = (r.get("memory_analysis") or {}).get("predicted_bytes")
+    say(f"{r['mode']:18} {r['batch']:>5} {r.get('status', '?')[:16]:>16} "
+        f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GB if ok else None, '8.2f'):>8} "
+        f"{_fmt(r.get('mem_ratio'), '7.2f') + ('x' if r.get('mem_ratio') else ''):>8} "
+        f"{_fmt(r.get('step_s') and 1e3 * r['step_s'] if ok else None, '8.1f'):>8} "
+        f"{_fmt(r.get('tokens_per_s') if ok else None, '10,.0f'):>10} "
+        f"{_fmt(r.get('tps_ratio'), '12.2f') + ('x' if r.get('tps_ratio') else ''):>13} "
+        f"{_fmt(r.get('mfu') and 100 * r['mfu'] if ok else None, '5.1f') + ('%' if mfu_ok else ''):>6} "
+        f"{_fmt(r.get('compile_s'), '9.1f'):>9} {_fmt(pred and pred / GB, '11.2f'):>11}")
+  kinds = {r.get("peak_kind") for r in rows if r.get("status") == "ok"}
+  if kinds - {"device peak"}:
+    say(f"  (peak memory here is {', '.join(sorted(k for k in kinds if k))}, not a device peak)")
+  for r in rows:
+    if r.get("status") not in ("ok", None) and r.get("error"):
+      say(f"  {r['mode']} b={r['batch']}: {r['status']}: {r['error'][:300]}")
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  if args.one:  # child
+    result = measure_one(args)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return result
+
+  budget = Budget(args.seconds_budget)
+  if threading.current_thread() is threading.main_thread():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, _on_signal)
+  say(f"[e2e] preset {args.preset}, seq {args.seq_len}, batch {args.batch}, remat {args.remat}, "
+      f"modes {args.modes}, {args.warmup} warm-up + {args.steps} timed steps"
+      + (f", budget {args.seconds_budget:.0f} s" if args.seconds_budget else ""))
+  report = {"args": {k: v for k, v in vars(args).items() if k not in ("one", "deadline")},
+            "equal_batch": [], "max_batch": {}}
+
+  def save() -> None:
+    if args.json:
+      Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+      Path(args.json).write_text(json.dumps(report, indent=2))
+
+  def launch(mode: str, batch: int, estimate: float) -> dict:
+    if _RUNNING["signal"]:
+      return {"mode": mode, "batch": batch, "status": f"skipped ({_RUNNING['signal']})"}
+    if budget.left() < estimate:
+      say(f"[e2e] {mode} batch {batch}: skipped, {budget.left():.0f} s left < ~{estimate:.0f} s needed")
+      return {"mode": mode, "batch": batch, "status": "skipped (budget)"}
+    return run_child(args, mode, batch, budget)
+
+  estimate = 20.0  # seconds a child needs at least; updated from the children that ran
+  for mode in args.modes:
+    r = launch(mode, args.batch, estimate)
+    if r.get("status") == "ok":
+      estimate = max(estimate, 0.8 * r["wall_s"])
+    report["equal_batch"].append(r)
+    save()
+  report["equal_batch"] = ratio_rows(report["equal_batch"])
+  save()
+  print_table(f"Equal batch {args.batch} x {args.seq_len} tokens, {args.preset}, remat {args.remat}",
+              report["equal_batch"])
+
+  if args.find_max_batch:
+    for r0 in report["equal_batch"]:
+      mode, tried = r0["mode"], [r0]
+      batch = args.batch
+      while tried[-1].get("status") == "ok" and batch * 2 <= args.max_batch:
+        batch *= 2
+        r = launch(mode, batch, estimate)
+        if r.get("status") == "ok":
+          estimate = max(estimate, 0.8 * r["wall_s"])
+        tried.append(r)
+        report["max_batch"][mode] = tried
+        save()
+        if r.get("status", "").startswith(("skipped", "timeout", "killed")):
+          break
+      report["max_batch"][mode] = tried
+    best = []
+    for mode, tried in report["max_batch"].items():
+      fits = [r for r in tried if r.get("status") == "ok"]
+      last = tried[-1].get("status")
+      if fits:
+        b = dict(max(fits, key=lambda r: r["batch"]))
+        b["stopped_by"] = last if last != "ok" else f"--max-batch {args.max_batch}"
+        best.append(b)
+      else:
+        best.append({"mode": mode, "batch": args.batch, "status": last or "n/a",
+                     "error": tried[-1].get("error", "")})
+    best = ratio_rows(best)
+    report["max_batch_summary"] = best
+    save()
+    print_table("Largest batch that fits per mode (doubling from --batch; stopped by the first "
+                "failure)", best)
+    for r in best:
+      if r.get("stopped_by"):
+        say(f"  {r['mode']}: largest fitting batch {r['batch']}, next doubling: {r['stopped_by']}")
+  say(f"[e2e] done in {time.time() - budget.t0:.0f} s" + (f"; results in {args.json}" if args.json else ""))
+  return report
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,116 @@
+"""Smoke tests of benchmarks/{bench_e2e,accuracy,stability}.py: tiny shapes, outputs exist, finite."""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+e2e = _load("bench_e2e")
+accuracy = _load("accuracy")
+stability = _load("stability")
+
+
+def test_logit_sharpness_is_the_maximum_over_the_box(rng):
+  v, eps = 11, 0.05
+  z = jnp.asarray(rng.standard_normal((2, 3, v)) * 3, jnp.float32)
+  y = jnp.asarray(rng.integers(0, v, (2, 3)), jnp.int32)
+  sharp, loss = stability.logit_sharpness(z, y, eps)
+  ce = jax.jit(jax.vmap(lambda d: stability.train_lib.cross_entropy(z + d, y)))
+  base = float(ce(jnp.zeros((1,) + z.shape))[0])
+  assert abs(float(loss) - base) < 1e-6 and float(sharp) > 0
+  worst = base + float(sharp) / 100 * (1 + base)
+  bound = np.asarray(eps * (jnp.abs(z) + 1))
+  # Random points and random vertices of the box never beat the closed form.
+  inside = bound * rng.uniform(-1, 1, (300,) + z.shape)
+  vertices = bound * rng.choice([-1.0, 1.0], (300,) + z.shape)
+  assert float(jnp.max(ce(jnp.asarray(np.concatenate([inside, vertices]), jnp.float32)))) <= worst + 1e-5
+
+
+def test_quant_error_of_a_moment(rng):
+  x = (rng.standard_normal((8, 256)) * np.exp(rng.uniform(-4, 4, (8, 1)))).astype(np.float32)
+  err, ss, flushed, nonzero = stability.quant_error(x ** 2, "e4m3", 128, 16, True)
+  assert 0 < err / ss < 1e-2 and 0 <= flushed <= nonzero == x.size
+
+
+def test_e2e_child_and_table(capsys):
+  args = e2e.parse_args(["--one", "bf16+adamw", "--preset", "tiny", "--set", "model.num_layers=1",
+                         "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128",
+                         "--seq-len", "16", "--batch", "8", "--steps", "2", "--warmup", "1"])
+  r = e2e.measure_one(args)
+  assert r["status"] == "ok", r.get("error")
+  assert r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 and r["loss_finite"]
+  assert math.isfinite(r["loss_last"]) and r["flops_per_token"] > 0
+  other = dict(r, mode="coat+coat_adamw", peak_bytes=r["peak_bytes"] // 2,
+               tokens_per_s=2 * r["tokens_per_s"])
+  rows = e2e.ratio_rows([r, other, {"mode": "fp8_linear+adamw", "batch": 8, "status": "oom"}])
+  assert rows[1]["mem_ratio"] == pytest.approx(0.5, rel=1e-3) and rows[1]["tps_ratio"] == pytest.approx(2)
+  assert rows[2]["mem_ratio"] is None
+  e2e.print_table("t", rows)
+  assert "coat+coat_adamw" in capsys.readouterr().out
+
+
+def test_accuracy_report_from_metrics(tmp_path):
+  for mode, shift in (("bf16+adamw", 0.0), ("coat+coat_adamw", 0.05)):
+    d = accuracy.mode_dir(tmp_path, mode)
+    d.mkdir(parents=True)
+    recs = [{"step": s, "split": "eval", "loss": 5.0 - s / 100 + shift} for s in (10, 20, 30)]
+    recs += [{"step": s, "split": "train", "loss": 6.0 - s / 100, "epoch": s / 100} for s in (1, 10, 20, 30)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+  out = accuracy.main(["--plot-only", "--out", str(tmp_path)])
+  assert (tmp_path / "accuracy.png").stat().st_size > 1000
+  gap = out["comparison"]["final_gap"]["coat+coat_adamw"]
+  assert gap == pytest.approx(0.05 / 4.7)
+  assert json.loads((tmp_path / "accuracy.json").read_text())["comparison"]["final_step"] == 30
+
+
+def test_stability_sweep_and_formats(tmp_path):
+  out = stability.main([
+      "--out", str(tmp_path), "--modes", "bf16+adamw", "--seeds", "0", "--lrs", "3e-3",
+      "--steps", "4", "--seq-len", "16", "--batch", "4", "--sharpness-every", "2",
+      "--hessian-iters", "0", "--formats", "int8", "--format-steps", "0", "--check-every", "2",
+      "--set", "model.num_layers=1", "--set", "model.hidden_size=64",
+      "--set", "model.intermediate_size=128", "--set", "data.eval_batches=1"])
+  (run,) = out["runs"]
+  assert len(run["losses"]) == 4 and all(math.isfinite(x) for x in run["losses"])
+  assert run["diverged"] == (run["div_nonfinite"] or run["div_final_gt_initial"])
+  assert math.isfinite(run["eval_loss"]) and "hessian_lmax" not in run
+  assert [s[0] for s in run["sharpness"]] == [0, 2, 4]
+  rows = out["formats"]["rows"]
+  assert [(r["format"], r["expand"]) for r in rows] == [("int8", False), ("int8", True)]
+  for r in rows:  # quantization errors only (--format-steps 0: no coat_adamw runs here)
+    assert 0 < r["v_rel_mse_geomean"] < 1 and 0 <= r["v_flushed_frac"] <= 1
+  assert rows[1]["v_rel_mse_geomean"] < rows[0]["v_rel_mse_geomean"]  # expansion helps
+  for name in ("stability.json", "stability.md", "stability.png"):
+    assert (tmp_path / name).stat().st_size > 100
+
+
+def test_hessian_power_iteration_matches_dense_eigenvalue(rng):
+  v = 5
+  w0 = jnp.asarray(rng.standard_normal((v, v)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, v, (3, 7)), jnp.int32)
+
+  class Parts:  # a bigram "model": logits = W[token]
+    @staticmethod
+    def merge(params, rest):
+      return lambda t: params["w"][t]
+
+  lam = float(stability.make_hessian_lmax(Parts, 60)({"w": w0}, {}, tokens, jax.random.key(0)))
+  loss = lambda w: stability.train_lib.cross_entropy(w.reshape(v, v)[tokens[:, :-1]], tokens[:, 1:])
+  eig = np.linalg.eigvalsh(np.asarray(jax.hessian(loss)(w0.reshape(-1)), np.float64))
+  assert lam == pytest.approx(eig[np.argmax(np.abs(eig))], rel=1e-3)
