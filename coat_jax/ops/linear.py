@@ -72,11 +72,11 @@ def _linear_fp8_fwd(x, w, save_bf16):
 
 
 def _linear_fp8_bwd(save_bf16, res, g):
-  x_t, x_scale, w = res
+  saved, x_scale, w = res  # saved: the bf16 x ("fp8_linear") or the FP8 x^T ("coat")
   if save_bf16:
-    xq = quantize_input(x_t)
-    x_t, x_scale = xq.data_t, xq.scale
-  return _bwd_gemms(x_t, x_scale, w, g)
+    xq = quantize_input(saved)
+    return _bwd_gemms(xq.data_t, xq.scale, w, g)
+  return _bwd_gemms(saved, x_scale, w, g)
 
 
 _linear_fp8.defvjp(_linear_fp8_fwd, _linear_fp8_bwd)
