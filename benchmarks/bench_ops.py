@@ -10,25 +10,14 @@ instead of the Pallas kernels (coat_jax.kernels dispatch), so the kernels' share
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from bench_layer import median_ms  # benchmarks/ is on sys.path when run as a script
 from coat_jax import kernels, ops
 
 MODES = ("bf16", "fp8_linear", "coat")
-
-
-def median_ms(fn, iters: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
 
 
 def fwd_bwd_ms(f, args, iters: int) -> float:
@@ -41,7 +30,7 @@ def fwd_bwd_ms(f, args, iters: int) -> float:
   def run(ct, *args):
     out, pullback = jax.vjp(f, *args)
     return pullback(ct)
-  return median_ms(lambda: run(ct, *args), iters)
+  return median_ms(lambda: run(ct, *args), iters, warmup=1)
 
 
 def cases(a):
