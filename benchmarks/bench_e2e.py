@@ -146,11 +146,12 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
              flops_per_token=float(llama_lib.flops_per_token(llama_cfg, args.seq_len)))
 
   parts, init_fn = train_lib.model_parts(llama_cfg, 0, mesh)
-  tx, _ = train_lib.build_optimizer(cfg.optimizer, total_steps=1000)
+  tx, schedule = train_lib.build_optimizer(cfg.optimizer, total_steps=1000)
   opt_abstract = jax.eval_shape(tx.init, parts.params_abstract)
   opt_sh = sharding_lib.optimizer_state_shardings(tx, opt_abstract, parts.params_shardings, mesh,
                                                   cfg.optimizer.name)
-  train_step, _ = train_lib.make_steps(parts, tx, opt_sh, mesh)
+  train_step, _ = train_lib.make_steps(parts, tx, opt_sh, mesh,
+                                       train_lib.build_apply(cfg.optimizer, tx, schedule))
   params_bytes, opt_bytes = _tree_bytes(parts.params_abstract), _tree_bytes(opt_abstract)
   stats = dev.memory_stats() or {}
   limit = stats.get("bytes_limit")

@@ -123,47 +123,7 @@ def probe_division():
         f"{(np.asarray(div_rn_plain) != ieee).sum()}", flush=True)
 
 
-def bench_adam(n: int = 1 << 28, cols: int = 4096):
-  """Fused COAT step vs optax.adamw and the jnp reference on n float32 params (0.22 x 1.21e9)."""
-  import functools
-  import optax
-  from coat_jax import expansion, optim
-  from pallas_kernels import adam_step as pka
-  shape = (n // cols, cols)
-  k1, k2 = jax.random.split(jax.random.key(1))
-  p = jax.random.normal(k1, shape, jnp.float32)
-  g = jax.random.normal(k2, shape, jnp.float32) * 1e-2
-  m = expansion.quantize_expanded(g * 0.1, "e4m3", 128, 16, True)
-  v = expansion.quantize_expanded(g * g * 1e-3, "e4m3", 128, 16, True)
-  args = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, count=jnp.int32(5),
-              m_format="e4m3", v_format="e4m3", group_size=128, expand=True, expand_min=16)
-  tx = optax.adamw(1e-3, weight_decay=0.1)
-  st = tx.init(p)
-
-  @jax.jit
-  def optax_step(p, g, st):
-    u, st = tx.update(g, st, p)
-    return optax.apply_updates(p, u), st
-
-  ref = jax.jit(functools.partial(optim.adam_step_reference, **args))
-  t_optax = median_ms(optax_step, p, g, st, iters=3, repeats=5)
-  t_ref = median_ms(ref, p, g, m, v, iters=3, repeats=5)
-  res = {}
-  for block, warps in [(32, 4), (16, 4), (64, 8), (8, 2)]:
-    fn = jax.jit(functools.partial(pka.adam_step, block=block, num_warps=warps, **args))
-    res[(block, warps)] = median_ms(fn, p, g, m, v, iters=3, repeats=5)
-  n_el = p.size
-  print(f"adam: {n_el / 1e9:.3f}e9 float32 params (grads float32)")
-  print(f"  optax.adamw            {t_optax:8.2f} ms  (28 B/param: {28 * n_el / t_optax / 1e6:.0f} GB/s)")
-  print(f"  coat jnp reference     {t_ref:8.2f} ms")
-  for (block, warps), t in res.items():
-    print(f"  fused kernel b={block:3d} w={warps}  {t:8.2f} ms  = {t / t_optax:.2f}x optax, "
-          f"{t_ref / t:.1f}x faster than ref; 16 B/param -> {16 * n_el / t / 1e6:.0f} GB/s", flush=True)
-
-
 def main():
-  if "--adam" in sys.argv:
-    bench_adam()
   if "--probe-cast" in sys.argv:
     probe_cast()
   if "--probe-kv" in sys.argv:

@@ -2,8 +2,11 @@
 
 Parameters as in /work/shared/gpu_notes.md: 56 x (4096, 4096) + 6 x (4096, 11008) float32 =
 1.21e9 (scaled by --scale on the row count), random gradients, on the default device. Each step is
-one jitted call `(params, state, grads) -> (params, state)` with params and state donated; the
-median over --steps timed calls (after warm-up, each ended by block_until_ready) is reported.
+one jitted call `(params, state, grads) -> (params, state)` with params, state and grads donated
+(inside a train step the gradients are temporaries, so a kernel may write over them; each call gets
+a fresh copy, made before its timer starts); the median over --steps timed calls (after warm-up,
+each ended by block_until_ready) is reported. --profile also prints each optimizer's top GPU
+kernels (device time per step) and counts the copies in its compiled HLO.
 
 The byte floor is the bytes a step must move per param (read param, grad and state; write param
 and state) divided by the copy bandwidth measured here (a jitted x + 1 over a large array, read +
@@ -43,6 +46,7 @@ def time_calls(fn, args_fn, steps: int, warmup: int = 2) -> float:
     args = args_fn(out)
   times = []
   for _ in range(steps):
+    jax.block_until_ready(args)
     t0 = time.perf_counter()
     out = fn(*args)
     jax.block_until_ready(out)
@@ -59,7 +63,7 @@ def copy_bandwidth(n_bytes: int, steps: int) -> float:
   return 2 * (n_bytes // 4) * 4 / (ms * 1e-3)
 
 
-def bench_optimizer(name, opt, params_fn, grads, steps):
+def bench_optimizer(name, opt, params_fn, grads, steps, profile=False):
   """Returns (ms per step, state bytes per param) for one optimizer; frees its buffers."""
   params = params_fn()
   n = sum(p.size for p in jax.tree.leaves(params))
@@ -72,18 +76,39 @@ def bench_optimizer(name, opt, params_fn, grads, steps):
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(_step, donate_argnums=(0, 1))
-  carry = {"args": (params, state, grads)}
+  step = jax.jit(_step, donate_argnums=(0, 1, 2))
+  fresh_grads = lambda: jax.tree.map(jnp.copy, grads)
+  carry = {"args": (params, state, fresh_grads())}
 
   def next_args(out):
     if out is not None:
-      carry["args"] = (out[0], out[1], grads)
+      carry["args"] = (out[0], out[1], fresh_grads())
     return carry["args"]
 
+  if profile:
+    hlo = step.lower(*carry["args"]).compile().as_text()
+    print(f"  {name}: compiled HLO has {hlo.count(' copy(')} copy ops, "
+          f"{hlo.count('custom-call(')} custom calls", flush=True)
+    for line in [ln for ln in hlo.splitlines() if " copy(" in ln][:2]:
+      print(f"    {line.strip()[:160]}")
   ms = time_calls(step, next_args, steps)
+  device_ms = None
+  if profile:  # one traced step, its inputs (fresh grads) made before the trace starts
+    import tempfile
+    from profile_layer import kernel_times  # benchmarks/ is on sys.path when run as a script
+    args = jax.block_until_ready(next_args(None))
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        out = jax.block_until_ready(step(*args))
+      times = kernel_times(trace_dir)
+    next_args(out)
+    device_ms = sum(times.values()) / 1e3
+    print(f"  {name}: GPU kernel time {device_ms:.2f} ms/step; top kernels (ms):")
+    for kname, us in sorted(times.items(), key=lambda kv: -kv[1])[:5]:
+      print(f"    {us / 1e3:8.3f}  {kname[:90]}")
   del carry, params, state
   print(f"  {name}: {ms:.2f} ms/step", flush=True)
-  return ms, state_bytes / n
+  return ms, state_bytes / n, device_ms
 
 
 def main():
@@ -91,6 +116,8 @@ def main():
   parser.add_argument("--scale", type=float, default=1.0,
                       help="fraction of the 1.21e9 params (scales each matrix's row count)")
   parser.add_argument("--steps", type=int, default=10, help="timed steps per optimizer")
+  parser.add_argument("--profile", action="store_true",
+                      help="also print top GPU kernels per step and HLO copy counts")
   args = parser.parse_args()
 
   rows = lambda r: max(1, round(r * args.scale))
@@ -114,23 +141,26 @@ def main():
   rows_out = []
   for name, make, backend in configs:
     with kernels.backend(backend):
-      ms, bpp = bench_optimizer(name, make(), params_fn, grads, args.steps)
+      ms, bpp, device_ms = bench_optimizer(name, make(), params_fn, grads, args.steps,
+                                           args.profile)
     # read param + grad + state, write param + state (float32 params and grads)
     moved = 4 + 4 + 4 + 2 * bpp
-    if name == "coat_adamw (pallas)":  # the kernel writes the update; apply_updates reads it back
+    if name.startswith("coat_adamw (pallas"):  # the kernel writes the update; apply_updates reads it
       moved += 4 + 4 + 4
     floor_ms = moved * n / bw * 1e3
-    rows_out.append((name, ms, bpp, moved, floor_ms))
+    rows_out.append((name, ms, bpp, moved, floor_ms, device_ms))
 
-  base = rows_out[0][1]
+  base, base_dev = rows_out[0][1], rows_out[0][5]
   print()
+  dev_cols = " | GPU kernel ms | kernel ms vs optax.adamw" if args.profile else ""
   print(f"| optimizer | ms / step | state bytes / param | bytes moved / param | byte floor ms "
-        f"| x floor | vs optax.adamw |")
-  print("|---|---|---|---|---|---|---|")
-  for name, ms, bpp, moved, floor_ms in rows_out:
+        f"| x floor | speed vs optax.adamw{dev_cols} |")
+  print("|---|---|---|---|---|---|---|" + ("---|---|" if args.profile else ""))
+  for name, ms, bpp, moved, floor_ms, device_ms in rows_out:
+    dev = (f" {device_ms:.2f} | {device_ms / base_dev:.2f}x |" if args.profile and device_ms
+           and base_dev else (" - | - |" if args.profile else ""))
     print(f"| {name} | {ms:.2f} | {bpp:.3f} | {moved:.2f} | {floor_ms:.2f} | "
-          f"{ms / floor_ms:.2f} | {base / ms:.2f}x |")
-
+          f"{ms / floor_ms:.2f} | {base / ms:.2f}x |{dev}")
 
 if __name__ == "__main__":
   main()

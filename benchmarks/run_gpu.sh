@@ -3,7 +3,7 @@
 # section's log to $OUT/<section>.log (the device tool brings $OUT back).
 #   bash benchmarks/run_gpu.sh tests kernels layer optimizer     # one call
 #   bash benchmarks/run_gpu.sh train1b e2e
-# Sections: tests (GPU-marked tests + ops/kernel tests compiled), kernels (quantize bandwidth,
+# Sections: tests (GPU-marked tests), tests_all (kernel/ops/quantize test files compiled for the GPU), kernels (quantize bandwidth,
 # fused Adam step, FP8 GEMM), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params),
 # train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e (benchmarks/bench_e2e.py).
 set -uo pipefail
@@ -22,14 +22,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 for s in "$@"; do
   case $s in
-    tests) section tests 420 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -q -rf --tb=line -p no:cacheprovider -m "gpu or not slow" \
+    tests) section tests 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -v -rf --tb=short -p no:cacheprovider -m gpu --durations=10 tests ;;
+    tests_all) section tests_all 420 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -v -rf --tb=line -p no:cacheprovider -m "not slow" -k "not interpret" --timeout 90 --durations=15 \
              tests/test_kernels_quantize.py tests/test_kernels_matmul.py tests/test_kernels_adam.py tests/test_ops.py tests/test_quantize.py ;;
-    kernels) section kernels 420 bash -c "$PY benchmarks/bench_kernels_memory.py --adam && $PY benchmarks/bench_kernels_gemm.py --shapes all" ;;
+    kernels) section kernels 420 $PY benchmarks/bench_kernels.py ${KERNEL_ARGS:-} ;;
     ops) section ops 240 $PY benchmarks/bench_ops.py ;;
     profile) section profile 200 $PY benchmarks/profile_layer.py ;;
     layer) section layer 420 $PY benchmarks/bench_layer.py --json "$OUT/layer.json" ;;
-    optimizer) section optimizer 420 $PY benchmarks/bench_optimizer.py ;;
-    train1b) for m in "bf16 adamw" "fp8_linear adamw" "coat coat_adamw"; do set -- $m
+    optimizer) section optimizer 420 $PY benchmarks/bench_optimizer.py ${OPT_ARGS:-} ;;
+    adam_sweep) section adam_sweep 420 $PY benchmarks/sweep_adam_kernel.py ${SWEEP_ARGS:-} ;;
+    train1b) for m in ${TRAIN1B_MODES:-bf16:adamw fp8_linear:adamw coat:coat_adamw}; do set -- ${m/:/ }
                section train1b 200 $PY train.py --config configs/olmo-1b.yaml --no-progress \
                  --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=8 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
                  --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \

@@ -21,6 +21,7 @@ def _load(name):
   return module
 
 
+sys.path.insert(0, str(REPO / "benchmarks"))   # the scripts import their siblings
 e2e = _load("bench_e2e")
 accuracy = _load("accuracy")
 stability = _load("stability")
@@ -114,3 +115,13 @@ def test_hessian_power_iteration_matches_dense_eigenvalue(rng):
   loss = lambda w: stability.train_lib.cross_entropy(w.reshape(v, v)[tokens[:, :-1]], tokens[:, 1:])
   eig = np.linalg.eigvalsh(np.asarray(jax.hessian(loss)(w0.reshape(-1)), np.float64))
   assert lam == pytest.approx(eig[np.argmax(np.abs(eig))], rel=1e-3)
+
+
+def test_adam_sweep_runs_and_checks_the_kernel_setting(capsys):
+  """benchmarks/sweep_adam_kernel.py in interpret mode on one tiny leaf: every variant timed."""
+  sweep = _load("sweep_adam_kernel")
+  results = sweep.main(["--rows", "16", "--cols", "256", "--steps", "1", "--interpret", "--quick"])
+  names = [name for name, _, _ in results]
+  assert any(n.startswith("optax") for n in names) and any("fast alias" in n for n in names)
+  assert all(ms > 0 and math.isfinite(ms) for _, ms, _ in results)
+  assert "| variant | ms |" in capsys.readouterr().out
