@@ -318,6 +318,19 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
   return out
 
 
+def _use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
+  """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set)."""
+  if not directory or jax.config.jax_compilation_cache_dir:
+    return
+  path = Path(os.path.expanduser(directory))
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a read-only home must not stop training
+    say(f"[run] compilation cache off: cannot create {path} ({e})")
+    return
+  jax.config.update("jax_compilation_cache_dir", str(path))
+
+
 def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         devices: list[jax.Device] | None = None, log: Callable[[str], None] = print,
         on_step: Callable[[int, "StopRequest"], None] | None = None,
@@ -339,6 +352,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
   total_steps = cfg.run.steps
   end_step = total_steps if stop_after is None else min(total_steps, stop_after)
 
+  _use_compile_cache(cfg.run.compile_cache, say)
   # Mesh, data, model.
   mesh = sharding_lib.make_mesh(cfg.mesh, devices)
   shards = sharding_lib.batch_shards(mesh)

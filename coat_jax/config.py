@@ -140,7 +140,12 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class RunSettings:
-  """Length, seed and bookkeeping of a run."""
+  """Length, seed and bookkeeping of a run.
+
+  `compile_cache`: JAX's persistent compilation cache directory ("" = off). A restarted or
+  resumed run then skips the compile (minutes for coat mode on the GPU: every FP8 GEMM call site
+  is a Pallas kernel of its own).
+  """
   steps: int = 300
   seed: int = 0
   log_every: int = 10
@@ -149,6 +154,7 @@ class RunSettings:
   progress: bool = True
   tensorboard: bool = True
   plot: bool = True
+  compile_cache: str = "~/.cache/coat_jax/xla"
 
 
 @dataclasses.dataclass

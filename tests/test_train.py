@@ -28,7 +28,7 @@ MINI = [
     "data.vocab_size=512", "data.corpus_max_bytes=150000", "data.seq_len=32", "data.batch_size=8",
     "data.eval_batches=2", "optimizer.warmup=2", "optimizer.lr=1e-2", "run.progress=false",
     "run.log_every=5", "run.eval_every=0", "run.tensorboard=false", "run.plot=false",
-    "mesh.data=1", "checkpoint.async_save=false",
+    "mesh.data=1", "checkpoint.async_save=false", 'run.compile_cache=""',
 ]
 QUIET = lambda _: None
 
@@ -131,6 +131,18 @@ def test_build_apply_equals_update_then_apply_updates(rng, name, clip):
       np.testing.assert_allclose(np.asarray(g) - np.asarray(p), step, rtol=1e-4,
                                  atol=1e-5 * np.abs(step).max())
     params, state = want_p, want_s
+
+
+def test_compile_cache_setting(tmp_path):
+  """run.compile_cache points JAX's persistent cache at the directory (made if missing); "" is off."""
+  code = ("import sys, jax, train; train._use_compile_cache(sys.argv[1], print); "
+          "print('DIR', jax.config.jax_compilation_cache_dir)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  for arg, want in ((str(tmp_path / "xla"), str(tmp_path / "xla")), ("", "None")):
+    out = subprocess.run([sys.executable, "-c", code, arg], cwd=REPO, env=env, check=True,
+                         capture_output=True, text=True).stdout
+    assert f"DIR {want}" in out, out
+  assert (tmp_path / "xla").is_dir()
 
 
 def test_param_sharding_rules():
