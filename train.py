@@ -134,18 +134,33 @@ def weight_decay_mask(opt: config_lib.OptimizerConfig):
 def build_optimizer(opt: config_lib.OptimizerConfig, total_steps: int):
   """(optax transformation, schedule): clip_by_global_norm -> adamw | coat_adamw."""
   schedule = lr_schedule(opt, total_steps)
-  mask = weight_decay_mask(opt)
   if opt.name == "adamw":
     core = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                       mask=mask)
+                       mask=weight_decay_mask(opt))
   else:
     from coat_jax.optim import coat_adamw
-    core = coat_adamw(schedule, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask,
-                      m_format=opt.m_format, v_format=opt.v_format, group_size=opt.group_size,
-                      expand=opt.expand, expand_min=opt.expand_min,
-                      min_quantized_size=opt.min_quantized_size)
+    core = coat_adamw(schedule, *_coat_args(opt), **_coat_kwargs(opt))
   parts = ([optax.clip_by_global_norm(opt.clip)] if opt.clip > 0 else []) + [core]
   return optax.chain(*parts), schedule
+
+
+def _coat_args(opt: config_lib.OptimizerConfig) -> tuple:
+  """coat_adamw's / coat_adamw_apply's positional arguments after the learning rate."""
+  return opt.b1, opt.b2, opt.eps, opt.weight_decay, weight_decay_mask(opt)
+
+
+def _coat_kwargs(opt: config_lib.OptimizerConfig) -> dict:
+  return dict(m_format=opt.m_format, v_format=opt.v_format, group_size=opt.group_size,
+              expand=opt.expand, expand_min=opt.expand_min,
+              min_quantized_size=opt.min_quantized_size)
+
+
+def optax_apply(tx: optax.GradientTransformation):
+  """apply(grads, opt_state, params) -> (new params, new opt_state): tx.update + apply_updates."""
+  def apply(grads, opt_state, params):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return apply
 
 
 def build_apply(opt: config_lib.OptimizerConfig, tx, schedule):
@@ -157,16 +172,10 @@ def build_apply(opt: config_lib.OptimizerConfig, tx, schedule):
   kernel time per step for 1.21e9 params, docs/benchmarks.md).
   """
   if opt.name != "coat_adamw":
-    def apply(grads, opt_state, params):
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-    return apply
+    return optax_apply(tx)
 
   from coat_jax.optim import coat_adamw_apply
-  core = coat_adamw_apply(schedule, opt.b1, opt.b2, opt.eps, opt.weight_decay,
-                          weight_decay_mask(opt), m_format=opt.m_format, v_format=opt.v_format,
-                          group_size=opt.group_size, expand=opt.expand,
-                          expand_min=opt.expand_min, min_quantized_size=opt.min_quantized_size)
+  core = coat_adamw_apply(schedule, *_coat_args(opt), **_coat_kwargs(opt))
   clip = optax.clip_by_global_norm(opt.clip) if opt.clip > 0 else None
 
   def apply(grads, opt_state, params):
@@ -231,12 +240,9 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None):
   """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
 
   apply_fn: (grads, opt_state, params) -> (params, opt_state), e.g. `build_apply`'s; default
-  tx.update followed by optax.apply_updates.
+  `optax_apply(tx)` (tx.update followed by optax.apply_updates).
   """
-  if apply_fn is None:
-    def apply_fn(grads, opt_state, params):
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+  apply_fn = apply_fn or optax_apply(tx)
   batch_sh = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
 

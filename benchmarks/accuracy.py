@@ -41,6 +41,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _common import parse_modes  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 DEFAULT_MODES = ("bf16+adamw", "coat+coat_adamw")
@@ -68,10 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--plot-only", action="store_true",
                  help="no training: rebuild accuracy.json/png from the runs already in --out")
   args = p.parse_args(argv)
-  args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-  bad = [m for m in args.modes if m not in MODES]
-  if bad:
-    p.error(f"unknown modes {bad}; choose from {MODES}")
+  args.modes = parse_modes(p, args.modes, MODES)
   return args
 
 

@@ -42,6 +42,8 @@ import threading
 import time
 from pathlib import Path
 
+from _common import parse_modes  # benchmarks/ is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 REMATS = ("none", "full", "dots", "dots_saveable")
@@ -73,10 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: measure one mode
   p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-  bad = [m for m in args.modes + ([args.one] if args.one else []) if m not in MODES]
-  if bad:
-    p.error(f"unknown modes {bad}; choose from {MODES}")
+  args.modes = parse_modes(p, args.modes, MODES, [args.one] if args.one else [])
   for name in ("seq_len", "batch", "steps", "max_batch"):
     if getattr(args, name) <= 0:
       p.error(f"--{name.replace('_', '-')} must be > 0")

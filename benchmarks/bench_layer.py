@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from _common import parse_modes  # benchmarks/ is on sys.path when run as a script
 from coat_jax import memory, ops
 from coat_jax.nn import MODES, DecoderBlock
 
@@ -57,10 +58,7 @@ def parse_args(argv=None):
                       "each mode's peak_bytes_in_use is its own)")
   p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-  bad = [m for m in args.modes if m not in MODES]
-  if bad:
-    p.error(f"unknown modes {bad}; choose from {MODES}")
+  args.modes = parse_modes(p, args.modes, MODES)
   return args
 
 

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 from bench_optimizer import time_calls  # benchmarks/ is on sys.path when run as a script
 from coat_jax.expansion import quantize_expanded
 from pallas_kernels import adam_step as pk
+from pallas_kernels.quantize import _pow2_divisor
 
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, count=7, m_format="e4m3",
              v_format="e4m3", group_size=128, expand=True, expand_min=16)
@@ -46,6 +47,7 @@ def _io_kernel(p_ref, g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
 @functools.partial(jax.jit, static_argnames=("block", "interpret"), donate_argnums=(0, 2, 3))
 def io_floor(p, g, m, v, *, block, interpret=False):
   rows = p.size // 128
+  block = _pow2_divisor(rows, block)   # whole blocks, as the COAT kernel picks them
   big = pl.BlockSpec((block, 128), lambda i: (i, 0))
   small = pl.BlockSpec((block,), lambda i: (i,))
   outs = pl.pallas_call(
@@ -86,6 +88,7 @@ def main(argv=None):
   grad = jax.random.normal(kg, shape, jnp.float32) * 1e-3
 
   def fresh():
+    """(param, m, v) of the COAT step: float32 param, E4M3 expanded moments."""
     p = jax.random.normal(kp, shape, jnp.float32) * 0.02
     m = jax.jit(lambda k: quantize_expanded(jax.random.normal(k, shape) * 1e-3, "e4m3"))(km)
     v = jax.jit(lambda k: quantize_expanded(jax.random.uniform(k, shape) * 1e-6, "e4m3"))(kv)
@@ -93,9 +96,10 @@ def main(argv=None):
 
   results = []
 
-  def run(name, fn, bytes_per_param):
-    p, m, v = fresh()
-    carry = {"args": (p, grad, m, v)}
+  def run(name, fn, bytes_per_param, state=fresh):
+    """Times fn(p, grad, a, b) -> (p, a, b), each call fed the previous call's outputs."""
+    p, a, b = state()
+    carry = {"args": (p, grad, a, b)}
 
     def next_args(out):
       if out is not None:
@@ -115,25 +119,15 @@ def main(argv=None):
   adamw = optax.adamw(1e-3, weight_decay=1e-4)
 
   @functools.partial(jax.jit, donate_argnums=(0, 2))
-  def adamw_step(p, g, state, _unused):
+  def adamw_step(p, g, state, unused):
     u, state = adamw.update(g, state, p)
-    return optax.apply_updates(p, u), state, _unused
+    return optax.apply_updates(p, u), state, unused
 
-  def run_adamw():
+  def adamw_state():
     p = jax.random.normal(kp, shape, jnp.float32) * 0.02
-    carry = {"args": (p, grad, adamw.init(p), None)}
+    return p, adamw.init(p), None
 
-    def next_args(out):
-      if out is not None:
-        carry["args"] = (out[0], grad, out[1], None)
-      return carry["args"]
-
-    ms = time_calls(adamw_step, next_args, args.steps)
-    del carry
-    results.append(("optax.adamw + apply_updates (XLA)", ms, 28 * n / (ms * 1e-3) / 1e12))
-    print(f"  optax.adamw: {ms:.3f} ms", flush=True)
-
-  run_adamw()
+  run("optax.adamw + apply_updates (XLA)", adamw_step, 28, adamw_state)
 
   if args.quick:
     variants = [(16, 4, False, False), (16, 4, True, False), (16, 4, False, True),

@@ -24,6 +24,16 @@ def _state(rng, shape, m_format, v_format, expand):
   return p, g, m, v
 
 
+def _codes_where_k_agrees(a, b):
+  """FP8 codes (as int32 bytes) of two ExpandedMoments in the groups whose k codes agree, and that
+  element mask. A k one step (1/16) apart rescales a group's small values by up to
+  2^(log2(R)/16), i.e. a binade (8 E4M3 codes), so only such groups compare code by code."""
+  same_k = np.repeat(np.asarray(a.k_code) == np.asarray(b.k_code), 128,
+                     axis=-1)[..., :a.data.shape[-1]]
+  codes = lambda m: np.asarray(jax.lax.bitcast_convert_type(m.data, jnp.uint8)).astype(np.int32)
+  return codes(a)[same_k], codes(b)[same_k], same_k
+
+
 def _compare(got, want, p0, min_equal=0.999):
   (gp, gm, gv), (wp, wm, wv) = got, want
   # Params: the old moments are dequantized with exp2/log2 that differ from XLA's (by ulps, or
@@ -39,11 +49,7 @@ def _compare(got, want, p0, min_equal=0.999):
     ka, kb = np.asarray(a.k_code, np.int32), np.asarray(b.k_code, np.int32)
     assert np.abs(ka - kb).max() <= 1 and (ka == kb).mean() >= 0.95
     np.testing.assert_allclose(np.asarray(a.amax), np.asarray(b.amax), rtol=5e-5)
-    # Codes are compared in the groups whose k agrees: a k one step (1/16) apart rescales the
-    # group's small values by up to 2^(log2(R)/16), i.e. a binade (8 E4M3 codes).
-    same_k = np.repeat(ka == kb, 128, axis=-1)[..., :a.data.shape[-1]]
-    qa = np.asarray(jax.lax.bitcast_convert_type(a.data, jnp.uint8)).astype(np.int32)[same_k]
-    qb = np.asarray(jax.lax.bitcast_convert_type(b.data, jnp.uint8)).astype(np.int32)[same_k]
+    qa, qb, _ = _codes_where_k_agrees(a, b)
     assert (qa == qb).mean() >= min_equal, (qa != qb).mean()
     assert np.abs(qa - qb).max() <= 1   # off by one code at most (same sign)
 
@@ -161,10 +167,7 @@ def _assert_moments_close(got, want, fmt):
   ka, kb = np.asarray(got.k_code, np.int32), np.asarray(want.k_code, np.int32)
   assert (ka != kb).sum() <= 1 and np.abs(ka - kb).max() <= 1
   np.testing.assert_allclose(np.asarray(got.amax), np.asarray(want.amax), rtol=5e-5)
-  n = want.data.shape[-1]
-  same_k = np.repeat(ka == kb, 128, axis=-1)[..., :n]
-  qa = np.asarray(jax.lax.bitcast_convert_type(got.data, jnp.uint8)).astype(np.int32)[same_k]
-  qb = np.asarray(jax.lax.bitcast_convert_type(want.data, jnp.uint8)).astype(np.int32)[same_k]
+  qa, qb, same_k = _codes_where_k_agrees(got, want)
   assert (qa != qb).sum() <= max(2, qa.size // 200) and np.abs(qa - qb).max() <= 1
   da, db = (np.asarray(_dequantize(x, fmt, 128, 16))[same_k] for x in (got, want))
   np.testing.assert_allclose(da[qa == qb], db[qa == qb], rtol=1e-4, atol=0)
