@@ -33,6 +33,11 @@ INT8 = Format("int8", jnp.dtype(jnp.int8), 127.0, 1.0, False)
 
 FORMATS: dict[str, Format] = {f.name: f for f in (E4M3, E5M2, INT8)}
 
+# Group sizes (COAT's): FP8 activations saved by non-linear ops are scaled per 1 x 16 group along
+# the hidden axis; optimizer moments per group of 128 consecutive elements.
+ACTIVATION_GROUP_SIZE = 16
+OPTIMIZER_GROUP_SIZE = 128
+
 # Floors that keep scales finite and non-zero for all-zero tensors (COAT's values).
 ACTIVATION_SCALE_FLOOR = 1e-10
 OPTIMIZER_SCALE_FLOOR = 1e-30
