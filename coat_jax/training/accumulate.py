@@ -1,0 +1,79 @@
+"""Gradient accumulation: one optimizer step over a global batch split into microbatches.
+
+For a global batch of B sequences and k microbatches, the step computes
+
+  loss = (1/k) sum_i L(params, batch_i),   grads = (1/k) sum_i dL(params, batch_i)/dparams,
+
+where batch_i holds rows {i, i + k, i + 2k, ...} of the batch and L is the mean loss over a
+microbatch's tokens. With equal microbatches this is the loss and gradient of the whole batch: the
+same math as one step of B sequences, at the activation memory of B/k. Gradients are summed in
+`accum_dtype` (float32 by default; bfloat16 halves the accumulator's bytes) and the mean is cast
+back to the parameters' dtype.
+
+Strided microbatches (row i + j k) keep each device's share equal: a batch sharded over devices
+in contiguous row blocks gives every microbatch B/(k n) rows on every one of the n devices, so no
+data moves between devices. The microbatches run in a `lax.scan` (one compiled body, sequential).
+With k = 1 the function is value_and_grad itself (bit-identical); with k > 1 the sums run in a
+different order than one large batch's reductions, so results agree to float rounding only.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+ACCUM_DTYPES = ("float32", "bfloat16")
+
+
+def split_microbatches(batch: jax.Array, num_microbatches: int) -> jax.Array:
+  """(B, ...) -> (k, B/k, ...) with microbatch i holding rows i, i + k, i + 2k, ...
+
+  Raises ValueError when k does not divide B.
+  """
+  b = batch.shape[0]
+  if num_microbatches <= 0 or b % num_microbatches:
+    raise ValueError(f"gradient accumulation: {num_microbatches} microbatches do not divide the "
+                     f"batch of {b} sequences")
+  per = b // num_microbatches
+  return jnp.swapaxes(batch.reshape(per, num_microbatches, *batch.shape[1:]), 0, 1)
+
+
+def accumulated_value_and_grad(loss_fn: Callable[..., tuple[jax.Array, Any]],
+                               num_microbatches: int, accum_dtype: str = "float32"):
+  """value_and_grad of `loss_fn(params, state, batch) -> (loss, new_state)` over microbatches.
+
+  Returns f(params, state, batch) -> ((mean loss, final state), mean grads). `state` (e.g. the
+  model's non-parameter state) is threaded through the microbatches in order. Grads have the
+  params' dtypes; the running sum is kept in `accum_dtype` ("float32" or "bfloat16").
+  """
+  if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) \
+      or num_microbatches < 1:
+    raise ValueError(f"gradient accumulation: the number of microbatches must be an int >= 1, "
+                     f"got {num_microbatches!r}")
+  if accum_dtype not in ACCUM_DTYPES:
+    raise ValueError(f"gradient accumulation: accum_dtype must be one of {ACCUM_DTYPES}, "
+                     f"got {accum_dtype!r}")
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if num_microbatches == 1:
+    return grad_fn
+  acc_dtype = jnp.dtype(accum_dtype)
+
+  def fn(params, state, batch):
+    micro = split_microbatches(batch, num_microbatches)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), params)
+
+    def body(carry, mb):
+      grads_sum, loss_sum, st = carry
+      (loss, st), grads = grad_fn(params, st, mb)
+      grads_sum = jax.tree.map(lambda a, g: a + g.astype(acc_dtype), grads_sum, grads)
+      return (grads_sum, loss_sum + loss.astype(jnp.float32), st), None
+
+    (grads_sum, loss_sum, state), _ = jax.lax.scan(
+        body, (zeros, jnp.zeros((), jnp.float32), state), micro)
+    inv = 1.0 / num_microbatches
+    grads = jax.tree.map(lambda s, p: (s * jnp.asarray(inv, acc_dtype)).astype(p.dtype),
+                         grads_sum, params)
+    return (loss_sum * inv, state), grads
+
+  return fn
