@@ -30,7 +30,8 @@ from flax import nnx
 
 from _common import parse_modes  # benchmarks/ is on sys.path when run as a script
 from coat_jax import memory, ops
-from coat_jax.nn import MODES, DecoderBlock
+from coat_jax.nn import DecoderBlock
+from coat_jax.precision import PRECISIONS as MODES
 
 # COAT's benchmark/benchmark_olmolayer.py on the lent H100 (shared/gpu_notes.md, 2026-11-22).
 COAT_REFERENCE = {"bf16 (PyTorch)": (14.6, 42.4, 2914.0), "coat (PyTorch+Triton)": (10.3, 29.4, 1723.0)}

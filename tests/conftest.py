@@ -1,8 +1,13 @@
 """Test set-up: 8 simulated CPU devices (for mesh tests) and float64 references available.
 
 XLA_FLAGS must be set before jax is imported, so it happens here, at collection time.
+
+Randomness: the `rng` and `key` fixtures derive from one seed, fixed by default (DEFAULT_SEED) and
+overridable with the environment variable COAT_TEST_SEED; each test gets its own stream (the seed
+plus its node id). The seed is printed in the report header and in every failure's report.
 """
 import os
+import zlib
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -13,12 +18,40 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+DEFAULT_SEED = 20261123
+SEED_ENV = "COAT_TEST_SEED"
+
+
+def base_seed() -> int:
+  value = os.environ.get(SEED_ENV, str(DEFAULT_SEED))
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"{SEED_ENV} must be an integer, got {value!r}") from None
+
+
+def pytest_report_header(config):
+  return f"test seed {base_seed()} (set {SEED_ENV} to change it)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  if report.failed and "rng" in getattr(item, "fixturenames", ()):
+    report.sections.append(("seed", f"{SEED_ENV}={base_seed()} (test stream "
+                                     f"{_test_seed(item.nodeid)}) reproduces this failure"))
+
+
+def _test_seed(nodeid: str) -> int:
+  return (base_seed() + zlib.crc32(nodeid.encode())) % (2**32)
+
 
 @pytest.fixture
-def rng():
-  """A fresh numpy Generator per test (seeded from the OS: inputs differ between runs)."""
-  seed = np.random.SeedSequence().entropy % (2**32)
-  print(f"numpy seed {seed}")
+def rng(request):
+  """A numpy Generator seeded from the run's seed and the test's id (same inputs every run)."""
+  seed = _test_seed(request.node.nodeid)
+  print(f"numpy seed {seed} ({SEED_ENV}={base_seed()})")
   return np.random.default_rng(seed)
 
 

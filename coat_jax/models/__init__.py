@@ -1,4 +1,7 @@
-"""Models: Llama (Flax NNX) with precision modes, presets and Hugging Face import."""
-from coat_jax.models.llama import (PRESETS, Llama, LlamaConfig, flops_per_token, num_params)
+"""Models: Llama (Flax NNX) with precision modes, presets and Hugging Face import (`load_llama`)."""
+from coat_jax.models.hf import config_from_hf, load_llama
+from coat_jax.models.llama import (PRESETS, REMAT_POLICIES, Llama, LlamaConfig, flops_per_token,
+                                   layer_params, num_params, stack_blocks)
 
-__all__ = ["PRESETS", "Llama", "LlamaConfig", "flops_per_token", "num_params"]
+__all__ = ["PRESETS", "REMAT_POLICIES", "Llama", "LlamaConfig", "config_from_hf", "flops_per_token",
+           "layer_params", "load_llama", "num_params", "stack_blocks"]

@@ -3,6 +3,9 @@
 Reads single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) checkpoints,
 old (`rope_theta` / `rope_scaling`) and new (`rope_parameters`) config layouts, and BF16 tensors.
 Torch linears store weights as (out, in); ours are (in, out), so projections are transposed.
+Per-layer tensors are stacked along the leading layer axis when the config scans its layers.
+
+  model = coat_jax.models.load_llama("path/to/hf_dir", precision="coat")
 """
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
 from coat_jax.models.llama import Llama, LlamaConfig
+from coat_jax.ops import LLAMA3_ROPE_KEYS
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,11 +39,10 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
     return theta, None
   if kind != "llama3":
     raise ValueError(f"config.json: rope scaling type {kind!r} is not supported (only 'llama3')")
-  keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-  missing = [k for k in keys if k not in scaling]
+  missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
   if missing:
     raise ValueError(f"config.json: llama3 rope scaling misses {missing}")
-  return theta, {k: scaling[k] for k in keys}
+  return theta, {k: scaling[k] for k in LLAMA3_ROPE_KEYS}
 
 
 def config_from_hf(hf: dict[str, Any], **overrides) -> LlamaConfig:
@@ -105,25 +109,34 @@ class _TensorFiles:
     return self._handle(self.file_of[name]).get_tensor(name)
 
 
-def _hf_tensor_names(cfg: LlamaConfig):
-  """(hf name, getter of our Param, transpose?) for every tensor the model needs."""
-  names = [("model.embed_tokens.weight", lambda m: m.embed.embedding, False),
-           ("model.norm.weight", lambda m: m.norm.scale, False)]
-  if not cfg.tie_embeddings:
-    names.append(("lm_head.weight", lambda m: m.lm_head.kernel, True))
-  for i in range(cfg.num_layers):
-    p = f"model.layers.{i}."
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      names.append((f"{p}self_attn.{proj}.weight",
-                    lambda m, i=i, proj=proj: getattr(m.layers[i].self_attn, proj).kernel, True))
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-      names.append((f"{p}mlp.{proj}.weight",
-                    lambda m, i=i, proj=proj: getattr(m.layers[i].mlp, proj).kernel, True))
-    names.append((f"{p}input_layernorm.weight", lambda m, i=i: m.layers[i].input_layernorm.scale,
-                  False))
-    names.append((f"{p}post_attention_layernorm.weight",
-                  lambda m, i=i: m.layers[i].post_attention_layernorm.scale, False))
-  return names
+# (HF name, attribute path of our Param, transpose?): model-level, then per decoder layer.
+_MODEL_TENSORS = (("model.embed_tokens.weight", ("embed", "embedding"), False),
+                  ("model.norm.weight", ("norm", "scale"), False))
+_HEAD_TENSOR = ("lm_head.weight", ("lm_head", "kernel"), True)
+_LAYER_TENSORS = tuple(
+    [(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True)
+     for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    + [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")]
+    + [(f"{n}.weight", (n, "scale"), False) for n in ("input_layernorm", "post_attention_layernorm")])
+
+
+def _param(module, path: tuple[str, ...]):
+  for name in path:
+    module = getattr(module, name)
+  return module
+
+
+def _read(files: _TensorFiles, directory: Path, name: str, shape: tuple[int, ...],
+          transpose: bool, dtype) -> jax.Array:
+  """Tensor `name` in our layout (transposed if asked), checked against our `shape`."""
+  if name not in files:
+    raise ValueError(f"{directory}: tensor {name!r} is missing from the checkpoint")
+  want = shape[::-1] if transpose else shape
+  got = files.shape(name)
+  if got != want:
+    raise ValueError(f"{directory}: tensor {name!r} has shape {got}, expected {want}")
+  value = files.get(name).astype(dtype)
+  return value.T if transpose else value
 
 
 def load_llama(path, *, precision: str = "bf16", dtype: str = "bfloat16",
@@ -149,19 +162,27 @@ def load_llama(path, *, precision: str = "bf16", dtype: str = "bfloat16",
   files = _TensorFiles(directory)
 
   model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # shapes only, no init cost
-  for name, param_of, transpose in _hf_tensor_names(cfg):
-    if name not in files:
-      raise ValueError(f"{directory}: tensor {name!r} is missing from the checkpoint")
-    param = param_of(model)
-    want = tuple(param.shape)[::-1] if transpose else tuple(param.shape)
-    got = files.shape(name)
-    if got != want:
-      raise ValueError(f"{directory}: tensor {name!r} has shape {got}, expected {want}")
-    value = files.get(name).astype(cfg.jnp_param_dtype)
-    param.set_value(value.T if transpose else value)
+  dtype = cfg.jnp_param_dtype
+  top = _MODEL_TENSORS + (() if cfg.tie_embeddings else (_HEAD_TENSOR,))
+  for name, path, transpose in top:
+    param = _param(model, path)
+    param.set_value(_read(files, directory, name, tuple(param.shape), transpose, dtype))
+  for suffix, path, transpose in _LAYER_TENSORS:
+    if cfg.scan_layers:  # one Param (num_layers, ...): read every layer's tensor, stack them
+      param = _param(model.layers, path)
+      values = [_read(files, directory, f"model.layers.{i}.{suffix}", tuple(param.shape[1:]),
+                      transpose, dtype) for i in range(cfg.num_layers)]
+      param.set_value(jnp.stack(values))
+    else:
+      for i in range(cfg.num_layers):
+        param = _param(model.layers[i], path)
+        param.set_value(_read(files, directory, f"model.layers.{i}.{suffix}",
+                              tuple(param.shape), transpose, dtype))
   return model
 
 
 def hf_tensor_names(cfg: LlamaConfig) -> list[str]:
   """The HF tensor names a checkpoint of `cfg` must hold (for error messages and tests)."""
-  return [n for n, _, _ in _hf_tensor_names(cfg)]
+  top = _MODEL_TENSORS + (() if cfg.tie_embeddings else (_HEAD_TENSOR,))
+  return [n for n, _, _ in top] + [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)
+                                   for suffix, _, _ in _LAYER_TENSORS]

@@ -2,11 +2,16 @@
 
 The mode picks the ops inside each decoder block (FP8 GEMMs, FP8 saved activations); the token
 embedding, the final RMSNorm and the LM head always run in the compute dtype, as in COAT.
+
+Layers: with `scan_layers=True` (default) the decoder blocks are one `DecoderBlock` whose
+parameters carry a leading layer axis (paths `layers/self_attn/q_proj/kernel`, shape
+(num_layers, D, H * Dh)); the forward is a `jax.lax.scan` over that axis, so XLA compiles one
+block, not num_layers copies. With `scan_layers=False` they are a Python list of blocks (paths
+`layers/0/self_attn/q_proj/kernel`). Both initialize the same weights from the same seed.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -15,17 +20,17 @@ from flax import nnx
 
 from coat_jax import ops
 from coat_jax.nn import layers
+from coat_jax.precision import DTYPES, check_precision, resolve_dtype
 
-PRECISIONS = layers.MODES
-DTYPES = ("bfloat16", "float32")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    # Keeps only what the "coat" ops save for their backward (FP8 data, scales, rstd) and
+    # recomputes the rest; in "bf16" and "fp8_linear" it saves nothing (same as "full").
+    "fp8_residuals": jax.checkpoint_policies.save_only_these_names(ops.FP8_RESIDUALS),
 }
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                    "original_max_position_embeddings")
 
 
 @dataclasses.dataclass
@@ -34,8 +39,9 @@ class LlamaConfig:
 
   `head_dim=None` means hidden_size // num_heads; `num_kv_heads=None` means num_heads (no GQA).
   `dtype="auto"` resolves to bfloat16 on accelerators and float32 on CPU.
-  `rope_scaling` is None or a Llama 3 dict with keys LLAMA3_ROPE_KEYS. `remat` names a
+  `rope_scaling` is None or a Llama 3 dict with keys `ops.LLAMA3_ROPE_KEYS`. `remat` names a
   jax.checkpoint policy applied per decoder block (REMAT_POLICIES; True/False mean "full"/"none").
+  `scan_layers` runs the blocks as one scanned, stacked block (see the module docstring).
   """
   vocab_size: int = 4096
   hidden_size: int = 256
@@ -55,6 +61,7 @@ class LlamaConfig:
   remat: str | bool = "none"
   attention_impl: str | None = None
   init_std: float = 0.02
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.num_kv_heads is None:
@@ -63,8 +70,7 @@ class LlamaConfig:
       self.head_dim = self.hidden_size // self.num_heads
     if isinstance(self.remat, bool):
       self.remat = "full" if self.remat else "none"
-    if self.dtype == "auto":  # bfloat16 on accelerators, float32 on CPU (slow bf16 matmuls)
-      self.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    self.dtype = resolve_dtype(self.dtype, "LlamaConfig.dtype")
 
   def validate(self) -> "LlamaConfig":
     """Raises ValueError naming the first bad key and value; returns self."""
@@ -81,14 +87,15 @@ class LlamaConfig:
                        f"num_heads={self.num_heads}")
     if self.head_dim % 2:
       raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-    if self.precision not in PRECISIONS:
-      raise ValueError(f"LlamaConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+    check_precision(self.precision, "LlamaConfig.precision")
     for key in ("dtype", "param_dtype"):
       if getattr(self, key) not in DTYPES:
         raise ValueError(f"LlamaConfig.{key} must be one of {DTYPES}, got {getattr(self, key)!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"LlamaConfig.remat must be one of {tuple(REMAT_POLICIES)} or a bool, "
                        f"got {self.remat!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"LlamaConfig.scan_layers must be a bool, got {self.scan_layers!r}")
     if not (self.rope_theta > 0):
       raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta!r}")
     if not (0 < self.rms_eps < 1):
@@ -96,7 +103,7 @@ class LlamaConfig:
     if self.rope_scaling is not None:
       if not isinstance(self.rope_scaling, dict):
         raise ValueError(f"LlamaConfig.rope_scaling must be None or a dict, got {self.rope_scaling!r}")
-      missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
+      missing = [k for k in ops.LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
       if missing:
         raise ValueError(f"LlamaConfig.rope_scaling (llama3) misses keys {missing}: "
                          f"got {self.rope_scaling!r}")
@@ -189,12 +196,12 @@ class Llama(nnx.Module):
     init = nnx.initializers.normal(stddev=cfg.init_std)
     self.embed = layers.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                   param_dtype=param_dtype, embedding_init=init, rngs=rngs)
-    self.layers = nnx.List([
-        layers.DecoderBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-                            cfg.num_kv_heads, cfg.head_dim, eps=cfg.rms_eps, mode=cfg.precision,
-                            dtype=dtype, param_dtype=param_dtype,
-                            attention_impl=cfg.attention_impl, rngs=rngs)
-        for _ in range(cfg.num_layers)])
+    blocks = [layers.DecoderBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                                  cfg.num_kv_heads, cfg.head_dim, eps=cfg.rms_eps,
+                                  mode=cfg.precision, dtype=dtype, param_dtype=param_dtype,
+                                  attention_impl=cfg.attention_impl, rngs=rngs)
+              for _ in range(cfg.num_layers)]
+    self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
     # Final norm and LM head stay in the compute dtype ("bf16" ops) in every mode.
     self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, mode="bf16", dtype=dtype,
                                param_dtype=param_dtype)
@@ -217,14 +224,23 @@ class Llama(nnx.Module):
     cos, sin = self.rope(tokens.shape[1])
     x = self.embed(tokens)
     policy = REMAT_POLICIES[self.cfg.remat]
+    if self.cfg.scan_layers:
+      graphdef, stacked = nnx.split(self.layers)
 
-    def run_block(block, x):
-      return block(x, cos, sin)
+      def body(x, layer_params):
+        return nnx.merge(graphdef, layer_params)(x, cos, sin), None
 
-    if self.cfg.remat != "none":
-      run_block = nnx.remat(run_block, policy=policy)
-    for block in self.layers:
-      x = run_block(block, x)
+      if self.cfg.remat != "none":
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+      x, _ = jax.lax.scan(body, x, stacked)
+    else:
+      def run_block(block, x):
+        return block(x, cos, sin)
+
+      if self.cfg.remat != "none":
+        run_block = nnx.remat(run_block, policy=policy)
+      for block in self.layers:
+        x = run_block(block, x)
     h, _ = self.norm(x)
     return h
 
@@ -234,10 +250,18 @@ class Llama(nnx.Module):
     logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
     return logits.astype(jnp.float32)
 
-  @classmethod
-  def from_hf(cls, path, *, precision: str = "bf16", dtype: str = "bfloat16",
-              param_dtype: str = "float32", **overrides) -> "Llama":
-    """Loads a local Hugging Face Llama directory (config.json + safetensors); see models/hf.py."""
-    from coat_jax.models import hf  # pylint: disable=import-outside-toplevel
-    return hf.load_llama(path, precision=precision, dtype=dtype, param_dtype=param_dtype,
-                         **overrides)
+
+def stack_blocks(blocks: list[layers.DecoderBlock]) -> layers.DecoderBlock:
+  """One DecoderBlock whose every parameter stacks the blocks' along a new leading axis."""
+  graphdef, first = nnx.split(blocks[0])
+  states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
+  return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
+
+
+def layer_params(model: Llama, i: int):
+  """The parameter state of decoder layer `i` (per-layer shapes) in either layer layout."""
+  if not 0 <= i < model.cfg.num_layers:
+    raise ValueError(f"layer index {i} out of range for {model.cfg.num_layers} layers")
+  if model.cfg.scan_layers:
+    return jax.tree.map(lambda a: a[i], nnx.state(model.layers, nnx.Param))
+  return nnx.state(model.layers[i], nnx.Param)

@@ -16,15 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from coat_jax import ops
+from coat_jax.precision import check_precision
 
-MODES = ("bf16", "fp8_linear", "coat")
 DEFAULT_INIT = nnx.initializers.normal(stddev=0.02)
-
-
-def check_mode(mode: str) -> str:
-  if mode not in MODES:
-    raise ValueError(f"precision mode must be one of {MODES}, got {mode!r}")
-  return mode
 
 
 class Linear(nnx.Module):
@@ -34,7 +28,7 @@ class Linear(nnx.Module):
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
                kernel_init: Callable = DEFAULT_INIT, rngs: nnx.Rngs):
     self.in_features, self.out_features = in_features, out_features
-    self.mode = check_mode(mode)
+    self.mode = check_precision(mode, "mode")
     self.dtype = jnp.dtype(dtype)
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features),
                                         jnp.dtype(param_dtype)))
@@ -54,7 +48,7 @@ class RMSNorm(nnx.Module):
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
     del rngs  # scale starts at ones
     self.features, self.eps = features, eps
-    self.mode = check_mode(mode)
+    self.mode = check_precision(mode, "mode")
     self.dtype = jnp.dtype(dtype)
     self.scale = nnx.Param(jnp.ones((features,), jnp.dtype(param_dtype)))
 
@@ -127,7 +121,7 @@ class MLP(nnx.Module):
   def __init__(self, hidden_size: int, intermediate_size: int, *, mode: str = "bf16",
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     kw = dict(mode=mode, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.mode = check_mode(mode)
+    self.mode = check_precision(mode, "mode")
     self.gate_proj = Linear(hidden_size, intermediate_size, **kw)
     self.up_proj = Linear(hidden_size, intermediate_size, **kw)
     self.down_proj = Linear(intermediate_size, hidden_size, **kw)

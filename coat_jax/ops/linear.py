@@ -5,6 +5,10 @@ FP8 modes: forward x per-tensor E4M3 and w per-tensor E4M3, one FP8 GEMM (float3
 dX = dY . W^T and dW = X^T . dY as FP8 GEMMs. W is re-quantized in the backward from the parameter
 (no FP8 copy of W is saved). "coat" saves only the FP8 x (data + scale) and w; "fp8_linear" saves
 the bf16 x and w.
+
+Every array a "coat" op keeps for its backward (FP8 data and scales, RMSNorm's rstd) is named
+`FP8_RESIDUALS` with `jax.ad_checkpoint.checkpoint_name`, so that a remat policy
+`save_only_these_names(FP8_RESIDUALS)` keeps exactly those and recomputes the rest.
 """
 from __future__ import annotations
 
@@ -12,16 +16,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from coat_jax import kernels
+from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
 
-MODES = ("bf16", "fp8_linear", "coat")
+FP8_RESIDUALS = "coat_fp8_residuals"
 
 
-def check_mode(mode: str) -> None:
-  if mode not in MODES:
-    raise ValueError(f"unknown precision mode {mode!r}; expected one of {MODES}")
+def name_residuals(tree):
+  """Marks the arrays of `tree` as FP8 residuals (identity; see the module docstring)."""
+  return checkpoint_name(tree, FP8_RESIDUALS)
 
 
 def quantize_input(x: jax.Array) -> QuantizedArray:
@@ -68,7 +74,7 @@ def _linear_fp8_fwd(x, w, save_bf16):
   if save_bf16:  # "fp8_linear": the bf16 x is kept and re-quantized in the backward.
     return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype), (x, None, w)
   xq = quantize_input(x)
-  return _fwd_gemm(xq, w, x.dtype), (xq.data_t, xq.scale, w)
+  return _fwd_gemm(xq, w, x.dtype), (*name_residuals((xq.data_t, xq.scale)), w)
 
 
 def _linear_fp8_bwd(save_bf16, res, g):
@@ -88,7 +94,7 @@ def _linear_coat_q(x, w, x_q):
 
 
 def _linear_coat_q_fwd(x, w, x_q):
-  return _fwd_gemm(x_q, w, x.dtype), (x_q.data_t, x_q.scale, w)
+  return _fwd_gemm(x_q, w, x.dtype), (*name_residuals((x_q.data_t, x_q.scale)), w)
 
 
 def _linear_coat_q_bwd(res, g):
@@ -116,7 +122,7 @@ def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None) -> jax.Array:
   Returns:
     (..., N) in x.dtype.
   """
-  check_mode(mode)
+  check_precision(mode, "linear: mode")
   if w.ndim != 2 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"linear: x shape {x.shape} does not match w shape {w.shape} "
                      "(need x[..., K] and w[K, N])")

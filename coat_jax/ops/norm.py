@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels
-from coat_jax.ops.linear import check_mode, quantize_input
-
-GROUP_SIZE = 16
+from coat_jax.formats import ACTIVATION_GROUP_SIZE
+from coat_jax.ops.linear import name_residuals, quantize_input
+from coat_jax.precision import check_precision
 
 
 def _rstd(x32, eps):
@@ -35,8 +35,8 @@ def _coat_fwd(x, scale, eps):
   x32 = x.astype(jnp.float32)
   rstd = _rstd(x32, eps)
   y = (x32 * rstd * scale.astype(jnp.float32)).astype(x.dtype)
-  xg = kernels.quantize_per_group(x, GROUP_SIZE, "e4m3")
-  return (y, quantize_input(y)), (xg, rstd, scale)
+  xg = kernels.quantize_per_group(x, ACTIVATION_GROUP_SIZE, "e4m3")
+  return (y, quantize_input(y)), (*name_residuals((xg, rstd)), scale)
 
 
 def _coat_bwd(eps, res, cts):
@@ -57,7 +57,7 @@ _rmsnorm_coat.defvjp(_coat_fwd, _coat_bwd)
 
 def rmsnorm(x: jax.Array, scale: jax.Array, *, eps: float = 1e-6, mode: str):
   """Returns (y, y_q): y (..., D) in x.dtype; y_q per-tensor E4M3 of y in "coat", else None."""
-  check_mode(mode)
+  check_precision(mode, "rmsnorm: mode")
   if scale.shape != (x.shape[-1],):
     raise ValueError(f"rmsnorm: scale shape {scale.shape} does not match x shape {x.shape}")
   if mode == "coat":

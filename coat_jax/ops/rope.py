@@ -7,13 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                 "original_max_position_embeddings")
+# The keys of a Llama-3 ("llama3" rope_type) scaling dict: the one list models and HF import use.
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
   """Llama-3 frequency scaling (HF rope_type "llama3")."""
-  missing = [k for k in _SCALING_KEYS if k not in scaling]
+  missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
   if missing:
     raise ValueError(f"rope scaling dict lacks keys {missing}")
   factor = float(scaling["factor"])

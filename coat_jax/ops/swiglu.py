@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels
-from coat_jax.ops.linear import check_mode, quantize_input
-
-GROUP_SIZE = 16
+from coat_jax.formats import ACTIVATION_GROUP_SIZE
+from coat_jax.ops.linear import name_residuals, quantize_input
+from coat_jax.precision import check_precision
 
 
 def _plain(gate, up):
@@ -28,8 +28,8 @@ def _swiglu_coat(gate, up):
 
 def _coat_fwd(gate, up):
   h = _plain(gate, up)
-  res = (kernels.quantize_per_group(gate, GROUP_SIZE, "e4m3"),
-         kernels.quantize_per_group(up, GROUP_SIZE, "e4m3"))
+  res = name_residuals((kernels.quantize_per_group(gate, ACTIVATION_GROUP_SIZE, "e4m3"),
+                        kernels.quantize_per_group(up, ACTIVATION_GROUP_SIZE, "e4m3")))
   return (h, quantize_input(h)), res
 
 
@@ -51,7 +51,7 @@ _swiglu_coat.defvjp(_coat_fwd, _coat_bwd)
 
 def swiglu(gate: jax.Array, up: jax.Array, *, mode: str):
   """Returns (h, h_q); gate, up and h share shape (..., F) and dtype; h_q None unless "coat"."""
-  check_mode(mode)
+  check_precision(mode, "swiglu: mode")
   if gate.shape != up.shape:
     raise ValueError(f"swiglu: gate shape {gate.shape} != up shape {up.shape}")
   if mode == "coat":
