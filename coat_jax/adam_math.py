@@ -2,21 +2,24 @@
 
 Per parameter p with gradient g at step t (t = 1, 2, ...), all arithmetic in float32 (COAT's):
 
-  m = sat(b1 m + (1 - b1) g),     v = sat(b2 v + (1 - b2) g^2),
+  g' = clamp(g, +-2^63) where g is finite (NaN and inf pass unchanged),
+  m = b1 m + (1 - b1) g',         v = b2 v + (1 - b2) g'^2,
   denom = (sqrt(v) / sqrt(1 - b2^t) + eps) * (1 - b1^t),
   direction = m / denom + wd * p,
-  new p = p - lr * direction,     optax's update u = -lr * direction,
+  new p = p - lr * direction,     optax's update u = -lr * direction.
 
-where sat(x) clamps to +-float32 max (NaN stays NaN). m / denom = m_hat / (sqrt(v_hat) + eps)
-with m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t): optax.adamw's update (eps outside the root).
+m / denom = m_hat / (sqrt(v_hat) + eps) with m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t): optax.adamw's
+update (eps outside the root).
 
-Saturation: a finite gradient with |g| > ~1.8e19 has g^2 = inf in float32. Unsaturated, v = inf,
-and once v is stored in FP8 its group's amax is inf, which dequantizes to NaN: the params go NaN
-on the next step and every step after. Saturated, v = float32 max for that element: the moments
-and scales stay finite, the element takes one step of lr * m_hat / sqrt(v_hat) (bounded) and the
-run goes on; the other elements of the group (128 share one amax) are represented relative to
-that huge amax until v decays (b2^t), coarser but finite. optax.adamw keeps v = inf per element
-(its update there is 0 from then on); both continue with finite params.
+Huge gradients: a finite g with |g| > ~1.8e19 has g^2 = inf in float32. Unclamped, v = inf; once
+v is stored in FP8 its group's amax is inf, which dequantizes to NaN, so the params go NaN on the
+next step and every step after. Clamped, g'^2 <= 2^126 < float32 max, so m, v and the scales stay
+finite from finite gradients (v <= max(v, 2^126) by induction). Adam's step is scale-free
+(m_hat / sqrt(v_hat) ~ 1 for a gradient that dominates its history), so the element moves by
+about lr, as for any large gradient, and its later steps shrink as m decays faster than v. optax
+keeps v = inf there (update 0 from then on); both runs continue with finite params. The other
+elements of the hit group share one amax (groups of 128) and are stored relative to it, coarser
+until v decays (b2^t). Non-finite gradients still propagate (NaN is never hidden).
 
 Moments are `ExpandedMoment`s (FP8 data + per-group amax and k_code, coat_jax.expansion) or
 float32 arrays of the param's shape; a quantized moment is dequantized before and requantized
@@ -31,19 +34,19 @@ from coat_jax import expansion
 from coat_jax.expansion import ExpandedMoment
 
 OUTPUTS = ("param", "update")
-FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
+GRAD_CLAMP = 2.0**63   # g^2 <= 2^126 < float32 max (2^128)
 
 
-def saturate_float32(x: jax.Array) -> jax.Array:
-  """Clamps to +-float32 max; NaN stays NaN (so a NaN gradient is never hidden)."""
-  return jnp.clip(x, -FLOAT32_MAX, FLOAT32_MAX)
+def clamp_gradient(g: jax.Array) -> jax.Array:
+  """Finite float32 values clamped to +-GRAD_CLAMP; NaN and inf unchanged (never hidden)."""
+  return jnp.where(jnp.abs(g) < jnp.inf, jnp.clip(g, -GRAD_CLAMP, GRAD_CLAMP), g)
 
 
 def adam_moments(g, m, v, *, b1, b2, eps, count):
-  """Adam's moment update (saturated) and direction m / denom: float32 (direction, m, v)."""
-  g = g.astype(jnp.float32)
-  m = saturate_float32(b1 * m + (1.0 - b1) * g)
-  v = saturate_float32(b2 * v + (1.0 - b2) * (g * g))
+  """Adam's moment update (g clamped) and direction m / denom: float32 (direction, m, v)."""
+  g = clamp_gradient(g.astype(jnp.float32))
+  m = b1 * m + (1.0 - b1) * g
+  v = b2 * v + (1.0 - b2) * (g * g)
   t = count.astype(jnp.float32)
   bc1 = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), t)
   bc2 = 1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)

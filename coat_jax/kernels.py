@@ -197,6 +197,7 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
           m_log2_range=math.log2(expansion.expansion_range(mf)),
           v_log2_range=math.log2(expansion.expansion_range(vf)),
           floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
+          grad_clamp=adam_math.GRAD_CLAMP,
           interpret=interpret_mode(), fast_math=True, alias=True)
       return out, ExpandedMoment(*m3), ExpandedMoment(*v3)
   return adam_math.adam_step_reference(param, grad, m, v, m_format=m_format, v_format=v_format,

@@ -3,7 +3,7 @@
 Per parameter p with gradient g at step t (t = 1, 2, ...), all arithmetic in float32 (COAT's;
 the one definition is coat_jax.adam_math):
 
-  m = sat(b1 m + (1 - b1) g),     v = sat(b2 v + (1 - b2) g^2),   (sat: clamp to +-float32 max)
+  m = b1 m + (1 - b1) g,          v = b2 v + (1 - b2) g^2,   (finite g clamped to +-2^63 first)
   denom = (sqrt(v) / sqrt(1 - b2^t) + eps) * (1 - b1^t),
   update = -lr * (m / denom + wd * p)            (decoupled decay; `mask` selects where)
 
@@ -11,11 +11,13 @@ m / denom = m_hat / (sqrt(v_hat) + eps) with m_hat = m / (1 - b1^t), v_hat = v /
 is optax.adamw's update (eps outside the square root, eps_root = 0), so quantize=False reproduces
 optax.adamw to float32 rounding.
 
-Huge gradients: a finite gradient element with |g| > ~1.8e19 overflows g^2 in float32. The moments
-saturate at float32 max instead of becoming inf, so moments, amax and params stay finite and the
-run continues (the element takes one bounded step, its group of G is stored relative to the huge
-amax until v decays). Unsaturated, one such element would make its v group's amax inf and every
-later param NaN. NaN/inf gradients still propagate (never hidden). See coat_jax.adam_math.
+Huge gradients: a finite gradient element with |g| > ~1.8e19 overflows g^2 in float32; unguarded,
+one such element made its v group's amax inf and every later param NaN, for good. Finite
+gradients are clamped to +-2^63 before the moment update, so moments, amax and params stay finite
+and the run continues: the element moves by about lr (Adam's step is scale-free), and the other
+elements of its group of G are stored relative to the huge amax (coarser) until v decays.
+optax.adamw instead keeps v = inf for that element (its update there is 0 from then on).
+NaN/inf gradients still propagate (never hidden). See coat_jax.adam_math.
 
 State: `CoatAdamWState(count, mu, nu)`. A moment leaf is
   - an `ExpandedMoment` (FP8/INT8 data of the param's shape + float32 amax and uint8 k_code per

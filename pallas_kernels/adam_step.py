@@ -32,7 +32,6 @@ from pallas_kernels.quantize import _pow2_divisor, _saturate
 OUTPUTS = ("param", "update")
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
 STORAGE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.int8))
 
 
@@ -103,7 +102,7 @@ def _load(q_ref, amax_ref, code_ref, fmax, expand_min, interpret, fm: _Math):
   code = code_ref[...].astype(jnp.float32)[:, None]
   inv_fmax = float(np.float32(1.0) / np.float32(fmax))
   inv_k = _div(jnp.full(code.shape, float(expand_min), jnp.float32), code, interpret)
-  powered = mx * fm.exp2(inv_k * fm.log2(qa * inv_fmax))
+  powered = fm.exp2(jnp.log2(mx) + inv_k * fm.log2(qa * inv_fmax))   # no float32 underflow
   linear = qa * (mx * inv_fmax)
   mag = jnp.where(code == float(expand_min), linear, powered)
   return jnp.sign(q) * mag
@@ -142,7 +141,7 @@ def _store(x, fmax, log2_range, expand, expand_min, floor, max_code, interpret, 
 
 
 def _kernel(*refs, has_param, output, m_fmax, v_fmax, m_log2r, v_log2r, expand, expand_min,
-            floor, max_code, interpret, fast_math):
+            floor, max_code, grad_clamp, interpret, fast_math):
   """refs: scalars, [param], grad, m (q, amax, code), v (q, amax, code); then the outputs:
   new param or update, m (q, amax, code), v (q, amax, code)."""
   s_ref, *refs = refs
@@ -155,8 +154,10 @@ def _kernel(*refs, has_param, output, m_fmax, v_fmax, m_log2r, v_log2r, expand, 
   m = _load(mq_ref, ma_ref, mk_ref, m_fmax, expand_min, interpret, fm)
   v = _load(vq_ref, va_ref, vk_ref, v_fmax, expand_min, interpret, fm)
   g = g_ref[...].astype(jnp.float32)
-  m = _saturate(b1 * m + omb1 * g, _F32_MAX)   # g * g overflows for |g| > ~1.8e19: keep v finite
-  v = _saturate(b2 * v + omb2 * (g * g), _F32_MAX)
+  # g * g overflows float32 for |g| > ~1.8e19: finite g is clamped to +-2^63 (NaN/inf pass).
+  g = jnp.where(jnp.abs(g) < jnp.inf, _saturate(g, grad_clamp), g)
+  m = b1 * m + omb1 * g
+  v = b2 * v + omb2 * (g * g)
   denom = (fm.sqrt(v) * inv_sqrt_bc2 + eps) * bc1
   direction = fm.div(m, denom)
   if p_ref is not None:
@@ -186,11 +187,13 @@ def _step_scalars(lr, b1, b2, eps, weight_decay, count):
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "expand", "expand_min", "m_log2_range",
-                                             "v_log2_range", "floor", "max_code", "output",
+                                             "v_log2_range", "floor", "max_code", "grad_clamp",
+                                             "output",
                                              "interpret", "block", "num_warps", "fast_math",
                                              "alias"))
 def adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, group_size, expand,
-              expand_min, m_log2_range, v_log2_range, floor, max_code, output: str = "param",
+              expand_min, m_log2_range, v_log2_range, floor, max_code, grad_clamp,
+              output: str = "param",
               interpret: bool = False, block: int = 16, num_warps: int = 4,
               fast_math: bool = False, alias: bool = False):
   """Kernel form of `coat_jax.adam_math.adam_step_reference` on plain arrays.
@@ -203,6 +206,7 @@ def adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, group_
     lr, b1, b2, eps, weight_decay: float scalars (may be traced); count: int32 step t >= 1.
     m_log2_range, v_log2_range: log2 of each format's expansion range R (static floats).
     floor: added to max and min of each group (1e-30); max_code: largest k_code (255).
+    grad_clamp: finite gradients are clamped to +-grad_clamp (2^63, so that g^2 stays finite).
     output: "param" -> new param (param.dtype); "update" -> u = -lr * (m/denom + wd*p) in
       grad.dtype (the optax update).
     block: groups (rows of G) per program.
@@ -235,6 +239,7 @@ def adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, group_
       _kernel, has_param=param is not None, output=output, m_fmax=m_fmax, v_fmax=v_fmax,
       m_log2r=float(np.float32(m_log2_range)), v_log2r=float(np.float32(v_log2_range)),
       expand=expand, expand_min=expand_min, floor=float(np.float32(floor)), max_code=max_code,
+      grad_clamp=float(grad_clamp),
       interpret=interpret, fast_math=fast_math)
   flat = lambda a: a.reshape(rows, group_size)
   meta = lambda a: a.reshape(rows)

@@ -23,7 +23,7 @@ def kernel_step(p, g, m, v, *, m_format, v_format, **args):
   """The kernel on plain arrays, its moments wrapped as ExpandedMoment (format limits passed as
   the dispatch passes them: log2 of the spec's range fmax^2 / 2, floor 1e-30, k_code <= 255)."""
   out, m3, v3 = pk.adam_step(
-      p, g, tuple(m), tuple(v), **args, floor=1e-30, max_code=255,
+      p, g, tuple(m), tuple(v), **args, floor=1e-30, max_code=255, grad_clamp=2.0**63,
       m_log2_range=math.log2(FMAX[m_format] ** 2 / 2),
       v_log2_range=math.log2(FMAX[v_format] ** 2 / 2))
   return out, expansion.ExpandedMoment(*m3), expansion.ExpandedMoment(*v3)
