@@ -15,8 +15,10 @@ with R the range the expanded group may span (`expansion_range`). Since (|x|/c)^
 So the stored form keeps per group only `amax` = mx (float32) and `k_code` = k * expand_min
 (uint8, clipped to [1, 255]): 5 bytes per group instead of COAT's 12 (scale, k, c as float32).
 Capping k lower is always safe: it only shrinks the expanded range. Powers are computed as
-exp2(k * log2(r)) in float32; |k * log2(r)| <= log2(R) by construction, so their relative error
-is ~1e-6, far below the format's rounding.
+exp2 of a sum of log2s in float32 (exp2(k (log2|x| - log2 mx)), exp2(log2 mx + log2(|q|/fmax)/k)),
+so no intermediate ratio or power underflows even for groups spanning more than float32's range;
+their relative error is ~1e-6 (~5e-6 for amax near float32's limits), far below the format's
+rounding.
 
 Guards: an all-zero group or a constant group (mx == mn) gets k = 1 (any k is exact there);
 zeros stay exactly zero; NaN/inf in a group give a NaN `amax` (dequantizes to NaN, never hidden)
@@ -142,7 +144,9 @@ def quantize_expanded(x: jax.Array, fmt: str | Format = "e4m3", group_size: int 
     mx, mn = _group_max_min(a)
     steps = jnp.clip(_k_steps(mx, mn, f, expand_min), 1, MAX_K_CODE)
     k = (steps / jnp.float32(expand_min))[..., None]
-    mag = jnp.float32(f.max) * jnp.exp2(k * jnp.log2(a / mx[..., None]))
+    # log2|x| - log2(mx), not log2(|x| / mx): the ratio underflows float32 for groups spanning
+    # more than ~2^149 (after a huge gradient, coat_jax/adam_math.py), the difference does not.
+    mag = jnp.float32(f.max) * jnp.exp2(k * (jnp.log2(a) - jnp.log2(mx)[..., None]))
     qg = formats.saturating_cast(jnp.sign(xg) * mag, f)
   else:
     mx = jnp.max(a, axis=-1) + jnp.float32(AMAX_FLOOR)
@@ -165,7 +169,9 @@ def dequantize_expanded(m: ExpandedMoment, fmt: str | Format = "e4m3", group_siz
   mx = m.amax.astype(jnp.float32)[..., None]
   code = m.k_code.astype(jnp.float32)[..., None]
   inv_k = jnp.float32(expand_min) / code
-  powered = mx * jnp.exp2(inv_k * jnp.log2(qa / jnp.float32(f.max)))
+  # exp2(log2(mx) + ...), not mx * exp2(...): the power alone underflows float32 where a group
+  # spans more than ~2^149 (after a huge gradient, coat_jax/adam_math.py); the sum does not.
+  powered = jnp.exp2(jnp.log2(mx) + inv_k * jnp.log2(qa / jnp.float32(f.max)))
   linear = qa * (mx / jnp.float32(f.max))
   mag = jnp.where(code == jnp.float32(expand_min), linear, powered)
   return _from_groups(jnp.sign(qg) * mag, shape)

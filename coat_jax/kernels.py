@@ -1,21 +1,32 @@
 """The one dispatch point between Pallas kernels and their jnp references.
 
-`auto` (default) uses the Pallas kernels on a single Hopper GPU (compute capability 9.x; a
-`pallas_call` has no sharding rule, so with several devices XLA's ops are used) and the jnp
-references everywhere else. Force a choice with the environment variable COAT_JAX_KERNELS,
-`set_backend(...)` or the `backend(...)` context manager: `auto` | `pallas` | `reference`, or per
-kernel family, e.g. `gemm=pallas,quantize=reference` (families: FAMILIES; the rest stay auto).
-Every function here has the signature and semantics of its reference.
+Layers (one way): coat_jax.optim / ops -> this module -> pallas_kernels/* (jax + numpy only,
+plain arrays in and out) or the references (coat_jax.quantize, gemm, adam_math). A kernel module
+never falls back: this module checks its `supported*` and otherwise calls the reference, and
+wraps kernel results in QuantizedArray / ExpandedMoment. Every function here has the signature
+and semantics of its reference.
+
+Backend choice: `auto` (default) uses the Pallas kernels on a single Hopper GPU (compute
+capability 9.x; a `pallas_call` has no sharding rule, so with several devices XLA's ops are used)
+and the jnp references everywhere else. Force a choice with the environment variable
+COAT_JAX_KERNELS (read at import), `set_backend(...)` (process default) or the
+`backend(...)` context manager: `auto` | `pallas` | `reference`, or per kernel family, e.g.
+`gemm=pallas,quantize=reference` (families: FAMILIES; the rest stay auto). The choice lives in a
+JAX user context (`jax.make_user_context`), which is part of jit's cache key: the same jitted
+function called under two backends is traced twice, once for each.
 """
 from __future__ import annotations
 
-import contextlib
+import math
 import functools
 import os
 
 import jax
+import jax.numpy as jnp
 
-from coat_jax import gemm, quantize
+from coat_jax import adam_math, expansion, formats, gemm, quantize
+from coat_jax.expansion import ExpandedMoment
+from coat_jax.quantize import QuantizedArray
 
 _CHOICES = ("auto", "pallas", "reference")
 FAMILIES = ("gemm", "quantize", "dequantize", "adam")
@@ -26,11 +37,14 @@ AUTO_ON_HOPPER = {"gemm": "pallas", "quantize": "pallas", "dequantize": "referen
                   "adam": "pallas"}
 
 
-def _parse(spec: str) -> dict[str, str]:
-  """'auto' | 'pallas' | 'reference', or per family: 'gemm=pallas,quantize=reference' (rest auto)."""
+def _parse(spec: str) -> tuple[tuple[str, str], ...]:
+  """'auto' | 'pallas' | 'reference', or per family: 'gemm=pallas,quantize=reference' (rest
+  auto) -> ((family, choice), ...) in FAMILIES order (hashable: it keys jit's cache)."""
+  if not isinstance(spec, str):
+    raise ValueError(f"kernel backend must be a string, got {spec!r}")
   spec = spec.strip()
   if spec in _CHOICES:
-    return dict.fromkeys(FAMILIES, spec)
+    return tuple((fam, spec) for fam in FAMILIES)
   out = dict.fromkeys(FAMILIES, "auto")
   for item in spec.split(","):
     fam, _, choice = item.partition("=")
@@ -39,31 +53,31 @@ def _parse(spec: str) -> dict[str, str]:
       raise ValueError(f"unknown kernel backend {spec!r}: expected one of {_CHOICES} or "
                        f"'family=choice,...' with families {FAMILIES} and choices {_CHOICES}")
     out[fam] = choice
-  return out
+  return tuple((fam, out[fam]) for fam in FAMILIES)
 
 
 try:
-  _backend = _parse(os.environ.get("COAT_JAX_KERNELS", "auto"))
+  _ENV_BACKEND = _parse(os.environ.get("COAT_JAX_KERNELS", "auto"))
 except ValueError as e:
   raise ValueError(f"COAT_JAX_KERNELS: {e}") from None
 
+# The current choice, part of jit's cache key (a change re-traces instead of reusing a trace).
+_BACKEND = jax.make_user_context(default_value=_ENV_BACKEND)
+
 
 def set_backend(name: str) -> None:
-  """Selects the backend for all later calls (at trace time): see `_parse` for the forms."""
-  global _backend
-  _backend = _parse(name)
+  """Sets the process-wide backend (see the module docstring for the forms)."""
+  _BACKEND.set_global(_parse(name))
 
 
-@contextlib.contextmanager
 def backend(name: str):
-  """Context manager form of `set_backend`."""
-  global _backend
-  old = _backend
-  set_backend(name)
-  try:
-    yield
-  finally:
-    _backend = old
+  """Context manager: calls (and traces) inside use this backend; jit re-traces for it."""
+  return _BACKEND(_parse(name))
+
+
+def current_backend() -> dict[str, str]:
+  """{family: choice} in effect now."""
+  return dict(_BACKEND.value)
 
 
 @functools.cache
@@ -80,7 +94,9 @@ def _on_hopper() -> bool:
 
 def use_pallas(family: str = "gemm") -> bool:
   """True when calls of this kernel family (one of FAMILIES) go to Pallas."""
-  choice = _backend[family]
+  if family not in FAMILIES:
+    raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
+  choice = dict(_BACKEND.value)[family]
   if choice == "auto":  # Pallas calls carry no sharding rule: multi-device runs use XLA's ops.
     return _on_hopper() and jax.device_count() == 1 and AUTO_ON_HOPPER[family] == "pallas"
   return choice == "pallas"
@@ -91,72 +107,98 @@ def interpret_mode() -> bool:
   return jax.default_backend() != "gpu"
 
 
-def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False):
+def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
+                        floor=formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
   """See `coat_jax.quantize.quantize_per_tensor`.
 
-  Pallas: stage-1 tile maxima + quantize(+transpose) pass (pallas_kernels/quantize.py) when the
-  last axis is a multiple of 16; other shapes use the reference.
+  Pallas: stage-1 tile maxima, stage 2 and the scale here (`quantize.scale_from_amax`), then the
+  quantize(+transpose) pass (pallas_kernels/quantize.py) when the last axis is a multiple of 16
+  and the format is FP8; other cases use the reference.
   """
+  f = formats.get_format(fmt)
   if use_pallas("quantize"):
     from pallas_kernels import quantize as pk  # local: keeps Pallas out of reference-only imports.
-    if pk.supported_per_tensor(x, with_transpose):
-      return pk.quantize_per_tensor(x, quantize.get_format(fmt).name, amax=amax,
-                                    with_transpose=with_transpose, interpret=interpret_mode())
-  return quantize.quantize_per_tensor(x, fmt, amax=amax, with_transpose=with_transpose)
+    if pk.supported_per_tensor(x, with_transpose, f.dtype):
+      if amax is None:
+        amax = jnp.max(pk.tile_amax(x, interpret=interpret_mode()))   # jnp.max propagates NaN
+      scale = quantize.scale_from_amax(amax, f, floor)
+      data, data_t = pk.quantize_per_tensor(x, scale, dtype=f.dtype, with_transpose=with_transpose,
+                                            interpret=interpret_mode())
+      return QuantizedArray(data, scale, f.name, 0, data_t)
+  return quantize.quantize_per_tensor(x, f, amax=amax, with_transpose=with_transpose, floor=floor)
 
 
-def quantize_per_group(x, group_size=16, fmt="e4m3"):
-  """See `coat_jax.quantize.quantize_per_group` (Pallas when the last axis divides by G)."""
+def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", *,
+                       floor=formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
+  """See `coat_jax.quantize.quantize_per_group` (Pallas when the last axis divides by G, FP8)."""
+  f = formats.get_format(fmt)
   if use_pallas("quantize"):
     from pallas_kernels import quantize as pk
-    if pk.supported_per_group(x, group_size):
-      return pk.quantize_per_group(x, group_size, quantize.get_format(fmt).name,
-                                   interpret=interpret_mode())
-  return quantize.quantize_per_group(x, group_size, fmt)
+    if pk.supported_per_group(x, group_size, f.dtype):
+      data, scale = pk.quantize_per_group(x, group_size, dtype=f.dtype, floor=floor,
+                                          interpret=interpret_mode())
+      return QuantizedArray(data, scale, f.name, group_size)
+  return quantize.quantize_per_group(x, group_size, f, floor=floor)
 
 
-def dequantize(q, dtype):
+def dequantize(q: QuantizedArray, dtype):
   """See `coat_jax.quantize.dequantize` (Pallas for per-group arrays; per-tensor is XLA's)."""
   if use_pallas("dequantize") and q.group_size > 0:
     from pallas_kernels import quantize as pk
-    if pk.supported_per_group(q.data, q.group_size):
-      return pk.dequantize_per_group(q, dtype, interpret=interpret_mode())
+    if pk.supported_per_group(q.data, q.group_size, q.data.dtype):
+      return pk.dequantize_per_group(q.data, q.scale, q.group_size, jnp.dtype(dtype),
+                                     interpret=interpret_mode())
   return quantize.dequantize(q, dtype)
 
 
-def fp8_dot_general(a, b, dimension_numbers, out_dtype):
+def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out_dtype):
   """See `coat_jax.gemm.fp8_dot_general_reference`.
 
-  Pallas: the Mosaic GPU wgmma TN kernel (pallas_kernels/fp8_matmul.py) where the operands reach
-  the TN layout (directly or through `data_t`); other cases fall back to the reference inside.
+  Pallas: the Mosaic GPU wgmma TN kernel (pallas_kernels/fp8_matmul.py) where `tn_operands`
+  maps the product to the TN layout (directly or through `data_t`) and the output is bf16/f32;
+  every other case uses the reference.
   """
-  if use_pallas():
-    from pallas_kernels import fp8_matmul  # local: keeps Pallas out of reference-only imports.
-    return fp8_matmul.fp8_dot_general(a, b, dimension_numbers, out_dtype,
-                                      interpret=interpret_mode())
+  if not (a.per_tensor and b.per_tensor):
+    raise ValueError("fp8_dot_general needs per-tensor quantized operands "
+                     f"(got group sizes {a.group_size} and {b.group_size})")
+  if use_pallas("gemm"):
+    from pallas_kernels import fp8_matmul as pk  # local: keeps Pallas out of reference-only imports.
+    a2, b2, out_shape, _ = pk.tn_operands(a.data, a.data_t, b.data, b.data_t, dimension_numbers)
+    if a2 is not None and jnp.dtype(out_dtype) in pk.OUT_DTYPES:
+      scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
+      out = pk.fp8_matmul_tn(a2, b2, scale, out_dtype,
+                             interpret=pk.interpret_params(interpret_mode()))
+      return out.reshape(out_shape)
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
 
 
 def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
                    v_format, group_size, expand, expand_min, output="param"):
-  """See `coat_jax.optim.adam_step_reference`: (new_param or update, new_m, new_v) for one leaf.
+  """See `coat_jax.adam_math.adam_step_reference`: (new_param or update, new_m, new_v), one leaf.
 
   output: "param" (new param, param.dtype) or "update" (optax's u = -lr * (m/denom + wd*p), in
   grad.dtype; param may then be None: no decay term).
   Pallas: the fused one-pass step (pallas_kernels/adam_step.py) when the last axis is divisible by
   group_size and both moments are ExpandedMoment; otherwise the reference.
   """
-  from coat_jax import optim  # local: optim imports optax; kernels stays light.
   kwargs = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
-                m_format=m_format, v_format=v_format, group_size=group_size, expand=expand,
-                expand_min=expand_min, output=output)
-  if use_pallas("adam"):
+                group_size=group_size, expand=expand, expand_min=expand_min, output=output)
+  like = grad if param is None else param
+  if (use_pallas("adam") and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)):
     from pallas_kernels import adam_step as pk
-    if pk.supported(grad if param is None else param, m, v, group_size):
+    if pk.supported(like, group_size):
+      mf, vf = formats.get_format(m_format), formats.get_format(v_format)
       # fast_math: MUFU approximations (errors ~2^-22, far below FP8 rounding); alias: new param
       # and moments written over the old ones, in place when the caller donates them (a jitted
       # train step with donated state does). On the H100 (one 1.21e9 leaf) the pair took the
       # step from 17.4 to 7.1 ms (benchmarks/sweep_adam_kernel.py).
-      return pk.adam_step(param, grad, m, v, interpret=interpret_mode(), fast_math=True,
-                          alias=True, **kwargs)
-  return optim.adam_step_reference(param, grad, m, v, **kwargs)
+      out, m3, v3 = pk.adam_step(
+          param, grad, tuple(m), tuple(v), **kwargs,
+          m_log2_range=math.log2(expansion.expansion_range(mf)),
+          v_log2_range=math.log2(expansion.expansion_range(vf)),
+          floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
+          grad_clamp=adam_math.GRAD_CLAMP,
+          interpret=interpret_mode(), fast_math=True, alias=True)
+      return out, ExpandedMoment(*m3), ExpandedMoment(*v3)
+  return adam_math.adam_step_reference(param, grad, m, v, m_format=m_format, v_format=v_format,
+                                       **kwargs)

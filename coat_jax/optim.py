@@ -1,14 +1,23 @@
 """coat_adamw: AdamW with FP8 moments and dynamic range expansion, as an optax transformation.
 
-Per parameter p with gradient g at step t (t = 1, 2, ...), all arithmetic in float32 (COAT's):
+Per parameter p with gradient g at step t (t = 1, 2, ...), all arithmetic in float32 (COAT's;
+the one definition is coat_jax.adam_math):
 
-  m = b1 m + (1 - b1) g,          v = b2 v + (1 - b2) g^2,
+  m = b1 m + (1 - b1) g,          v = b2 v + (1 - b2) g^2,   (finite g clamped to +-2^63 first)
   denom = (sqrt(v) / sqrt(1 - b2^t) + eps) * (1 - b1^t),
   update = -lr * (m / denom + wd * p)            (decoupled decay; `mask` selects where)
 
 m / denom = m_hat / (sqrt(v_hat) + eps) with m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t), which
 is optax.adamw's update (eps outside the square root, eps_root = 0), so quantize=False reproduces
 optax.adamw to float32 rounding.
+
+Huge gradients: a finite gradient element with |g| > ~1.8e19 overflows g^2 in float32; unguarded,
+one such element made its v group's amax inf and every later param NaN, for good. Finite
+gradients are clamped to +-2^63 before the moment update, so moments, amax and params stay finite
+and the run continues: the element moves by about lr (Adam's step is scale-free), and the other
+elements of its group of G are stored relative to the huge amax (coarser) until v decays.
+optax.adamw instead keeps v = inf for that element (its update there is 0 from then on).
+NaN/inf gradients still propagate (never hidden). See coat_jax.adam_math.
 
 State: `CoatAdamWState(count, mu, nu)`. A moment leaf is
   - an `ExpandedMoment` (FP8/INT8 data of the param's shape + float32 amax and uint8 k_code per
@@ -22,8 +31,8 @@ Groups along the last axis keep a param's sharding valid for its moments (see `s
 A quantized leaf's step is: dequantize m and v (x = sign(q) mx (|q|/fmt.max)^(1/k) per group),
 the Adam math above in float32, then requantize each with a fresh per-group mx and k (dynamic range
 expansion: q = sign(x) fmt.max (|x|/mx)^k, k the largest multiple of 1/expand_min with
-(max/min)^k <= R of the format). `adam_step_reference` is that step for one param (returning the
-new param, or with output="update" optax's update): the jnp reference for the fused kernel.
+(max/min)^k <= R of the format). `adam_step_reference` (coat_jax.adam_math) is that step for one param (returning
+the new param, or with output="update" optax's update): the jnp reference for the fused kernel.
 ExpandedMoment leaves go through `kernels.coat_adam_step`, i.e. the fused Pallas kernel
 (pallas_kernels/adam_step.py, writing the update) where `kernels.use_pallas("adam")` and the
 shape allows (last axis divisible by G), the reference otherwise; the choice is made at trace time.
@@ -44,6 +53,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from coat_jax import expansion, kernels
+from coat_jax.adam_math import adam_step_reference
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
 
@@ -60,73 +70,6 @@ class CoatAdamWState(NamedTuple):
 
 def _is_moment_leaf(x) -> bool:
   return isinstance(x, ExpandedMoment)
-
-
-def _moments(g, m, v, *, b1, b2, eps, count):
-  """Adam's moment update and direction m / denom; returns float32 (direction, m, v)."""
-  g = g.astype(jnp.float32)
-  m = b1 * m + (1.0 - b1) * g
-  v = b2 * v + (1.0 - b2) * (g * g)
-  t = count.astype(jnp.float32)
-  bc1 = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), t)
-  bc2 = 1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)
-  denom = (jnp.sqrt(v) / jnp.sqrt(bc2) + eps) * bc1
-  return m / denom, m, v
-
-
-def _load(moment, fmt, group_size, expand_min):
-  if isinstance(moment, ExpandedMoment):
-    return expansion.dequantize_expanded(moment, fmt, group_size, expand_min)
-  return moment.astype(jnp.float32)
-
-
-def _store(x, like, fmt, group_size, expand, expand_min):
-  if isinstance(like, ExpandedMoment):
-    return expansion.quantize_expanded(x, fmt, group_size, expand_min, expand)
-  return x.astype(like.dtype)
-
-
-def _leaf_direction(g, p, m, v, *, b1, b2, eps, weight_decay, count, m_format, v_format,
-                    group_size, expand, expand_min):
-  """One leaf, jnp: (direction m/denom + wd*p as float32, new m, new v); p None: no decay term."""
-  m_f = _load(m, m_format, group_size, expand_min)
-  v_f = _load(v, v_format, group_size, expand_min)
-  direction, m_f, v_f = _moments(g, m_f, v_f, b1=b1, b2=b2, eps=eps, count=count)
-  if p is not None:
-    direction = direction + weight_decay * p.astype(jnp.float32)
-  new_m = _store(m_f, m, m_format, group_size, expand, expand_min)
-  new_v = _store(v_f, v, v_format, group_size, expand, expand_min)
-  return direction, new_m, new_v
-
-
-def adam_step_reference(param, grad, m: ExpandedMoment, v: ExpandedMoment, *, lr, b1, b2, eps,
-                        weight_decay, count, m_format, v_format, group_size, expand, expand_min,
-                        output: str = "param"):
-  """One parameter's full COAT step: the jnp reference for the fused kernel.
-
-  Args:
-    param: float array (master weight), shape S; None only with output="update" (no decay).
-    grad: same shape (any float dtype).
-    m, v: ExpandedMoment for S (formats m_format / v_format); float32 arrays of shape S also work.
-    lr, b1, b2, eps, weight_decay: scalars (float or float32 arrays).
-    count: the step number t >= 1 (int32 array) used for bias correction.
-    output: "param" or "update" (what the first result is).
-  Returns:
-    (new_param = param - lr * (m/denom + wd * param) in param.dtype, or with output="update" the
-    optax update -lr * (m/denom + wd * param) in grad.dtype; new_m, new_v).
-  """
-  if output not in ("param", "update"):
-    raise ValueError(f"adam_step_reference: output must be 'param' or 'update', got {output!r}")
-  if param is None and output == "param":
-    raise ValueError("adam_step_reference: output='param' needs param")
-  direction, new_m, new_v = _leaf_direction(
-      grad, param, m, v, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
-      m_format=m_format, v_format=v_format, group_size=group_size, expand=expand,
-      expand_min=expand_min)
-  if output == "update":
-    return (-lr * direction).astype(grad.dtype), new_m, new_v
-  new_param = param.astype(jnp.float32) - lr * direction
-  return new_param.astype(param.dtype), new_m, new_v
 
 
 def _leaf_update(g, p, m, v, *, output, **kwargs):

@@ -3,7 +3,7 @@
 Per group of G (128) elements along the last axis, one row of a (P/G, G) view:
 dequantize + inverse expansion of m and v, Adam moment update, the float32 step, then
 expansion + requantization of both moments (new amax, k_code, FP8 data). Same signature and
-arithmetic as `coat_jax.optim.adam_step_reference`. `output` picks what the step writes: the new
+arithmetic as `coat_jax.adam_math.adam_step_reference`. `output` picks what the step writes: the new
 param (`"param"`) or optax's update u = -lr * (m/denom + wd*p) (`"update"`, as `coat_adamw` uses).
 
 Not bit-exact with the reference: log2/exp2 may differ from XLA's in the last ulp, and two
@@ -12,12 +12,14 @@ per-element divisions of the reference are replaced (fewer MUFU ops per element)
   - the denominator uses sqrt(v) * (1 / sqrt(1 - b2^t)) instead of sqrt(v) / sqrt(1 - b2^t).
 Both move values by ~1e-6 relative (the second touches only the param / update), so a few FP8
 codes can differ by one (tests/test_kernels_adam.py bounds this).
-Supported: last axis divisible by G; other shapes raise ValueError (`coat_jax.kernels` falls back).
+Supported: last axis divisible by G; other shapes raise ValueError (`coat_jax.kernels` checks
+`supported` and otherwise calls the reference). Imports only jax and numpy: a moment comes in and
+goes out as three plain arrays (data, amax, k_code), the format's limits as arguments (fmax from
+the storage dtype: jnp.finfo / jnp.iinfo), and the dispatch wraps them in ExpandedMoment.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,22 +27,30 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from coat_jax import expansion
-from coat_jax.expansion import ExpandedMoment
-from coat_jax.formats import get_format
-from pallas_kernels.quantize import _pow2_divisor
+from pallas_kernels.quantize import _pow2_divisor, _saturate
 
 OUTPUTS = ("param", "update")
 
 
-def supported(param: jax.Array, m, v, group_size: int) -> bool:
-  """Shapes/types the kernel takes: ndim >= 1, last axis % G == 0, ExpandedMoment moments.
+STORAGE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.int8))
+
+
+def supported(param: jax.Array, group_size: int) -> bool:
+  """Shapes/types the kernel takes: float, ndim >= 1, last axis % G == 0.
 
   `param` may be any float array of the param's shape (e.g. the gradient when there is no param).
   """
-  return (param.ndim >= 1 and param.size > 0 and param.shape[-1] % group_size == 0
-          and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
-          and jnp.issubdtype(param.dtype, jnp.floating))
+  return (param.ndim >= 1 and param.size > 0 and group_size >= 1
+          and param.shape[-1] % group_size == 0 and jnp.issubdtype(param.dtype, jnp.floating))
+
+
+def storage_max(dtype) -> float:
+  """Largest value of a moment storage dtype: 448 (e4m3fn), 57344 (e5m2), 127 (int8)."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in STORAGE_DTYPES:
+    raise ValueError(f"coat adam_step kernel: moment storage dtype must be one of "
+                     f"{[str(d) for d in STORAGE_DTYPES]}, got {dtype}")
+  return float(jnp.iinfo(dtype).max if dtype == jnp.int8 else jnp.finfo(dtype).max)
 
 
 def _div(x, y, interpret):
@@ -85,21 +95,22 @@ class _Math:
 
 
 def _load(q_ref, amax_ref, code_ref, fmax, expand_min, interpret, fm: _Math):
-  """Inverse of the expansion (as `expansion.dequantize_expanded`): float32 (r, G)."""
+  """Inverse of the expansion (as `coat_jax.expansion.dequantize_expanded`): float32 (r, G)."""
   q = q_ref[...].astype(jnp.float32)
   qa = jnp.abs(q)
   mx = amax_ref[...][:, None]
   code = code_ref[...].astype(jnp.float32)[:, None]
   inv_fmax = float(np.float32(1.0) / np.float32(fmax))
   inv_k = _div(jnp.full(code.shape, float(expand_min), jnp.float32), code, interpret)
-  powered = mx * fm.exp2(inv_k * fm.log2(qa * inv_fmax))
+  powered = fm.exp2(jnp.log2(mx) + inv_k * fm.log2(qa * inv_fmax))   # no float32 underflow
   linear = qa * (mx * inv_fmax)
   mag = jnp.where(code == float(expand_min), linear, powered)
   return jnp.sign(q) * mag
 
 
-def _store(x, fmax, log2_range, expand, expand_min, floor, interpret, fm: _Math):
-  """Expansion + requantization (as `expansion.quantize_expanded`): (q f32, amax (r,), code).
+def _store(x, fmax, log2_range, expand, expand_min, floor, max_code, interpret, fm: _Math):
+  """Expansion + requantization (as `coat_jax.expansion.quantize_expanded`): (q f32, amax (r,),
+  code).
 
   The power (|x| / mx)^k is exp2(k * (log2|x| - log2(mx))): per element one log2 and one exp2,
   no division (the reference divides first). |x| = 0 gives -inf, hence 0, as before; a rounding
@@ -116,13 +127,13 @@ def _store(x, fmax, log2_range, expand, expand_min, floor, interpret, fm: _Math)
     steps = jnp.floor(_div(jnp.full(lr.shape, log2_range, jnp.float32), jnp.where(ok, lr, 1.0),
                            interpret) * float(expand_min))
     steps = jnp.where(ok, steps, float(expand_min))
-    steps = jnp.minimum(jnp.maximum(steps, 1.0), float(expansion.MAX_K_CODE))
+    steps = jnp.minimum(jnp.maximum(steps, 1.0), float(max_code))
     k = (steps * float(np.float32(1.0) / np.float32(expand_min)))[:, None]
     log2_ratio = fm.log2(a) - jnp.log2(mx)[:, None]
     mag = fmax * fm.exp2(k * log2_ratio)
     y = jnp.sign(x) * mag
   else:
-    steps = jnp.full(mx.shape, float(min(expand_min, expansion.MAX_K_CODE)), jnp.float32)
+    steps = jnp.full(mx.shape, float(min(expand_min, max_code)), jnp.float32)
     scale = mx * float(np.float32(1.0) / np.float32(fmax))
     y = _div(x, jnp.broadcast_to(scale[:, None], x.shape), interpret)
   y = jnp.where(y != y, y, jnp.minimum(jnp.maximum(y, -fmax), fmax))
@@ -130,7 +141,7 @@ def _store(x, fmax, log2_range, expand, expand_min, floor, interpret, fm: _Math)
 
 
 def _kernel(*refs, has_param, output, m_fmax, v_fmax, m_log2r, v_log2r, expand, expand_min,
-            floor, interpret, fast_math):
+            floor, max_code, grad_clamp, interpret, fast_math):
   """refs: scalars, [param], grad, m (q, amax, code), v (q, amax, code); then the outputs:
   new param or update, m (q, amax, code), v (q, amax, code)."""
   s_ref, *refs = refs
@@ -143,6 +154,8 @@ def _kernel(*refs, has_param, output, m_fmax, v_fmax, m_log2r, v_log2r, expand, 
   m = _load(mq_ref, ma_ref, mk_ref, m_fmax, expand_min, interpret, fm)
   v = _load(vq_ref, va_ref, vk_ref, v_fmax, expand_min, interpret, fm)
   g = g_ref[...].astype(jnp.float32)
+  # g * g overflows float32 for |g| > ~1.8e19: finite g is clamped to +-2^63 (NaN/inf pass).
+  g = jnp.where(jnp.abs(g) < jnp.inf, _saturate(g, grad_clamp), g)
   m = b1 * m + omb1 * g
   v = b2 * v + omb2 * (g * g)
   denom = (fm.sqrt(v) * inv_sqrt_bc2 + eps) * bc1
@@ -154,7 +167,7 @@ def _kernel(*refs, has_param, output, m_fmax, v_fmax, m_log2r, v_log2r, expand, 
   o_ref[...] = out.astype(o_ref.dtype)
   for x, fmax, log2r, q_ref, a_ref, k_ref in ((m, m_fmax, m_log2r, mqo_ref, mao_ref, mko_ref),
                                               (v, v_fmax, v_log2r, vqo_ref, vao_ref, vko_ref)):
-    y, mx, steps = _store(x, fmax, log2r, expand, expand_min, floor, interpret, fm)
+    y, mx, steps = _store(x, fmax, log2r, expand, expand_min, floor, max_code, interpret, fm)
     if jnp.issubdtype(q_ref.dtype, jnp.integer):
       y = jnp.round(y)
     q_ref[...] = y.astype(q_ref.dtype)
@@ -163,8 +176,8 @@ def _kernel(*refs, has_param, output, m_fmax, v_fmax, m_log2r, v_log2r, expand, 
 
 
 def _step_scalars(lr, b1, b2, eps, weight_decay, count):
-  """The step's scalars, computed as `optim._moments` does (plus 1 / sqrt(bc2)): float32 (1, 16),
-  9 used (Triton blocks need power-of-two sizes)."""
+  """The step's scalars, computed as `coat_jax.adam_math.adam_moments` does (plus
+  1 / sqrt(bc2)): float32 (1, 16), 9 used (Triton blocks need power-of-two sizes)."""
   t = jnp.asarray(count).astype(jnp.float32)
   bc1 = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), t)
   bc2 = 1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)
@@ -173,20 +186,27 @@ def _step_scalars(lr, b1, b2, eps, weight_decay, count):
   return jnp.stack([jnp.asarray(x, jnp.float32) for x in vals]).reshape(1, 16)
 
 
-@functools.partial(jax.jit, static_argnames=("m_format", "v_format", "group_size", "expand",
-                                             "expand_min", "output", "interpret", "block",
-                                             "num_warps", "fast_math", "alias"))
-def adam_step(param, grad, m: ExpandedMoment, v: ExpandedMoment, *, lr, b1, b2, eps,
-              weight_decay, count, m_format, v_format, group_size, expand, expand_min,
-              output: str = "param", interpret: bool = False, block: int = 16,
-              num_warps: int = 4, fast_math: bool = False, alias: bool = False):
-  """Kernel form of `coat_jax.optim.adam_step_reference` (same arguments and results).
+@functools.partial(jax.jit, static_argnames=("group_size", "expand", "expand_min", "m_log2_range",
+                                             "v_log2_range", "floor", "max_code", "grad_clamp",
+                                             "output",
+                                             "interpret", "block", "num_warps", "fast_math",
+                                             "alias"))
+def adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, group_size, expand,
+              expand_min, m_log2_range, v_log2_range, floor, max_code, grad_clamp,
+              output: str = "param",
+              interpret: bool = False, block: int = 16, num_warps: int = 4,
+              fast_math: bool = False, alias: bool = False):
+  """Kernel form of `coat_jax.adam_math.adam_step_reference` on plain arrays.
 
   Args:
     param: float (..., N), N % group_size == 0; None only with output="update" (no decay term).
     grad: float, param's shape.
-    m, v: ExpandedMoment of param's shape (data fmt dtype, amax float32 / k_code uint8 (..., N/G)).
+    m, v: (data, amax, k_code) each: data of param's shape in the storage dtype (float8_e4m3fn,
+      float8_e5m2 or int8; fmax = its largest value), amax float32 and k_code uint8 (..., N/G).
     lr, b1, b2, eps, weight_decay: float scalars (may be traced); count: int32 step t >= 1.
+    m_log2_range, v_log2_range: log2 of each format's expansion range R (static floats).
+    floor: added to max and min of each group (1e-30); max_code: largest k_code (255).
+    grad_clamp: finite gradients are clamped to +-grad_clamp (2^63, so that g^2 stays finite).
     output: "param" -> new param (param.dtype); "update" -> u = -lr * (m/denom + wd*p) in
       grad.dtype (the optax update).
     block: groups (rows of G) per program.
@@ -195,30 +215,31 @@ def adam_step(param, grad, m: ExpandedMoment, v: ExpandedMoment, *, lr, b1, b2, 
       Pays off when the caller donates them (a jitted step with donated params and state);
       otherwise XLA copies the inputs first.
   Returns:
-    (new_param or update, new_m, new_v).
+    (new_param or update, (m data, amax, k_code), (v data, amax, k_code)).
   """
   if output not in OUTPUTS:
     raise ValueError(f"coat adam_step kernel: output must be one of {OUTPUTS}, got {output!r}")
   if param is None and output == "param":
     raise ValueError("coat adam_step kernel: output='param' needs param")
   like = grad if param is None else param
-  if not supported(like, m, v, group_size):
-    raise ValueError(f"coat adam_step kernel: param shape {like.shape} / moments unsupported "
-                     f"(need ndim >= 1, last axis divisible by {group_size}, ExpandedMoment)")
-  if grad.shape != like.shape or m.data.shape != like.shape or v.data.shape != like.shape:
-    raise ValueError(f"coat adam_step kernel: grad {grad.shape}, m {m.data.shape}, "
-                     f"v {v.data.shape} must match param {like.shape}")
-  mf, vf = get_format(m_format), get_format(v_format)
+  m, v = tuple(m), tuple(v)
+  if not supported(like, group_size):
+    raise ValueError(f"coat adam_step kernel: param shape {like.shape} unsupported "
+                     f"(need a float array, ndim >= 1, last axis divisible by {group_size})")
+  if grad.shape != like.shape or m[0].shape != like.shape or v[0].shape != like.shape:
+    raise ValueError(f"coat adam_step kernel: grad {grad.shape}, m {m[0].shape}, "
+                     f"v {v[0].shape} must match param {like.shape}")
+  m_fmax, v_fmax = storage_max(m[0].dtype), storage_max(v[0].dtype)
   rows = like.size // group_size
   r = _pow2_divisor(rows, block)   # whole blocks only (see pallas_kernels/quantize.py)
   scalars = _step_scalars(lr, b1, b2, eps, weight_decay, count)
   big = pl.BlockSpec((r, group_size), lambda i: (i, 0))
   small = pl.BlockSpec((r,), lambda i: (i,))
   kernel = functools.partial(
-      _kernel, has_param=param is not None, output=output, m_fmax=mf.max, v_fmax=vf.max,
-      m_log2r=float(np.float32(math.log2(expansion.expansion_range(mf)))),
-      v_log2r=float(np.float32(math.log2(expansion.expansion_range(vf)))),
-      expand=expand, expand_min=expand_min, floor=float(np.float32(expansion.AMAX_FLOOR)),
+      _kernel, has_param=param is not None, output=output, m_fmax=m_fmax, v_fmax=v_fmax,
+      m_log2r=float(np.float32(m_log2_range)), v_log2r=float(np.float32(v_log2_range)),
+      expand=expand, expand_min=expand_min, floor=float(np.float32(floor)), max_code=max_code,
+      grad_clamp=float(grad_clamp),
       interpret=interpret, fast_math=fast_math)
   flat = lambda a: a.reshape(rows, group_size)
   meta = lambda a: a.reshape(rows)
@@ -238,20 +259,20 @@ def adam_step(param, grad, m: ExpandedMoment, v: ExpandedMoment, *, lr, b1, b2, 
                + [big, big, small, small, big, small, small],
       out_specs=[big, big, small, small, big, small, small],
       out_shape=[jax.ShapeDtypeStruct((rows, group_size), out_dtype),
-                 jax.ShapeDtypeStruct((rows, group_size), mf.dtype),
+                 jax.ShapeDtypeStruct((rows, group_size), m[0].dtype),
                  jax.ShapeDtypeStruct((rows,), jnp.float32),
                  jax.ShapeDtypeStruct((rows,), jnp.uint8),
-                 jax.ShapeDtypeStruct((rows, group_size), vf.dtype),
+                 jax.ShapeDtypeStruct((rows, group_size), v[0].dtype),
                  jax.ShapeDtypeStruct((rows,), jnp.float32),
                  jax.ShapeDtypeStruct((rows,), jnp.uint8)],
       input_output_aliases=aliases,
       interpret=interpret, compiler_params=pltriton.CompilerParams(num_warps=num_warps,
                                                                    num_stages=1),
       name="coat_adam_step")(
-          scalars, *p_in, flat(grad), flat(m.data), meta(m.amax), meta(m.k_code),
-          flat(v.data), meta(v.amax), meta(v.k_code))
+          scalars, *p_in, flat(grad), flat(m[0]), meta(m[1]), meta(m[2]),
+          flat(v[0]), meta(v[1]), meta(v[2]))
   out, mq, ma, mk, vq, va, vk = outs
-  meta_shape = m.amax.shape
-  new_m = ExpandedMoment(mq.reshape(like.shape), ma.reshape(meta_shape), mk.reshape(meta_shape))
-  new_v = ExpandedMoment(vq.reshape(like.shape), va.reshape(meta_shape), vk.reshape(meta_shape))
+  meta_shape = m[1].shape
+  new_m = (mq.reshape(like.shape), ma.reshape(meta_shape), mk.reshape(meta_shape))
+  new_v = (vq.reshape(like.shape), va.reshape(meta_shape), vk.reshape(meta_shape))
   return out.reshape(like.shape), new_m, new_v

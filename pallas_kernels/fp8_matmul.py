@@ -300,19 +300,21 @@ def fp8_matmul_tn(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype=jnp.bf
 
 
 # ---------------------------------------------------------------------------------------------
-# dot_general dispatch: reach the TN form from QuantizedArrays, else fall back to the reference.
+# dot_general planning: which dot_generals reach the TN form (the dispatch, coat_jax.kernels,
+# calls the reference for the others).
 
 MIN_DIM = 128  # below this in M, N or K, cuBLASLt (the reference) is the better choice.
 
 
-def tn_operands(a, b, dimension_numbers, *, min_dim: int = MIN_DIM):
+def tn_operands(a_data, a_data_t, b_data, b_data_t, dimension_numbers, *,
+                min_dim: int = MIN_DIM):
   """Plans `dot_general(a, b, dimension_numbers)` as one TN product a2 (M, K) @ b2 (N, K).T.
 
   Handled: no batch dims, one contracting dim each; lhs contracting its last axis (leading axes
-  folded into M) or, for 2-D lhs, its first axis through `a.data_t`; 2-D rhs contracting axis 1
-  (already (N, K)) or axis 0 through `b.data_t`.
+  folded into M) or, for 2-D lhs, its first axis through `a_data_t`; 2-D rhs contracting axis 1
+  (already (N, K)) or axis 0 through `b_data_t`.
   Args:
-    a, b: QuantizedArrays (per-tensor).
+    a_data, b_data: float8 operands; a_data_t, b_data_t: their transposed copies or None.
   Returns:
     (a2, b2, out_shape, None) when the kernel applies, else (None, None, None, reason).
   """
@@ -325,28 +327,28 @@ def tn_operands(a, b, dimension_numbers, *, min_dim: int = MIN_DIM):
     return no("batch dimensions")
   if len(lc) != 1 or len(rc) != 1:
     return no("more than one contracting dimension")
-  if jnp.dtype(a.data.dtype) not in FP8_DTYPES or jnp.dtype(b.data.dtype) not in FP8_DTYPES:
-    return no(f"non-float8 storage ({a.data.dtype}, {b.data.dtype})")
-  if b.data.ndim != 2:
-    return no(f"rhs of rank {b.data.ndim}")
-  lc, rc = lc[0] % a.data.ndim, rc[0] % 2
-  if lc == a.data.ndim - 1:
-    a2 = a.data.reshape(-1, a.data.shape[-1])
-    lead = a.data.shape[:-1]
-  elif a.data.ndim == 2 and lc == 0:
-    if a.data_t is None:
+  if jnp.dtype(a_data.dtype) not in FP8_DTYPES or jnp.dtype(b_data.dtype) not in FP8_DTYPES:
+    return no(f"non-float8 storage ({a_data.dtype}, {b_data.dtype})")
+  if b_data.ndim != 2:
+    return no(f"rhs of rank {b_data.ndim}")
+  lc, rc = lc[0] % a_data.ndim, rc[0] % 2
+  if lc == a_data.ndim - 1:
+    a2 = a_data.reshape(-1, a_data.shape[-1])
+    lead = a_data.shape[:-1]
+  elif a_data.ndim == 2 and lc == 0:
+    if a_data_t is None:
       return no("lhs contracts axis 0 and has no data_t")
-    a2, lead = a.data_t, a.data.shape[1:]
+    a2, lead = a_data_t, a_data.shape[1:]
   else:
-    return no(f"lhs contracting axis {lc} of rank {a.data.ndim}")
+    return no(f"lhs contracting axis {lc} of rank {a_data.ndim}")
   if rc == 1:
-    b2 = b.data
-  elif b.data_t is not None:
-    b2 = b.data_t
+    b2 = b_data
+  elif b_data_t is not None:
+    b2 = b_data_t
   else:
     return no("rhs contracts axis 0 and has no data_t")
   if a2.shape[1] != b2.shape[1]:
-    raise ValueError(f"contracting sizes differ: lhs {a.data.shape} vs rhs {b.data.shape} "
+    raise ValueError(f"contracting sizes differ: lhs {a_data.shape} vs rhs {b_data.shape} "
                      f"for dimension_numbers {dimension_numbers}")
   m, k = a2.shape
   n = b2.shape[0]
@@ -355,26 +357,6 @@ def tn_operands(a, b, dimension_numbers, *, min_dim: int = MIN_DIM):
   return a2, b2, tuple(lead) + (n,), None
 
 
-def fp8_dot_general(a, b, dimension_numbers, out_dtype=jnp.bfloat16, *, interpret=None,
-                    config: GemmConfig = DEFAULT_CONFIG, min_dim: int = MIN_DIM):
-  """Drop-in for `coat_jax.gemm.fp8_dot_general_reference` through the Pallas TN kernel.
-
-  Cases `tn_operands` cannot map to TN (and non-bf16/float32 outputs) go to the reference.
-  Args:
-    a, b: per-tensor QuantizedArrays.
-    interpret: True/InterpretGPUParams runs the kernel in Mosaic GPU interpret mode (CPU).
-  """
-  from coat_jax import gemm  # local: coat_jax.kernels imports this module.
-  if not (a.per_tensor and b.per_tensor):
-    raise ValueError("fp8_dot_general needs per-tensor quantized operands "
-                     f"(got group sizes {a.group_size} and {b.group_size})")
-  a2, b2, out_shape, _ = tn_operands(a, b, dimension_numbers, min_dim=min_dim)
-  if a2 is None or jnp.dtype(out_dtype) not in OUT_DTYPES:
-    return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  elif interpret is False:
-    interpret = None
-  scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
-  out = fp8_matmul_tn(a2, b2, scale, out_dtype, config=config, interpret=interpret)
-  return out.reshape(out_shape)
+def interpret_params(interpret: bool):
+  """fp8_matmul_tn's `interpret` argument for a bool (Mosaic GPU interpret mode on CPU)."""
+  return plgpu.InterpretGPUParams() if interpret else None

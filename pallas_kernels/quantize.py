@@ -1,4 +1,4 @@
-"""Pallas (Triton backend) quantize / dequantize kernels: drop-ins for `coat_jax.quantize`.
+"""Pallas (Triton backend) quantize / dequantize kernels on plain arrays (the math of `coat_jax.quantize`).
 
 Bit-exact with the jnp references: same scale formula (scale = max(amax / fmt.max, floor), NaN
 where the group or tensor holds a non-finite value; the division by the constant fmt.max is a
@@ -12,8 +12,11 @@ wrote out of bounds (a neighbouring buffer, the scale, was overwritten), so no p
 ever used. Odd extents therefore get small blocks (correct, slower).
 
 Layout: leading axes are folded by reshape; groups (1 x G) run along the last axis. Supported:
-last axis divisible by G (per group) or by 16 (per tensor, the stage-1 tile). Other shapes raise
-ValueError; `coat_jax.kernels` checks `supported_*` first and falls back to the reference.
+last axis divisible by G (per group) or by 16 (per tensor, the stage-1 tile), float8 storage.
+Other shapes raise ValueError; `coat_jax.kernels` checks `supported_*` and otherwise calls the
+reference. This module imports only jax and numpy: the storage format comes in as a dtype (its
+largest value from jnp.finfo), the scale floor as an argument, and results are plain arrays
+(the dispatch wraps them in QuantizedArray).
 """
 from __future__ import annotations
 
@@ -26,10 +29,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from coat_jax import formats, quantize
-from coat_jax.formats import get_format
-
 STAGE1_TILE = 16
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 # "full": Triton's `/` (PTX div.full.f32, what XLA:GPU emits); "rn": IEEE div.rn.f32 (diagnostics).
 GPU_DIVISION = "full"
 
@@ -90,15 +91,26 @@ def _check_last(x: jax.Array, multiple: int, what: str):  # used by the per-tens
     raise ValueError(f"{what}: expected a floating-point array, got dtype {x.dtype}")
 
 
-def supported_per_group(x: jax.Array, group_size: int) -> bool:
-  """Shapes the per-group kernels take: ndim >= 1, N % G == 0, G a power of two >= 2."""
-  return (x.ndim >= 1 and x.size > 0 and group_size >= 2 and group_size & (group_size - 1) == 0
+def _fmax(dtype) -> float:
+  """Largest finite value of a float8 storage dtype (448 for e4m3fn, 57344 for e5m2)."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in FP8_DTYPES:
+    raise ValueError(f"quantize kernels store float8 only, got dtype {dtype}")
+  return float(jnp.finfo(dtype).max)
+
+
+def supported_per_group(x: jax.Array, group_size: int, dtype=jnp.float8_e4m3fn) -> bool:
+  """Shapes the per-group kernels take: ndim >= 1, N % G == 0, G a power of two >= 2, float8
+  storage `dtype`."""
+  return (jnp.dtype(dtype) in FP8_DTYPES and x.ndim >= 1 and x.size > 0 and group_size >= 2 and group_size & (group_size - 1) == 0
           and x.shape[-1] % group_size == 0 and jnp.issubdtype(x.dtype, jnp.floating))
 
 
-def supported_per_tensor(x: jax.Array, with_transpose: bool) -> bool:
-  """Shapes the per-tensor kernels take: N % 16 == 0; transposing also needs ndim >= 2 and
-  M % 16 == 0."""
+def supported_per_tensor(x: jax.Array, with_transpose: bool, dtype=jnp.float8_e4m3fn) -> bool:
+  """Shapes the per-tensor kernels take: N % 16 == 0, float8 storage `dtype`; transposing also
+  needs ndim >= 2 and M % 16 == 0."""
+  if jnp.dtype(dtype) not in FP8_DTYPES:
+    return False
   if with_transpose and (x.ndim < 2 or x.shape[-2] % STAGE1_TILE):
     return False
   return (x.ndim >= 1 and x.size > 0 and x.shape[-1] % STAGE1_TILE == 0
@@ -133,61 +145,71 @@ def _per_group_kernel(x_ref, q_ref, s_ref, *, fmax, floor, interpret):
   s_ref[...] = scale
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "fmt", "floor", "interpret",
+@functools.partial(jax.jit, static_argnames=("group_size", "dtype", "floor", "interpret",
                                              "block", "num_warps"))
-def quantize_per_group(x: jax.Array, group_size: int = 16, fmt: str = "e4m3", *,
-                       floor: float = formats.ACTIVATION_SCALE_FLOOR, interpret: bool = False,
-                       block: int = 256, num_warps: int = 4) -> quantize.QuantizedArray:
-  """Kernel form of `coat_jax.quantize.quantize_per_group` (last axis divisible by G).
+def quantize_per_group(x: jax.Array, group_size: int, *, dtype, floor: float,
+                       interpret: bool = False, block: int = 256,
+                       num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+  """Per 1 x G group: scale = max(amax / fmax, floor), data = saturate(x / scale) in `dtype`.
 
   Args:
     x: floating array (..., N), N % group_size == 0.
+    dtype: float8 storage dtype; fmax = jnp.finfo(dtype).max.
+    floor: smallest scale.
     block: groups per program (power of two).
   Returns:
-    QuantizedArray: data fmt dtype x.shape, scale float32 (..., N/G).
+    (data: dtype, x.shape; scale: float32 (..., N/G)).
   """
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize_per_group: expected a floating-point array, got {x.dtype}")
-  f = get_format(fmt)
+  dtype = jnp.dtype(dtype)
+  fmax = _fmax(dtype)
   x2, rows = _group_rows(x, group_size, "quantize_per_group")
   r = _pow2_divisor(rows, block)
   q, s = pl.pallas_call(
-      functools.partial(_per_group_kernel, fmax=f.max, floor=floor, interpret=interpret),
+      functools.partial(_per_group_kernel, fmax=fmax, floor=floor, interpret=interpret),
       grid=(pl.cdiv(rows, r),),
       in_specs=[pl.BlockSpec((r, group_size), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((r, group_size), lambda i: (i, 0)),
                  pl.BlockSpec((r,), lambda i: (i,))],
-      out_shape=[jax.ShapeDtypeStruct((rows, group_size), f.dtype),
+      out_shape=[jax.ShapeDtypeStruct((rows, group_size), dtype),
                  jax.ShapeDtypeStruct((rows,), jnp.float32)],
       interpret=interpret, compiler_params=_params(num_warps),
       name="coat_quantize_per_group")(x2)
-  return quantize.QuantizedArray(q.reshape(x.shape),
-                                 s.reshape(*x.shape[:-1], x.shape[-1] // group_size), f.name,
-                                 group_size)
+  return q.reshape(x.shape), s.reshape(*x.shape[:-1], x.shape[-1] // group_size)
 
 
 def _dequant_group_kernel(q_ref, s_ref, o_ref):
   o_ref[...] = (q_ref[...].astype(jnp.float32) * s_ref[...][:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block", "num_warps"))
-def dequantize_per_group(q: quantize.QuantizedArray, dtype=jnp.float32, *, interpret: bool = False,
-                         block: int = 256, num_warps: int = 4) -> jax.Array:
-  """Kernel form of `coat_jax.quantize.dequantize` for per-group arrays (N divisible by G)."""
-  if q.group_size == 0:
-    raise ValueError("dequantize_per_group: got a per-tensor QuantizedArray")
-  d2, rows = _group_rows(q.data, q.group_size, "dequantize_per_group")
+@functools.partial(jax.jit, static_argnames=("group_size", "out_dtype", "interpret", "block",
+                                             "num_warps"))
+def dequantize_per_group(data: jax.Array, scale: jax.Array, group_size: int,
+                         out_dtype=jnp.float32, *, interpret: bool = False, block: int = 256,
+                         num_warps: int = 4) -> jax.Array:
+  """data * scale per 1 x G group (N divisible by G), cast to out_dtype.
+
+  Args:
+    data: quantized values (..., N); scale: float32 (..., N/G).
+  """
+  if group_size <= 0:
+    raise ValueError(f"dequantize_per_group: group_size must be positive, got {group_size}")
+  d2, rows = _group_rows(data, group_size, "dequantize_per_group")
+  if scale.size != rows:
+    raise ValueError(f"dequantize_per_group: scale shape {scale.shape} does not match data "
+                     f"{data.shape} with groups of {group_size}")
   r = _pow2_divisor(rows, block)
   out = pl.pallas_call(
       _dequant_group_kernel,
       grid=(pl.cdiv(rows, r),),
-      in_specs=[pl.BlockSpec((r, q.group_size), lambda i: (i, 0)),
+      in_specs=[pl.BlockSpec((r, group_size), lambda i: (i, 0)),
                 pl.BlockSpec((r,), lambda i: (i,))],
-      out_specs=pl.BlockSpec((r, q.group_size), lambda i: (i, 0)),
-      out_shape=jax.ShapeDtypeStruct((rows, q.group_size), jnp.dtype(dtype)),
+      out_specs=pl.BlockSpec((r, group_size), lambda i: (i, 0)),
+      out_shape=jax.ShapeDtypeStruct((rows, group_size), jnp.dtype(out_dtype)),
       interpret=interpret, compiler_params=_params(num_warps),
-      name="coat_dequantize_per_group")(d2, q.scale.reshape(rows))
-  return out.reshape(q.data.shape)
+      name="coat_dequantize_per_group")(d2, scale.reshape(rows))
+  return out.reshape(data.shape)
 
 
 def _stage1_kernel(x_ref, p_ref):
@@ -212,7 +234,8 @@ def tile_amax(x: jax.Array, *, interpret: bool = False, block: int = 256,
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-tensor: stage 1 (`tile_amax`), stage 2 (max of those), quantize (+ transpose) pass.
+# Per-tensor: stage 1 (`tile_amax`); stage 2 (max of those) and the scale are the dispatch's
+# (coat_jax.kernels, where a sharded tensor's amax is reduced over the mesh); then this pass.
 
 def _tensor_quant_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
   x = x_ref[...].astype(jnp.float32)                     # (bm, bn)
@@ -223,37 +246,38 @@ def _tensor_quant_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
     out_refs[1][...] = _to_fp8(y.T, out_refs[1].dtype, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "floor", "with_transpose", "interpret",
+@functools.partial(jax.jit, static_argnames=("dtype", "with_transpose", "interpret",
                                              "block_rows", "block_cols", "num_warps"))
-def quantize_per_tensor(x: jax.Array, fmt: str = "e4m3", *, amax: jax.Array | None = None,
-                        floor: float = formats.ACTIVATION_SCALE_FLOOR,
-                        with_transpose: bool = False, interpret: bool = False,
-                        block_rows: int = 64, block_cols: int = 64,
-                        num_warps: int = 4) -> quantize.QuantizedArray:
-  """Kernel form of `coat_jax.quantize.quantize_per_tensor`.
+def quantize_per_tensor(x: jax.Array, scale: jax.Array, *, dtype, with_transpose: bool = False,
+                        interpret: bool = False, block_rows: int = 64, block_cols: int = 64,
+                        num_warps: int = 4) -> tuple[jax.Array, jax.Array | None]:
+  """data = saturate(x / scale) in `dtype` (fmax = jnp.finfo(dtype).max), one pass.
 
-  Stage 1 is `tile_amax` (skipped when `amax` is given), stage 2 a jnp max over the tile maxima
-  (N/16 times fewer values), then one pass writing `data` and, with `with_transpose`, `data_t`.
+  Args:
+    x: floating array (..., N), N % 16 == 0 (and M % 16 == 0 with `with_transpose`).
+    scale: float32 scalar (from the tensor's amax, see `tile_amax`).
+    with_transpose: also write data_t, data with its last two axes swapped, in the same pass.
+  Returns:
+    (data, data_t or None).
   """
   _check_last(x, STAGE1_TILE, "quantize_per_tensor")
   if with_transpose and (x.ndim < 2 or x.shape[-2] % STAGE1_TILE):
     raise ValueError(f"quantize_per_tensor: with_transpose needs ndim >= 2 and the second-last "
                      f"axis a multiple of {STAGE1_TILE}, got shape {x.shape}")
-  f = get_format(fmt)
-  if amax is None:
-    amax = jnp.max(tile_amax(x, interpret=interpret))    # stage 2 (jnp.max propagates NaN)
-  scale = quantize.scale_from_amax(amax, f, floor)
+  dtype = jnp.dtype(dtype)
+  fmax = _fmax(dtype)
+  scale = jnp.asarray(scale, jnp.float32)
   x3 = x.reshape(-1, *x.shape[-2:]) if x.ndim >= 2 else x.reshape(1, 1, -1)
   b, m, n = x3.shape
   bm, bn = _pow2_divisor(m, block_rows), _pow2_divisor(n, block_cols)   # whole tiles only
   grid = (b, pl.cdiv(m, bm), pl.cdiv(n, bn))
   out_specs = [pl.BlockSpec((None, bm, bn), lambda k, i, j: (k, i, j))]
-  out_shape = [jax.ShapeDtypeStruct((b, m, n), f.dtype)]
+  out_shape = [jax.ShapeDtypeStruct((b, m, n), dtype)]
   if with_transpose:
     out_specs.append(pl.BlockSpec((None, bn, bm), lambda k, i, j: (k, j, i)))
-    out_shape.append(jax.ShapeDtypeStruct((b, n, m), f.dtype))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, m), dtype))
   outs = pl.pallas_call(
-      functools.partial(_tensor_quant_kernel, fmax=f.max, interpret=interpret,
+      functools.partial(_tensor_quant_kernel, fmax=fmax, interpret=interpret,
                         transpose=with_transpose),
       grid=grid,
       in_specs=[pl.BlockSpec((1, 1), lambda k, i, j: (0, 0)),
@@ -264,4 +288,4 @@ def quantize_per_tensor(x: jax.Array, fmt: str = "e4m3", *, amax: jax.Array | No
   data = outs[0].reshape(x.shape)
   data_t = (outs[1].reshape(*x.shape[:-2], x.shape[-1], x.shape[-2]) if with_transpose
             else None)
-  return quantize.QuantizedArray(data, scale, f.name, 0, data_t)
+  return data, data_t

@@ -134,6 +134,61 @@ def test_expansion_cuts_error_of_real_adam_moments(adam_moments):
     assert table[fmt, "m"][1] < table[fmt, "m"][0] and table[fmt, "v"][1] < table[fmt, "v"][0]
 
 
+FMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
+# R, the range an expanded group may span: the spec's fmax^2 / 2 for the FP8 formats (448^2/2 for
+# E4M3); INT8 uses 127/4, the project's documented choice (coat_jax/expansion.py).
+RANGE = {"e4m3": 448.0**2 / 2, "e5m2": 57344.0**2 / 2, "int8": 127.0 / 4}
+
+
+def np_spec_k(x64, fmt, group_size=128, expand_min=16):
+  """The spec's k per group, in numpy float64: mx = max|x| + 1e-30, mn = min non-zero |x| + 1e-30,
+  k = floor(log2(R) / log2(mx / mn) * expand_min) / expand_min; k = 1 where mx == mn (guard)."""
+  a = np.abs(x64)   # short final group: zero padding (zeros count for neither max nor min)
+  a = np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, -a.shape[-1] % group_size)])
+  a = a.reshape(*a.shape[:-1], -1, group_size)
+  mx = a.max(-1) + 1e-30
+  mn = np.where(a > 0, a, np.inf).min(-1)
+  mn = np.where(np.isinf(mn), mx, mn + 1e-30)
+  with np.errstate(divide="ignore"):
+    lr = np.log2(mx / mn)
+    k = np.floor(np.log2(RANGE[fmt]) / lr * expand_min) / expand_min
+  return np.where(lr > 0, np.clip(k, 1 / expand_min, 255 / expand_min), 1.0), mx
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k_and_codes_match_float64_spec(rng, fmt):
+  """k from the spec's formula in float64 (written here, not the implementation's helpers), and
+  codes q = sign(x) fmax (|x| / mx)^k rounded to the format: k equal except where float32's
+  log2(mx / mn) lands on the other side of a floor boundary (k then one step, 1/16, apart); in
+  groups with equal k, codes at most one step apart (float32 vs float64 powers on a rounding
+  tie) and equal in >= 99.5% of elements."""
+  import ml_dtypes
+  scale = np.exp(rng.uniform(-8, 8, size=(64, 1)))
+  spread = np.exp(rng.uniform(-6, 0, size=(64, 256)) * rng.uniform(0, 3, size=(64, 1)))
+  x64 = rng.choice([-1.0, 1.0], size=(64, 256)) * spread * scale
+  x64[rng.random(x64.shape) < 0.03] = 0.0
+  x32 = x64.astype(np.float32)
+  m = ex.quantize_expanded(jnp.asarray(x32), fmt, 128, 16)
+  k64, mx64 = np_spec_k(x32.astype(np.float64), fmt)
+  k = np.asarray(m.k_code, np.float64) / 16
+  assert np.all(np.abs(k - k64) <= 1 / 16 + 1e-12) and (k == k64).mean() >= 0.95, (k, k64)
+  np.testing.assert_allclose(np.asarray(m.amax, np.float64), mx64, rtol=2.0**-23)
+  ratio = np.abs(x32.astype(np.float64)).reshape(64, 2, 128) / mx64[..., None]
+  y = np.sign(x32) * FMAX[fmt] * (ratio ** k64[..., None]).reshape(64, 256)
+  y = np.clip(y, -FMAX[fmt], FMAX[fmt])
+  dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "int8": np.int8}[fmt]
+  want = (np.round(y) if fmt == "int8" else y).astype(dtype)
+  same_k = np.repeat(k == k64, 128, axis=-1)
+  def ordinal(q):
+    q = np.asarray(q)
+    if fmt == "int8":
+      return q.astype(np.int32)
+    b = q.view(np.uint8).astype(np.int32)
+    return np.where(b & 0x80, -(b & 0x7F), b & 0x7F)
+  d = np.abs(ordinal(np.asarray(m.data)) - ordinal(want))[same_k]
+  assert d.max() <= 1 and (d == 0).mean() >= 0.995, (d.max(), (d == 0).mean())
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_compact_form_equals_spec_form(rng, fmt):
   scale = np.exp(rng.uniform(-6, 6, size=(48, 1)))
@@ -142,6 +197,9 @@ def test_compact_form_equals_spec_form(rng, fmt):
   x = jnp.asarray(x64, jnp.float32)
   compact = ex.quantize_expanded(x, fmt, 128, 16)
   spec = ex.quantize_expanded_spec(x, fmt, 128, 16)
+  k64, _ = np_spec_k(np.asarray(x, np.float64), fmt)   # spec formula, float64, in this file
+  k = np.asarray(compact.k_code, np.float64) / 16
+  assert np.all(np.abs(k - k64) <= 1 / 16 + 1e-12) and (k == k64).mean() >= 0.95
   np.testing.assert_array_equal(compact.k_code.astype(np.float32) / 16, spec.k)
   qc = np.asarray(compact.data.astype(jnp.float32))
   qs = np.asarray(spec.data.astype(jnp.float32))

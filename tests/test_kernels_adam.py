@@ -1,17 +1,92 @@
-"""Fused COAT AdamW step kernel vs `coat_jax.optim.adam_step_reference` (CPU interpret mode)."""
+"""Fused COAT AdamW step kernel vs `coat_jax.adam_math.adam_step_reference` and the dispatch vs a
+numpy float64 step written here from the spec (CPU interpret mode)."""
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
 
-from coat_jax import expansion, kernels, optim
+from coat_jax import adam_math, expansion, kernels, optim
 from pallas_kernels import adam_step as pk
 
 INTERPRET = jax.default_backend() != "gpu"
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
+NP_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def kernel_step(p, g, m, v, *, m_format, v_format, **args):
+  """The kernel on plain arrays, its moments wrapped as ExpandedMoment (format limits passed as
+  the dispatch passes them: log2 of the spec's range fmax^2 / 2, floor 1e-30, k_code <= 255)."""
+  out, m3, v3 = pk.adam_step(
+      p, g, tuple(m), tuple(v), **args, floor=1e-30, max_code=255, grad_clamp=2.0**63,
+      m_log2_range=math.log2(FMAX[m_format] ** 2 / 2),
+      v_log2_range=math.log2(FMAX[v_format] ** 2 / 2))
+  return out, expansion.ExpandedMoment(*m3), expansion.ExpandedMoment(*v3)
+
+
+def np_dequantize(mom, fmt, g=128, expand_min=16):
+  """Stored form -> float64: x = sign(q) * amax * (|q| / fmax)^(1 / k), k = k_code / expand_min."""
+  q = np.asarray(mom.data, np.float64)
+  rows = q.reshape(*q.shape[:-1], -1, g)
+  k = (np.asarray(mom.k_code, np.float64) / expand_min)[..., None]
+  mx = np.asarray(mom.amax, np.float64)[..., None]
+  return (np.sign(rows) * mx * (np.abs(rows) / FMAX[fmt]) ** (1 / k)).reshape(q.shape)
+
+
+def np_adam(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count):
+  """The spec's Adam step in float64: (new p, m, v)."""
+  p, g = np.asarray(p, np.float64), np.asarray(g, np.float64)
+  m = b1 * m + (1 - b1) * g
+  v = b2 * v + (1 - b2) * g * g
+  denom = (np.sqrt(v) / np.sqrt(1 - b2**count) + eps) * (1 - b1**count)
+  return p - lr * (m / denom + weight_decay * p), m, v
+
+
+def np_expand_codes(x, fmt, g=128, expand_min=16):
+  """The spec's requantization in float64: (k per group, FP8 ordinals of q = sign(x) fmax
+  (|x| / mx)^k), k = floor(log2(fmax^2/2) / log2(mx/mn) * expand_min) / expand_min (1 if mx==mn)."""
+  a = np.abs(x).reshape(*x.shape[:-1], -1, g)
+  mx = a.max(-1) + 1e-30
+  mn = np.where(a > 0, a, np.inf).min(-1)
+  mn = np.where(np.isinf(mn), mx, mn + 1e-30)
+  with np.errstate(divide="ignore"):
+    lr = np.log2(mx / mn)
+    k = np.floor(np.log2(FMAX[fmt] ** 2 / 2) / lr * expand_min) / expand_min
+  k = np.where(lr > 0, np.clip(k, 1 / expand_min, 255 / expand_min), 1.0)
+  y = np.sign(x) * (FMAX[fmt] * (a / mx[..., None]) ** k[..., None]).reshape(x.shape)
+  return k, _ordinal(np.clip(y, -FMAX[fmt], FMAX[fmt]).astype(NP_DTYPE[fmt]))
+
+
+def _ordinal(q):
+  b = np.asarray(q).view(np.uint8).astype(np.int32)
+  return np.where(b & 0x80, -(b & 0x7F), b & 0x7F)
+
+
+def assert_step_matches_spec(got, p, g, m, v, args):
+  """got = (new p, new m, new v) vs the float64 spec step from the same stored moments: the param
+  step to 1e-4 relative (float32 exp2/log2 of the dequantized moments, and m's cancellation where
+  b1 m ~ -(1-b1) g: atol 1e-4 of the largest step); new moments: k equal in >= 95% of groups and
+  at most one step apart (float32 log2 on a floor boundary), codes one step apart at most where
+  k agrees (float32 vs float64 powers on a rounding tie), equal in >= 99%."""
+  hyper = {k: args[k] for k in ("lr", "b1", "b2", "eps", "weight_decay")}
+  want_p, want_m, want_v = np_adam(p, g, np_dequantize(m, args["m_format"]),
+                                   np_dequantize(v, args["v_format"]), count=int(args["count"]),
+                                   **hyper)
+  p0 = np.asarray(p, np.float64)
+  step, want_step = np.asarray(got[0], np.float64) - p0, want_p - p0
+  np.testing.assert_allclose(step, want_step, rtol=1e-4, atol=1e-4 * np.abs(want_step).max())
+  for mom, x, fmt in ((got[1], want_m, args["m_format"]), (got[2], want_v, args["v_format"])):
+    k64, codes64 = np_expand_codes(x, fmt)
+    k = np.asarray(mom.k_code, np.float64) / 16
+    assert np.abs(k - k64).max() <= 1 / 16 + 1e-12 and (k == k64).mean() >= 0.95
+    same = np.repeat(k == k64, 128, axis=-1)
+    d = np.abs(_ordinal(np.asarray(mom.data)) - codes64)[same]
+    assert d.max() <= 1 and (d == 0).mean() >= 0.99, (d.max(), (d == 0).mean())
 
 
 def _state(rng, shape, m_format, v_format, expand):
@@ -63,9 +138,11 @@ def test_adam_step_matches_reference(rng, shape, m_format, v_format, expand):
   p, g, m, v = _state(rng, shape, m_format, v_format, expand)
   args = dict(HYPER, count=jnp.int32(7), m_format=m_format, v_format=v_format, group_size=128,
               expand=expand, expand_min=16)
-  want = jax.jit(functools.partial(optim.adam_step_reference, **args))(p, g, m, v)
-  got = pk.adam_step(p, g, m, v, interpret=INTERPRET, block=16, **args)
+  want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(p, g, m, v)
+  got = kernel_step(p, g, m, v, interpret=INTERPRET, block=16, **args)
   _compare(got, want, p)
+  if expand:
+    assert_step_matches_spec(got, p, g, m, v, dict(HYPER, **args))
   assert not np.allclose(np.asarray(got[0]), np.asarray(p))   # the step moved the params
 
 
@@ -81,8 +158,8 @@ def test_adam_step_aliased_equals_unaliased(rng, output):
   copy = lambda t: jax.tree.map(jnp.copy, t)
   donate = (0, 2, 3) if output == "param" else (2, 3)   # the aliased inputs
   step = lambda alias: jax.jit(
-      lambda p, g, m, v, lr, count: pk.adam_step(p, g, m, v, lr=lr, count=count, alias=alias,
-                                                 **args),
+      lambda p, g, m, v, lr, count: kernel_step(p, g, m, v, lr=lr, count=count, alias=alias,
+                                                   **args),
       donate_argnums=donate if alias else ())
   want = step(False)(p, g, m, v, **hyper)
   got = step(True)(*copy((p, g, m, v)), **hyper)
@@ -98,25 +175,40 @@ def test_adam_step_zero_group_and_dispatch(rng):
   v = v._replace(data=v.data.at[1].set(0.0))    # all-zero group: k = 1, finite amax
   args = dict(HYPER, count=jnp.int32(1), m_format="e4m3", v_format="e4m3", group_size=128,
               expand=True, expand_min=16)
-  want = jax.jit(functools.partial(optim.adam_step_reference, **args))(p, g, m, v)
+  want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(p, g, m, v)
   with kernels.backend("pallas"):
     got = jax.jit(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v)
     jaxpr = str(jax.make_jaxpr(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v))
   assert "pallas_call" in jaxpr
   _compare(got, want, p)
+  assert_step_matches_spec(got, p, g, m, v, args)
   assert int(got[1].k_code[1, 0]) == 16 and np.isfinite(np.asarray(got[1].amax)).all()
 
 
-def test_unsupported_shape_falls_back(rng):
+def test_unsupported_shape_raises_and_dispatch_matches_spec(rng):
   p, g, m, v = _state(rng, (3, 200), "e4m3", "e4m3", True)   # 200 % 128 != 0
   args = dict(HYPER, count=jnp.int32(3), m_format="e4m3", v_format="e4m3", group_size=128,
               expand=True, expand_min=16)
   with pytest.raises(ValueError, match="divisible by 128"):
-    pk.adam_step(p, g, m, v, interpret=True, **args)
-  want = jax.jit(functools.partial(optim.adam_step_reference, **args))(p, g, m, v)
-  with kernels.backend("pallas"):
+    kernel_step(p, g, m, v, interpret=True, **args)
+  with pytest.raises(ValueError, match="storage dtype"):
+    cut = lambda mom, dtype: expansion.ExpandedMoment(mom.data[:, :128].astype(dtype),
+                                                      mom.amax[:, :1], mom.k_code[:, :1])
+    kernel_step(p[:, :128], g[:, :128], cut(m, jnp.float32), cut(v, v.data.dtype),
+                interpret=True, **args)
+  p2, g2, m2, v2 = _state(rng, (3, 256), "e4m3", "e4m3", True)
+  for backend in ("pallas", "reference"):
+    with kernels.backend(backend):
+      got = jax.jit(functools.partial(kernels.coat_adam_step, **args))(p2, g2, m2, v2)
+    assert_step_matches_spec(got, p2, g2, m2, v2, args)
+  with kernels.backend("pallas"):   # the odd shape: the reference, same spec
     got = jax.jit(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v)
-  _compare(got, want, p, min_equal=1.0)
+  assert got[0].shape == (3, 200) and np.isfinite(np.asarray(got[0])).all()
+  # (3, 200): groups of 128 + a short one of 72; compare the first group of each row.
+  cut = lambda mom: expansion.ExpandedMoment(mom.data[:, :128], mom.amax[:, :1],
+                                             mom.k_code[:, :1])
+  assert_step_matches_spec((got[0][:, :128], cut(got[1]), cut(got[2])), p[:, :128], g[:, :128],
+                           cut(m), cut(v), args)
 
 
 @pytest.mark.gpu
@@ -126,8 +218,8 @@ def test_gpu_adam_step_compiled(rng, fast_math, alias):
     p, g, m, v = _state(rng, (512, 1024), *fmts, True)
     args = dict(HYPER, count=jnp.int32(11), m_format=fmts[0], v_format=fmts[1], group_size=128,
                 expand=True, expand_min=16)
-    want = jax.jit(functools.partial(optim.adam_step_reference, **args))(p, g, m, v)
-    got = pk.adam_step(p, g, m, v, fast_math=fast_math, alias=alias, **args)
+    want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(p, g, m, v)
+    got = kernel_step(p, g, m, v, fast_math=fast_math, alias=alias, **args)
     _compare(got, want, p)
 
 
@@ -219,16 +311,16 @@ def test_adam_step_update_output(rng):
   g = g.astype(jnp.bfloat16)
   args = dict(HYPER, weight_decay=0.0, count=jnp.int32(4), m_format="e4m3", v_format="e4m3",
               group_size=128, expand=True, expand_min=16, output="update")
-  want = jax.jit(functools.partial(optim.adam_step_reference, **args))(None, g, m, v)
-  got = pk.adam_step(None, g, m, v, interpret=INTERPRET, **args)
+  want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(None, g, m, v)
+  got = kernel_step(None, g, m, v, interpret=INTERPRET, **args)
   assert got[0].dtype == jnp.bfloat16 and got[0].shape == p.shape
   _assert_updates_close(got[0], want[0])
   for i in (1, 2):   # m, v
     _assert_moments_close(got[i], want[i], "e4m3")
   with pytest.raises(ValueError, match="needs param"):
-    pk.adam_step(None, g, m, v, interpret=True, **dict(args, output="param"))
+    kernel_step(None, g, m, v, interpret=True, **dict(args, output="param"))
   with pytest.raises(ValueError, match="output"):
-    pk.adam_step(p, g, m, v, interpret=True, **dict(args, output="delta"))
+    kernel_step(p, g, m, v, interpret=True, **dict(args, output="delta"))
 
 
 def test_coat_adamw_pallas_under_apply_if_finite_without_params(rng):

@@ -42,6 +42,29 @@ def _interp():
   return plgpu.InterpretGPUParams()
 
 
+def _uses_kernel(fn, *args) -> bool:
+  """The jaxpr holds the Mosaic GPU kernel (a pallas_call; in interpret mode its wgmma ops)."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  return "pallas_call" in text or "wgmma" in text
+
+
+def _tn(a, b, dn):
+  return fm.tn_operands(a.data, a.data_t, b.data, b.data_t, dn)
+
+
+def _dot64(a, b, dn):
+  """The spec's product in float64: (a.scale * a.data) . (b.scale * b.data) per dimension_numbers
+  (one batch axis at most, leading)."""
+  x = np.asarray(a.data, np.float64) * float(a.scale)
+  y = np.asarray(b.data, np.float64) * float(b.scale)
+  (lc, rc), (lb, rb) = dn
+  if lb:
+    assert tuple(lb) == (0,) and tuple(rb) == (0,)
+    return np.stack([np.tensordot(x[i], y[i], axes=([c - 1 for c in lc], [c - 1 for c in rc]))
+                     for i in range(x.shape[0])])
+  return np.tensordot(x, y, axes=(list(lc), list(rc)))
+
+
 @pytest.mark.parametrize("m,n,k,out_dtype,dtypes", [
     (200, 136, 300, jnp.float32, (jnp.float8_e4m3fn, jnp.float8_e4m3fn)),   # no tile divides
     (128, 192, 256, jnp.bfloat16, (jnp.float8_e4m3fn, jnp.float8_e5m2)),    # aligned, mixed fp8
@@ -89,14 +112,18 @@ def _qa(rng, shape, with_t=False, fmt="e4m3"):
 ])
 def test_dispatch_pallas_interpret_matches_reference(rng, a_shape, b_shape, dn, a_t, b_t):
   a, b = _qa(rng, a_shape, a_t), _qa(rng, b_shape, b_t)
-  a2, _, out_shape, reason = fm.tn_operands(a, b, dn)
+  a2, _, out_shape, reason = _tn(a, b, dn)
   assert reason is None and a2 is not None
   ref = gemm.fp8_dot_general_reference(a, b, dn, jnp.float32)
   assert out_shape == ref.shape
   with kernels.backend("pallas"):
     out = kernels.fp8_dot_general(a, b, dn, jnp.float32)
+    assert _uses_kernel(lambda a, b: kernels.fp8_dot_general(a, b, dn, jnp.float32), a, b)
+  with kernels.backend("reference"):
+    assert not _uses_kernel(lambda a, b: kernels.fp8_dot_general(a, b, dn, jnp.float32), a, b)
   assert out.shape == ref.shape and out.dtype == jnp.float32
   assert _rel(out, np.asarray(ref, np.float64)) < 1e-5
+  assert _rel(out, _dot64(a, b, dn)) < 1e-6   # float32 accumulation of exact FP8 products
 
 
 @pytest.mark.parametrize("a_shape,b_shape,dn,a_t,b_t,why", [
@@ -106,21 +133,28 @@ def test_dispatch_pallas_interpret_matches_reference(rng, a_shape, b_shape, dn, 
     ((16, 144), (136, 144), TN, False, False, "small"),
 ])
 def test_dispatch_falls_back(rng, a_shape, b_shape, dn, a_t, b_t, why):
+  """Cases the kernel cannot take: no pallas_call, and the float64 spec product to one bf16
+  rounding (plus float32 accumulation)."""
   a, b = _qa(rng, a_shape, a_t), _qa(rng, b_shape, b_t)
-  a2, _, _, reason = fm.tn_operands(a, b, dn)
+  a2, _, _, reason = _tn(a, b, dn)
   assert a2 is None and why in reason
-  ref = gemm.fp8_dot_general_reference(a, b, dn, jnp.bfloat16)
-  out = fm.fp8_dot_general(a, b, dn, jnp.bfloat16, interpret=True)
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  fn = lambda a, b: kernels.fp8_dot_general(a, b, dn, jnp.bfloat16)
+  with kernels.backend("pallas"):
+    out = jax.jit(fn)(a, b)
+    assert not _uses_kernel(fn, a, b)
+  want = _dot64(a, b, dn)
+  assert out.shape == want.shape and out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2.0**-8,
+                             atol=1e-6 * np.abs(want).max())
 
 
 def test_int8_falls_back_and_per_group_rejected(rng):
   x = jnp.asarray(rng.normal(size=(136, 144)), jnp.float32)
   qi = quantize_per_tensor(x, "int8")
-  assert "non-float8" in fm.tn_operands(qi, qi, TN)[3]
+  assert "non-float8" in _tn(qi, qi, TN)[3]
   qg = quantize_per_group(x, 16)
-  with pytest.raises(ValueError, match="per-tensor"):
-    fm.fp8_dot_general(qg, qg, TN, jnp.bfloat16, interpret=True)
+  with kernels.backend("pallas"), pytest.raises(ValueError, match="per-tensor"):
+    kernels.fp8_dot_general(qg, qg, TN, jnp.bfloat16)
 
 
 def test_bad_arguments(rng):
@@ -138,7 +172,7 @@ def test_bad_arguments(rng):
   qa = QuantizedArray(a, jnp.float32(1.0))
   qb = QuantizedArray(_fp8(rng, (128, 256)), jnp.float32(1.0))
   with pytest.raises(ValueError, match="contracting sizes"):
-    fm.tn_operands(qa, qb, TN)
+    _tn(qa, qb, TN)
 
 
 def test_default_config_fits_shared_memory():
@@ -181,7 +215,7 @@ def test_gpu_dispatch_backward_shapes(rng):
     for lhs, rhs, dn in [(dy, w, (((1,), (1,)), ((), ()))),     # dX = dY @ W.T   (TN)
                          (x, dy, (((0,), (0,)), ((), ()))),      # dW = X.T @ dY  (via data_t)
                          (dy, _qa(rng, (f, d), True), (((1,), (0,)), ((), ())))]:  # NN
-      assert fm.tn_operands(lhs, rhs, dn)[3] is None
+      assert _tn(lhs, rhs, dn)[3] is None
       out = jax.jit(lambda a, b, dn=dn: kernels.fp8_dot_general(a, b, dn, jnp.float32))(lhs, rhs)
       ref = gemm.fp8_dot_general_reference(lhs, rhs, dn, jnp.float32)
       assert _rel(out, np.asarray(ref, np.float64)) < 1e-3
