@@ -1,4 +1,5 @@
-"""train.py end to end on CPU: loss falls, exact resume, 8-device == 1-device, configs, signals."""
+"""The training library and train.py end to end on CPU: loss falls, exact resume, 8 devices = 1,
+configs, signals. train.py itself runs as a script (subprocess), never imported."""
 import json
 import os
 import signal
@@ -11,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import train
-from coat_jax import checkpoint as ckpt_lib
-from coat_jax import config as config_lib
-from coat_jax import sharding as sharding_lib
+from coat_jax.training import build as build_lib
+from coat_jax.training import checkpoint as ckpt_lib
+from coat_jax.training import mesh as sharding_lib
+from coat_jax.training import schema as config_lib
+from coat_jax.training.loop import run
+from coat_jax.training.step_log import summary_line
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,7 +49,7 @@ def mini(cache, out_dir, *extra):
 def test_tiny_default_loss_falls_and_writes_outputs(cache, tmp_path):
   cfg = mini(cache, tmp_path, "run.steps=40", "run.eval_every=20", "run.tensorboard=true",
              "run.plot=true", "checkpoint.every=20")
-  s = train.run(cfg, log=QUIET)
+  s = run(cfg, log=QUIET)
   assert s["step"] == 40 and not s["interrupted"]
   losses = [s["losses"][k] for k in sorted(s["losses"])]
   assert len(losses) == 40 and all(np.isfinite(losses))
@@ -65,7 +67,7 @@ def test_tiny_default_loss_falls_and_writes_outputs(cache, tmp_path):
   assert json.loads((tmp_path / "summary.json").read_text())["step"] == 40
   assert config_lib.load(tmp_path / "config.yaml") == cfg
   assert ckpt_lib.Checkpointer(tmp_path / "checkpoints", 0, 3, False).all_steps() == [20, 40]
-  assert "train loss" in train.summary_line(s) and "tokens/s" in train.summary_line(s)
+  assert "train loss" in summary_line(s) and "tokens/s" in summary_line(s)
 
 
 @pytest.mark.parametrize("optimizer,precision", [("adamw", "bf16"), ("coat_adamw", "coat")])
@@ -73,14 +75,14 @@ def test_resume_is_exact(cache, tmp_path, optimizer, precision):
   extra = [f"optimizer.name={optimizer}", f"precision={precision}", "run.steps=20",
            "optimizer.min_quantized_size=256", "optimizer.group_size=32",
            "checkpoint.every=0", "run.eval_every=10"]
-  straight = train.run(mini(cache, tmp_path / "a", *extra), log=QUIET)
-  first = train.run(mini(cache, tmp_path / "b", *extra), stop_after=10, log=QUIET)
+  straight = run(mini(cache, tmp_path / "a", *extra), log=QUIET)
+  first = run(mini(cache, tmp_path / "b", *extra), stop_after=10, log=QUIET)
   assert first["step"] == 10 and sorted(first["losses"]) == list(range(1, 11))
   # A save killed half-way leaves a temporary directory: it must be ignored, not restored.
   partial = tmp_path / "b" / "checkpoints" / "15.orbax-checkpoint-tmp-1700000000"
   (partial / "state").mkdir(parents=True)
   (partial / "state" / "junk").write_bytes(os.urandom(64))
-  second = train.run(mini(cache, tmp_path / "b", *extra), resume=True, log=QUIET)
+  second = run(mini(cache, tmp_path / "b", *extra), resume=True, log=QUIET)
   assert sorted(second["losses"]) == list(range(11, 21))
   resumed = {**first["losses"], **second["losses"]}
   assert resumed == straight["losses"]  # bit-exact, every step
@@ -94,9 +96,9 @@ def test_resume_is_exact(cache, tmp_path, optimizer, precision):
 def test_eight_devices_match_one(cache, tmp_path):
   assert len(jax.devices()) >= 8
   extra = ["run.steps=4", "run.log_every=1"]
-  one = train.run(mini(cache, tmp_path / "one", *extra), devices=jax.devices()[:1], log=QUIET)
+  one = run(mini(cache, tmp_path / "one", *extra), devices=jax.devices()[:1], log=QUIET)
   cfg8 = mini(cache, tmp_path / "eight", *extra, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-  eight = train.run(cfg8, log=QUIET)
+  eight = run(cfg8, log=QUIET)
   a = np.array([one["losses"][k] for k in sorted(one["losses"])])
   b = np.array([eight["losses"][k] for k in sorted(eight["losses"])])
   assert len(a) == 4 and not np.array_equal(a[0], a[-1])
@@ -106,11 +108,11 @@ def test_eight_devices_match_one(cache, tmp_path):
 
 @pytest.mark.parametrize("name,clip", [("coat_adamw", 0.05), ("coat_adamw", 0.0), ("adamw", 0.05)])
 def test_build_apply_equals_update_then_apply_updates(rng, name, clip):
-  """train.py's fused step (coat_adamw_apply for coat_adamw) gives tx.update + apply_updates:
+  """build.py's fused step (coat_adamw_apply for coat_adamw) gives tx.update + apply_updates:
   same state structure, params within float32 rounding of the step, over 4 steps with clipping."""
   opt = config_lib.OptimizerConfig(name=name, lr=1e-2, warmup=1, clip=clip, min_quantized_size=256)
-  tx, schedule = train.build_optimizer(opt, total_steps=10)
-  apply = jax.jit(train.build_apply(opt, tx, schedule))
+  tx, schedule = build_lib.build_optimizer(opt, total_steps=10)
+  apply = jax.jit(build_lib.build_apply(opt, tx, schedule))
 
   @jax.jit
   def reference(grads, state, params):
@@ -135,7 +137,8 @@ def test_build_apply_equals_update_then_apply_updates(rng, name, clip):
 
 def test_compile_cache_setting(tmp_path):
   """run.compile_cache points JAX's persistent cache at the directory (made if missing); "" is off."""
-  code = ("import sys, jax, train; train._use_compile_cache(sys.argv[1], print); "
+  code = ("import sys, jax; from coat_jax.training.loop import use_compile_cache; "
+          "use_compile_cache(sys.argv[1], print); "
           "print('DIR', jax.config.jax_compilation_cache_dir)")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   for arg, want in ((str(tmp_path / "xla"), str(tmp_path / "xla")), ("", "None")):
@@ -200,42 +203,19 @@ def test_checkpoint_round_trips_fp8_sharded_state_exactly(tmp_path, rng):
   ck.close()
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama-125m", "olmo-1b", "llama2-7b"])
-def test_shipped_configs_load(name, capsys):
-  cfg = config_lib.load(REPO / "configs" / f"{name}.yaml")
-  assert cfg.model.preset == name
-  train.main(["--config", str(REPO / "configs" / f"{name}.yaml"), "--set", "run.steps=7",
-              "--print-config"])
-  assert config_lib.from_dict(yaml.safe_load(capsys.readouterr().out)).run.steps == 7
-
-
-def test_bad_configs_and_missing_files_give_clear_errors(cache, tmp_path):
-  bad_yaml = tmp_path / "bad.yaml"
-  bad_yaml.write_text("optimizer:\n  lrr: 0.1\n")
-  with pytest.raises(ValueError, match=r"bad.yaml.*'optimizer.lrr'.*did you mean 'lr'"):
-    train.main(["--config", str(bad_yaml)])
-  with pytest.raises(ValueError, match=r"'run.steps' must be an int"):
-    train.main(["--set", "run.steps=ten"])
-  with pytest.raises(ValueError, match=r"unknown config key 'modle'.*did you mean 'model'"):
-    train.main(["--set", "modle.num_layers=2"])
-  with pytest.raises(ValueError, match=r"'precision' must be one of"):
-    train.main(["--set", "precision=fp4"])
-  with pytest.raises(ValueError, match="config file not found"):
-    train.main(["--config", str(tmp_path / "nope.yaml")])
-  with pytest.raises(ValueError, match="needs 'data.paths'"):
-    train.main(["--set", "data.kind=tokens"])
+def test_missing_and_out_of_vocab_data_files_give_clear_errors(cache, tmp_path):
   missing = tmp_path / "shard-0.bin"
   with pytest.raises(ValueError, match=f"data file not found: {missing}"):
-    train.run(mini(cache, tmp_path, "data.kind=tokens", f"data.paths=[{missing}]"), log=QUIET)
+    run(mini(cache, tmp_path, "data.kind=tokens", f"data.paths=[{missing}]"), log=QUIET)
   oov = tmp_path / "oov.bin"
   np.full(4096, 600, np.uint16).tofile(oov)
   with pytest.raises(ValueError, match="oov.bin is out of range for the model's vocab_size=512"):
-    train.run(mini(cache, tmp_path, "data.kind=tokens", f"data.paths=[{oov}]", "model.vocab_size=512"),
+    run(mini(cache, tmp_path, "data.kind=tokens", f"data.paths=[{oov}]", "model.vocab_size=512"),
               log=QUIET)
 
 
 def test_sigint_mid_run_leaves_a_checkpoint_to_resume(cache, tmp_path):
-  train.run(mini(cache, tmp_path / "warm", "run.steps=1"), log=QUIET)  # tokenizer cached already
+  run(mini(cache, tmp_path / "warm", "run.steps=1"), log=QUIET)  # tokenizer cached already
   out = tmp_path / "sig"
   args = [sys.executable, str(REPO / "train.py"), "--no-progress", "--steps", "100000"]
   for item in MINI + [f"data.cache_dir={cache}", f"run.out_dir={out}", "run.log_every=1"]:
@@ -261,6 +241,6 @@ def test_sigint_mid_run_leaves_a_checkpoint_to_resume(cache, tmp_path):
   done = json.loads((out / "summary.json").read_text())
   assert done["interrupted"] == "SIGINT" and 3 <= done["step"] < 100000
   assert ckpt_lib.Checkpointer(out / "checkpoints", 0, 3, False).latest_step() == done["step"]
-  resumed = train.run(mini(cache, out, f"run.steps={done['step'] + 2}"), resume=True, log=QUIET)
+  resumed = run(mini(cache, out, f"run.steps={done['step'] + 2}"), resume=True, log=QUIET)
   assert sorted(resumed["losses"]) == [done["step"] + 1, done["step"] + 2]
   assert np.isfinite(resumed["final_train_loss"])

@@ -23,8 +23,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from coat_jax.config import MeshConfig
-
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -41,8 +39,8 @@ LLAMA_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 
 
-def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
-  """Resolves the -1 (fill) entry of a mesh config for `num_devices` devices."""
+def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
+  """Resolves the -1 (fill) entry of a mesh config (`.data`, `.fsdp`, `.tensor` sizes) for `num_devices`."""
   sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
   fixed = math.prod(v for v in sizes.values() if v != -1)
   fill = [k for k, v in sizes.items() if v == -1]
@@ -56,7 +54,7 @@ def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
   return sizes
 
 
-def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A Mesh over axes ("data", "fsdp", "tensor").
 
   With no -1 entry and fewer devices asked for than exist, the first ones are used (e.g. a

@@ -1,4 +1,4 @@
-"""Run configuration: typed dataclasses, YAML loading and `--set key=value` overrides.
+"""The run configuration schema: typed dataclasses, value checks, and `load` (file + `--set`).
 
 A run config has seven sections:
 
@@ -11,20 +11,20 @@ A run config has seven sections:
   run:        steps, seed, logging/eval periods, output directory
 
 Unknown keys and values of the wrong type are rejected with a ValueError that names the key
-(and suggests close matches), both in YAML files and in `--set` overrides.
+(and suggests close matches) and where it came from (the YAML file or the `--set` override);
+config_io.py does the generic part (types, YAML, overrides), this file the values.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-PRECISIONS = ("bf16", "fp8_linear", "coat")
+from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
+from coat_jax.training import config_io
+
 OPTIMIZERS = ("adamw", "coat_adamw")
 SCHEDULES = ("cosine", "constant", "linear")
 DATA_KINDS = ("stdlib", "tokens", "text", "jsonl")
@@ -176,87 +176,13 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Building from dicts, with key and type checks.
-
-
-def _suggest(name: str, choices) -> str:
-  close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.5)
-  return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-
-
-def _unknown_key_error(key: str, where: str, choices) -> ValueError:
-  return ValueError(f"unknown config key {where + key!r}{_suggest(key, choices)}; "
-                    f"valid keys {'under ' + repr(where.rstrip('.')) if where else 'at the top level'}: "
-                    f"{', '.join(sorted(choices))}")
-
-
-def _check_value(value: Any, annotation: Any, key: str) -> Any:
-  """Checks `value` against a field's type annotation and returns it (ints widen to floats)."""
-  origin = typing.get_origin(annotation)
-  if origin in (typing.Union, types.UnionType):
-    options = typing.get_args(annotation)
-    if value is None and type(None) in options:
-      return None
-    errors = []
-    for option in options:
-      if option is type(None):
-        continue
-      try:
-        return _check_value(value, option, key)
-      except ValueError as e:
-        errors.append(str(e))
-    raise ValueError(errors[0] if errors else f"config key {key!r}: bad value {value!r}")
-  if origin is list:
-    (item_type,) = typing.get_args(annotation)
-    if isinstance(value, str):  # a single path given where a list is expected
-      value = [value]
-    if not isinstance(value, (list, tuple)):
-      raise ValueError(f"config key {key!r} must be a list, got {type(value).__name__} {value!r}")
-    return [_check_value(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
-  if annotation is bool:
-    if not isinstance(value, bool):
-      raise ValueError(f"config key {key!r} must be a bool (true/false), got {value!r}")
-    return value
-  if annotation is int:
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise ValueError(f"config key {key!r} must be an int, got {type(value).__name__} {value!r}")
-    return value
-  if annotation is float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise ValueError(f"config key {key!r} must be a number, got {type(value).__name__} {value!r}")
-    return float(value)
-  if annotation is str:
-    if not isinstance(value, str):
-      raise ValueError(f"config key {key!r} must be a string, got {type(value).__name__} {value!r}")
-    return value
-  raise TypeError(f"unsupported annotation {annotation!r} for {key!r}")
-
-
-def _build(cls, raw: Any, where: str):
-  """Builds dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
-  if raw is None:
-    raw = {}
-  if not isinstance(raw, dict):
-    raise ValueError(f"config section {where.rstrip('.') or 'top level'!r} must be a mapping, "
-                     f"got {type(raw).__name__} {raw!r}")
-  hints = typing.get_type_hints(cls)
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  kwargs = {}
-  for key, value in raw.items():
-    if not isinstance(key, str) or key not in fields:
-      raise _unknown_key_error(str(key), where, fields)
-    annotation = hints[key]
-    if dataclasses.is_dataclass(annotation):
-      kwargs[key] = _build(annotation, value, f"{where}{key}.")
-    else:
-      kwargs[key] = _check_value(value, annotation, where + key)
-  return cls(**kwargs)
+# Value checks.
 
 
 def _one_of(value: str, choices, key: str) -> None:
   if value not in choices:
     raise ValueError(f"config key {key!r} must be one of {', '.join(map(repr, choices))}, "
-                     f"got {value!r}{_suggest(value, choices)}")
+                     f"got {value!r}{config_io.suggest(value, choices)}")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -304,7 +230,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     raise ValueError(f"at most one mesh axis may be -1 (fill), got {sizes}")
   m = cfg.model
   if m.dtype is not None:
-    _one_of(m.dtype, ("bfloat16", "float32", "auto"), "model.dtype")
+    _one_of(m.dtype, DTYPES + (AUTO_DTYPE,), "model.dtype")
   for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
             "num_kv_heads", "head_dim", "max_seq_len"):
     value = getattr(m, f)
@@ -315,95 +241,13 @@ def validate(cfg: RunConfig) -> RunConfig:
 
 def from_dict(raw: dict[str, Any]) -> RunConfig:
   """Builds and validates a RunConfig from a nested mapping (e.g. parsed YAML)."""
-  return validate(_build(RunConfig, raw, ""))
-
-
-# ----------------------------------------------------------------------------------------------
-# Overrides and files.
-
-
-def _parse_scalar(text: str) -> Any:
-  """Parses a `--set` value with YAML rules (3e-4 -> float, true -> bool, [a, b] -> list)."""
-  try:
-    value = yaml.safe_load(text)
-  except yaml.YAMLError:
-    return text
-  if isinstance(value, str) and _looks_like_float(value):
-    return float(value)  # YAML 1.1 reads "3e-4" as a string
-  return value
-
-
-def _looks_like_float(text: str) -> bool:
-  try:
-    float(text)
-  except ValueError:
-    return False
-  return text.strip().lower() not in ("nan", "inf", "-inf", "infinity", "-infinity")
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-  """Applies `section.key=value` strings to a nested mapping (a new one is returned).
-
-  Keys are checked against the schema here, so a typo fails with the key's name even when the
-  YAML file does not mention that section.
-  """
-  raw = _deep_copy(raw)
-  for item in overrides:
-    if "=" not in item:
-      raise ValueError(f"--set expects key=value, got {item!r}")
-    dotted, text = item.split("=", 1)
-    parts = dotted.strip().split(".")
-    cls, where, node = RunConfig, "", raw
-    for i, part in enumerate(parts):
-      fields = {f.name: f for f in dataclasses.fields(cls)}
-      if part not in fields:
-        raise _unknown_key_error(part, where, fields)
-      annotation = typing.get_type_hints(cls)[part]
-      last = i == len(parts) - 1
-      if dataclasses.is_dataclass(annotation):
-        if last:
-          raise ValueError(f"--set {dotted!r} names a section; set one of its keys, e.g. "
-                           f"{dotted}.{dataclasses.fields(annotation)[0].name}=...")
-        if not isinstance(node.get(part), dict):
-          node[part] = {}
-        node, cls, where = node[part], annotation, f"{where}{part}."
-      else:
-        if not last:
-          raise _unknown_key_error(".".join(parts[i + 1:]), f"{where}{part}.", [])
-        node[part] = _parse_scalar(text)
-  return raw
-
-
-def _deep_copy(raw):
-  if isinstance(raw, dict):
-    return {k: _deep_copy(v) for k, v in raw.items()}
-  if isinstance(raw, list):
-    return [_deep_copy(v) for v in raw]
-  return raw
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-  """Reads a YAML config file into a mapping; errors name the file."""
-  path = Path(path)
-  if not path.is_file():
-    raise ValueError(f"config file not found: {path}")
-  try:
-    raw = yaml.safe_load(path.read_text())
-  except yaml.YAMLError as e:
-    raise ValueError(f"config file {path} is not valid YAML: {e}") from e
-  if raw is None:
-    return {}
-  if not isinstance(raw, dict):
-    raise ValueError(f"config file {path} must hold a mapping at the top level, got {type(raw).__name__}")
-  return raw
+  return validate(config_io.build(RunConfig, raw))
 
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-  """Loads a config file (or the schema defaults when `path` is None) and applies `--set` overrides."""
-  raw = load_yaml(path) if path is not None else {}
-  try:
-    return from_dict(apply_overrides(raw, list(overrides)))
-  except ValueError as e:
-    if path is not None and str(path) not in str(e):
-      raise ValueError(f"{path}: {e}") from e
-    raise
+  """A RunConfig from a YAML file (schema defaults when `path` is None) and `--set` overrides.
+
+  Errors name their source: the file for a bad key, value or YAML syntax in it, the override
+  (`--set optimizer.lrr=1: unknown config key ...`) for a bad override.
+  """
+  return config_io.load(RunConfig, path, overrides, validate)

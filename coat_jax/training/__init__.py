@@ -1,0 +1,14 @@
+"""The training pipeline as a library: config -> mesh -> data -> model/optimizer/steps -> loop.
+
+  schema.py       RunConfig (the run config's dataclasses and value checks), `load`
+  config_io.py    typed dataclasses from mappings, YAML (1e-3 is a float), `--set` overrides
+  corpus.py       the offline stdlib corpus and its locally trained byte-level BPE
+  token_files.py  pre-tokenized, text and JSON-lines files
+  dataset.py      windows, the train/eval split, deterministic batches (Feistel permutation)
+  mesh.py         device mesh, parameter/batch/optimizer-state shardings
+  build.py        `build(cfg, mesh)`: model, optimizer, shardings, jitted steps, init
+  loop.py         `run(cfg)`: the loop with checkpoint, metric and stop hooks
+  step_log.py     per-step metrics and the summary line
+  checkpoint.py   orbax checkpoints (async, exact resume)
+  metrics.py      throughput, MFU, peak memory, metrics.jsonl + TensorBoard, loss plot
+"""

@@ -1,0 +1,292 @@
+"""From a run config and a mesh to everything a training loop runs: `build(cfg, mesh)`.
+
+  model config  preset + overrides + precision, vocabulary and sequence length fit to the data
+  optimizer     clip_by_global_norm -> adamw | coat_adamw, warmup + cosine/linear/constant schedule
+  apply fn      (grads, opt_state, params) -> (params, opt_state); for coat_adamw the fused
+                `coat_adamw_apply` kernel writes the new params in one pass
+  model parts   the model split abstractly (graph, param/other-state templates, shardings)
+  steps         jitted train_step (donating its state) and eval_step with explicit shardings
+
+The pieces stay public for callers that need one of them (e.g. a benchmark's own optimizer chain
+via `build(..., extra_tx=...)`); the builder is generic over the parameter tree (sharding rules
+match paths and right-align, so a stacked leading layer axis is replicated).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from coat_jax.precision import resolve_dtype
+from coat_jax.training import corpus, mesh as mesh_lib, token_files
+from coat_jax.training.dataset import TokenDataset
+from coat_jax.training.schema import DataConfig, OptimizerConfig, RunConfig
+
+
+def dataset_from_config(data: DataConfig, seed: int, log=print) -> TokenDataset:
+  """The dataset `data` names (tokenizing and caching as needed)."""
+  common = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=seed,
+                eval_fraction=data.eval_fraction)
+  if data.kind == "stdlib":
+    ids, tok, name = corpus.stdlib_tokens(data.vocab_size, data.corpus_max_bytes, data.cache_dir, log)
+    return TokenDataset([ids], [name], vocab_size=tok.get_vocab_size(), tokenizer=tok,
+                        description=f"{name}, byte-level BPE vocab {tok.get_vocab_size()}", **common)
+  if data.kind == "tokens":
+    files = token_files.expand_paths(data.paths)
+    arrays = [token_files.load_token_file(f, data.dtype) for f in files]
+    return TokenDataset(arrays, [str(f) for f in files], description=f"{len(files)} token files",
+                        **common)
+  if data.kind in ("text", "jsonl"):
+    arrays, names, tok = token_files.text_tokens(data.paths, data.tokenizer, data.kind,
+                                                 data.text_field, data.cache_dir, log)
+    return TokenDataset(arrays, names, vocab_size=tok.get_vocab_size(), tokenizer=tok,
+                        description=f"{len(names)} {data.kind} files, tokenizer {data.tokenizer}",
+                        **common)
+  raise ValueError(f"unknown data.kind {data.kind!r}")
+
+
+def model_config(cfg: RunConfig, data_vocab: int | None):
+  """The LlamaConfig for this run: preset + overrides + precision + vocab/sequence fit to the data."""
+  from coat_jax.models.llama import LlamaConfig
+
+  overrides = cfg.model.overrides()
+  if "dtype" in overrides:
+    overrides["dtype"] = resolve_dtype(overrides["dtype"], "model.dtype")
+  preset = LlamaConfig.from_name(cfg.model.preset)
+  if "vocab_size" not in overrides and data_vocab is not None:
+    overrides["vocab_size"] = data_vocab
+  vocab = overrides.get("vocab_size", preset.vocab_size)
+  if data_vocab is not None and vocab < data_vocab:
+    raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({data_vocab})")
+  max_len = overrides.get("max_seq_len", preset.max_seq_len)
+  if max_len < cfg.data.seq_len:
+    if "max_seq_len" in overrides:
+      raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={max_len}")
+    overrides["max_seq_len"] = cfg.data.seq_len
+  return LlamaConfig.from_name(cfg.model.preset, precision=cfg.precision, **overrides)
+
+
+def lr_schedule(opt: OptimizerConfig, total_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to `lr`, then cosine/linear decay to `lr * min_lr_ratio` (or constant)."""
+  warmup = min(opt.warmup, total_steps)
+  decay_steps = max(1, total_steps - warmup)
+  if opt.schedule == "cosine":
+    after = optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.min_lr_ratio)
+  elif opt.schedule == "linear":
+    after = optax.linear_schedule(opt.lr, opt.lr * opt.min_lr_ratio, decay_steps)
+  else:
+    after = optax.constant_schedule(opt.lr)
+  if warmup == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, opt.lr, warmup), after], [warmup])
+
+
+def weight_decay_mask(opt: OptimizerConfig):
+  """None (decay everything) or a mask that leaves 1-D parameters out (`decay_1d=False`)."""
+  if opt.decay_1d:
+    return None
+  return lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def _coat_arguments(opt: OptimizerConfig) -> tuple[tuple, dict]:
+  """coat_adamw's / coat_adamw_apply's arguments after the learning rate."""
+  return ((opt.b1, opt.b2, opt.eps, opt.weight_decay, weight_decay_mask(opt)),
+          dict(m_format=opt.m_format, v_format=opt.v_format, group_size=opt.group_size,
+               expand=opt.expand, expand_min=opt.expand_min,
+               min_quantized_size=opt.min_quantized_size))
+
+
+def build_optimizer(opt: OptimizerConfig, total_steps: int):
+  """(optax transformation, schedule): clip_by_global_norm -> adamw | coat_adamw."""
+  schedule = lr_schedule(opt, total_steps)
+  if opt.name == "adamw":
+    core = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                       mask=weight_decay_mask(opt))
+  else:
+    from coat_jax.optim import coat_adamw
+    args, kwargs = _coat_arguments(opt)
+    core = coat_adamw(schedule, *args, **kwargs)
+  parts = ([optax.clip_by_global_norm(opt.clip)] if opt.clip > 0 else []) + [core]
+  return optax.chain(*parts), schedule
+
+
+def optax_apply(tx: optax.GradientTransformation):
+  """apply(grads, opt_state, params) -> (new params, new opt_state): tx.update + apply_updates."""
+  def apply(grads, opt_state, params):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return apply
+
+
+def build_apply(opt: OptimizerConfig, tx, schedule):
+  """apply(grads, opt_state, params) -> (new params, new opt_state) for `build_optimizer`'s tx.
+
+  Equal to tx.update + optax.apply_updates (same state structure, so checkpoints are shared). For
+  coat_adamw the last link is `coat_adamw_apply`: its fused kernel writes the new params in one
+  pass instead of writing an update that apply_updates reads back (on the H100 7.9 vs 12.0 ms of
+  kernel time per step for 1.21e9 params, docs/benchmarks.md).
+  """
+  if opt.name != "coat_adamw":
+    return optax_apply(tx)
+  from coat_jax.optim import coat_adamw_apply
+  args, kwargs = _coat_arguments(opt)
+  core = coat_adamw_apply(schedule, *args, **kwargs)
+  clip = optax.clip_by_global_norm(opt.clip) if opt.clip > 0 else None
+
+  def apply(grads, opt_state, params):
+    *pre, core_state = opt_state   # optax.chain's state: one entry per link
+    if clip is not None:
+      grads, clip_state = clip.update(grads, pre[0], params)
+      pre = [clip_state]
+    params, core_state = core(grads, core_state, params)
+    return params, tuple(pre) + (core_state,)
+  return apply
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy (nats) in float32; logits (B, S, V), labels (B, S) int32."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+
+@dataclasses.dataclass
+class ModelParts:
+  """A model taken apart for pure functions: graph, abstract states (templates), shardings."""
+  graphdef: Any
+  params_template: Any  # nnx.State of Params, abstract
+  rest_template: Any  # nnx.State of everything else (e.g. RNG state), abstract
+  params_abstract: Any  # pure dict of ShapeDtypeStruct
+  rest_abstract: Any
+  params_shardings: Any
+  rest_shardings: Any
+
+  def merge(self, params: Any, rest: Any):
+    p = jax.tree.map(lambda x: x, self.params_template)
+    nnx.replace_by_pure_dict(p, params)
+    r = jax.tree.map(lambda x: x, self.rest_template)
+    if rest:
+      nnx.replace_by_pure_dict(r, rest)
+    return nnx.merge(self.graphdef, p, r)
+
+
+def model_parts(llama_cfg, seed: int, mesh) -> tuple[ModelParts, Callable[..., tuple[Any, Any]]]:
+  """Takes the model apart abstractly (nothing allocated) and returns it with an init function
+  init(seed=seed) -> (params, rest) (compiled once for every seed)."""
+  from coat_jax.models.llama import Llama
+
+  abstract = nnx.eval_shape(lambda: Llama(llama_cfg, rngs=nnx.Rngs(seed)))
+  graphdef, params_state, rest_state = nnx.split(abstract, nnx.Param, ...)
+  params_abstract, rest_abstract = nnx.to_pure_dict(params_state), nnx.to_pure_dict(rest_state)
+  params_sh = mesh_lib.param_shardings(params_abstract, mesh)
+  rest_sh = jax.tree.map(lambda _: mesh_lib.replicated(mesh), rest_abstract)
+  parts = ModelParts(graphdef, params_state, rest_state, params_abstract, rest_abstract,
+                     params_sh, rest_sh)
+
+  def init(key):  # the key is an argument: a constant one lets XLA constant-fold the RNG (minutes)
+    _, p, r = nnx.split(Llama(llama_cfg, rngs=nnx.Rngs(key)), nnx.Param, ...)
+    return nnx.to_pure_dict(p), nnx.to_pure_dict(r)
+
+  init_jit = jax.jit(init, out_shardings=(params_sh, rest_sh))
+  return parts, lambda s=seed: init_jit(jax.random.key(s))
+
+
+def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None):
+  """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
+
+  train_step(params, opt_state, rest, tokens) -> (params, opt_state, rest, {"loss", "grad_norm"});
+  eval_step(params, rest, tokens) -> loss. tokens: (batch, seq_len + 1) int32.
+  apply_fn: (grads, opt_state, params) -> (params, opt_state); default `optax_apply(tx)`.
+  """
+  apply_fn = apply_fn or optax_apply(tx)
+  batch_sh, rep = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
+
+  def loss_fn(params, rest, tokens):
+    model = parts.merge(params, rest)
+    loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    return loss, nnx.to_pure_dict(new_rest)
+
+  def train_step(params, opt_state, rest, tokens):
+    (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+    params, opt_state = apply_fn(grads, opt_state, params)
+    return params, opt_state, rest, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+  def eval_step(params, rest, tokens):
+    return loss_fn(params, rest, tokens)[0]
+
+  state_sh = (parts.params_shardings, opt_shardings, parts.rest_shardings)
+  train = jax.jit(train_step, in_shardings=(*state_sh, batch_sh), out_shardings=(*state_sh, rep),
+                  donate_argnums=(0, 1, 2))
+  evaluate = jax.jit(eval_step, in_shardings=(parts.params_shardings, parts.rest_shardings, batch_sh),
+                     out_shardings=rep)
+  return train, evaluate
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs of `abstract` carrying `shardings` (lowering and checkpoint templates)."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
+class Built(NamedTuple):
+  """Everything `build` makes; `init(seed=None)` -> fresh (params, opt_state, rest) (default: the
+  build's seed)."""
+  llama_cfg: Any
+  parts: ModelParts
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  opt_abstract: Any
+  opt_shardings: Any
+  train_step: Callable
+  eval_step: Callable
+  batch_sharding: Any
+  init: Callable[..., tuple[Any, Any, Any]]
+
+  def abstract_state(self) -> tuple[Any, Any, Any]:
+    """(params, opt_state, rest) as sharded ShapeDtypeStructs."""
+    p = self.parts
+    return (with_shardings(p.params_abstract, p.params_shardings),
+            with_shardings(self.opt_abstract, self.opt_shardings),
+            with_shardings(p.rest_abstract, p.rest_shardings))
+
+
+def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: int | None = None,
+          seed: int | None = None, extra_tx: optax.GradientTransformation | None = None) -> Built:
+  """Model, optimizer, shardings, jitted steps and init for `cfg` on `mesh`.
+
+  vocab_size: the data's tokenizer vocabulary (None: the config's/preset's).
+  total_steps: the schedule's length (default `cfg.run.steps`); seed: init seed (`cfg.run.seed`).
+  extra_tx: chained after the config's optimizer (its state replicated); the step then uses
+    tx.update + apply_updates instead of the fused coat_adamw_apply.
+  """
+  shards = mesh_lib.batch_shards(mesh)
+  if cfg.data.batch_size % shards:
+    raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by the mesh's "
+                     f"data x fsdp = {shards} batch shards")
+  seed = cfg.run.seed if seed is None else seed
+  llama_cfg = model_config(cfg, vocab_size)
+  parts, init_params = model_parts(llama_cfg, seed, mesh)
+  base_tx, schedule = build_optimizer(cfg.optimizer, total_steps or cfg.run.steps)
+  base_abstract = jax.eval_shape(base_tx.init, parts.params_abstract)
+  opt_sh = mesh_lib.optimizer_state_shardings(base_tx, base_abstract, parts.params_shardings, mesh,
+                                              cfg.optimizer.name)
+  if extra_tx is None:
+    tx, opt_abstract, apply_fn = base_tx, base_abstract, build_apply(cfg.optimizer, base_tx, schedule)
+  else:
+    tx = optax.chain(base_tx, extra_tx)
+    opt_abstract = jax.eval_shape(tx.init, parts.params_abstract)
+    rep = mesh_lib.replicated(mesh)
+    opt_sh = (opt_sh, jax.tree.map(lambda _: rep, opt_abstract[1]))
+    apply_fn = optax_apply(tx)
+  train_step, eval_step = make_steps(parts, tx, opt_sh, mesh, apply_fn)
+  opt_init = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)
+
+  def init(seed: int | None = None):
+    params, rest = init_params() if seed is None else init_params(seed)
+    return params, opt_init(params), rest
+
+  return Built(llama_cfg, parts, tx, schedule, opt_abstract, opt_sh, train_step, eval_step,
+               mesh_lib.batch_sharding(mesh), init)

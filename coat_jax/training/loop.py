@@ -1,0 +1,246 @@
+"""The training loop: data -> jitted steps -> logs, evals, checkpoints; stops on signals or hooks.
+
+`run(cfg)` builds through `build.build` and trains `cfg.run.steps` steps. Batches are a pure
+function of (seed, step), so a checkpoint at step s plus `resume=True` continues the identical
+run. Hooks: `on_step(step, stop)` after every step (`stop.request(reason)` ends the run with a
+checkpoint, as SIGINT/SIGTERM do; a second signal stops at once); checkpoints every
+`checkpoint.every` steps and at the end; metrics every `run.log_every` steps (step_log.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coat_jax.training import checkpoint as ckpt_lib
+from coat_jax.training import mesh as mesh_lib
+from coat_jax.training import metrics as metrics_lib
+from coat_jax.training.build import Built, build, dataset_from_config
+from coat_jax.training.schema import RunConfig
+from coat_jax.training.step_log import StepLogger, summary_line
+
+
+class StopRequest:
+  """Set by SIGINT/SIGTERM (or by `request`); the loop checkpoints and returns at the next step."""
+
+  def __init__(self):
+    self.reason: str | None = None
+    self._previous: dict[int, Any] = {}
+
+  def request(self, reason: str) -> None:
+    self.reason = reason
+
+  def __bool__(self) -> bool:
+    return self.reason is not None
+
+  def _handler(self, signum, frame):
+    if self.reason is not None:  # second signal: stop now
+      self.uninstall()
+      raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+    self.request(signal.Signals(signum).name)
+
+  def install(self) -> None:
+    if threading.current_thread() is not threading.main_thread():
+      return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      self._previous[sig] = signal.signal(sig, self._handler)
+
+  def uninstall(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+  out = []
+  for k in sorted(set(old) | set(new)):
+    a, b = old.get(k), new.get(k)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += config_diff(a, b, f"{prefix}{k}.")
+    elif a != b:
+      out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+  return out
+
+
+def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
+  """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set)."""
+  if not directory or jax.config.jax_compilation_cache_dir:
+    return
+  path = Path(os.path.expanduser(directory))
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a read-only home must not stop training
+    say(f"[run] compilation cache off: cannot create {path} ({e})")
+    return
+  jax.config.update("jax_compilation_cache_dir", str(path))
+
+
+def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
+        devices: list[jax.Device] | None = None, log: Callable[[str], None] = print,
+        on_step: Callable[[int, "StopRequest"], None] | None = None,
+        stop: StopRequest | None = None) -> dict:
+  """Trains per `cfg`; returns a summary dict (final losses, throughput, memory, per-step losses).
+
+  Args:
+    resume: continue from the latest checkpoint in the checkpoint directory (fresh start if none).
+    stop_after: stop once this many steps are done (checkpointing), keeping `run.steps`' schedule.
+    devices: devices for the mesh (default: all).
+    on_step: called as on_step(step, stop) after every step; `stop.request(reason)` ends the run
+      with a checkpoint, as a signal does.
+    stop: a StopRequest to use (its signal handlers are installed for the duration of the run).
+  """
+  t_start = time.time()
+  is_main = jax.process_index() == 0
+  out_dir = Path(cfg.run.out_dir)
+  say = log if is_main else (lambda _: None)
+  total_steps = cfg.run.steps
+  end_step = total_steps if stop_after is None else min(total_steps, stop_after)
+
+  use_compile_cache(cfg.run.compile_cache, say)
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say)
+  built = build(cfg, mesh, vocab_size=dataset.vocab_size)
+  llama_cfg = built.llama_cfg
+  dataset.check_vocab(llama_cfg.vocab_size)
+  out_dir.mkdir(parents=True, exist_ok=True)  # only once the data and model config are good
+  from coat_jax.models import llama as llama_lib
+
+  n_params = llama_lib.num_params(llama_cfg)
+  flops_per_token = float(llama_lib.flops_per_token(llama_cfg, cfg.data.seq_len))
+  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+  say(f"[run] {dataset.description}: {dataset.num_tokens:,} tokens, {dataset.n_train:,} train / "
+      f"{dataset.n_eval:,} eval windows of {cfg.data.seq_len}")
+  say(f"[run] model {cfg.model.preset} ({n_params / 1e6:.2f}M params, precision {cfg.precision}), "
+      f"optimizer {cfg.optimizer.name}, mesh {dict(mesh.shape)} on {mesh.devices.size} "
+      f"{mesh.devices.flat[0].platform} device(s)")
+  train_step, eval_step = built.train_step, built.eval_step
+
+  ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+  # Resources opened from here on are closed on errors too (close() is idempotent).
+  with contextlib.ExitStack() as cleanup:
+    checkpointer = ckpt_lib.Checkpointer(ckpt_dir, cfg.checkpoint.every, cfg.checkpoint.keep,
+                                         cfg.checkpoint.async_save)
+    cleanup.callback(checkpointer.close)
+    params, opt_state, rest, start_step, run_key = restore_or_init(cfg, checkpointer, built,
+                                                                    resume, say)
+    (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    metrics = None
+    if is_main:
+      metrics = metrics_lib.MetricsLog(out_dir, cfg.run.tensorboard,
+                                       resume_step=start_step if start_step else None, log=say)
+      cleanup.callback(metrics.close)
+    batch_sh = built.batch_sharding
+    eval_batches = [mesh_lib.put_batch(b, batch_sh)
+                    for b in dataset.eval_batches(cfg.data.eval_batches)]
+    devices_used = list(mesh.devices.flat)
+
+    def evaluate(step: int) -> float | None:
+      if not eval_batches:
+        return None
+      value = float(np.mean(jax.device_get([eval_step(params, rest, b) for b in eval_batches])))
+      if metrics:
+        metrics.write(step, "eval", {"loss": value, "perplexity": math.exp(min(value, 50.0))})
+      return value
+
+    def save(step: int, force: bool) -> bool:
+      meta = {"step": step, "data_position": step, "seed": cfg.run.seed,
+              "epoch": dataset.epoch_of(step),
+              "rng": np.asarray(jax.random.key_data(run_key)).tolist(), "config": cfg.to_dict()}
+      return checkpointer.save(step, {"params": params, "opt_state": opt_state, "rest": rest}, meta,
+                               force=force)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=end_step, initial=start_step, disable=not (cfg.run.progress and is_main),
+               dynamic_ncols=True, desc="train", file=sys.stderr)
+    logger = StepLogger(metrics, bar, say, built.schedule, flops_per_token, tokens_per_step, devices_used,
+                        dataset.epoch_of)
+    eval_history: dict[int, float] = {}
+    step, interrupted = start_step, None
+    stop = stop or StopRequest()
+    stop.install()
+    try:
+      while step < end_step:
+        tokens = mesh_lib.put_batch(dataset.train_batch(step), batch_sh)
+        params, opt_state, rest, out = train_step(params, opt_state, rest, tokens)
+        step += 1
+        logger.step_done(step, out, log_now=step % cfg.run.log_every == 0 or step == end_step)
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < end_step:
+          eval_history[step] = evaluate(step)
+          if eval_history[step] is not None:  # None: no held-out batches configured
+            (say if bar.disable else bar.write)(f"[eval] step {step}: loss {eval_history[step]:.4f}")
+        save(step, force=False)
+        if on_step is not None:
+          on_step(step, stop)
+        if stop:
+          interrupted = stop.reason
+          break
+    finally:
+      bar.close()
+      stop.uninstall()
+
+    # The end (normal, early stop or signal): final eval, checkpoint, logs, plot.
+    logger.flush()
+    final_eval = evaluate(step)
+    if final_eval is not None:
+      eval_history[step] = final_eval
+    if save(step, force=True):
+      say(f"[run] checkpoint at step {step} in {ckpt_dir}")
+    checkpointer.close()
+    mem, mem_kind = metrics_lib.peak_memory_bytes(devices_used)
+    tokens_per_s = logger.median_tokens_per_s()
+    history = logger.history
+    summary = {
+        "step": step, "total_steps": total_steps, "interrupted": interrupted,
+        "final_train_loss": history.get(step), "first_train_loss": history[min(history)] if history else None,
+        "final_eval_loss": final_eval, "tokens_per_s": tokens_per_s,
+        "mfu": metrics_lib.mfu(flops_per_token, tokens_per_s, devices_used) if tokens_per_s else None,
+        "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,
+        "flops_per_token": flops_per_token, "wall_s": time.time() - t_start,
+        "losses": history, "eval_losses": eval_history, "out_dir": str(out_dir),
+        "checkpoint_dir": str(ckpt_dir),
+    }
+    if metrics:
+      metrics.close()
+      if cfg.run.plot:
+        metrics_lib.plot_losses(metrics.records, out_dir / "loss.png",
+                                title=f"{cfg.model.preset} / {cfg.precision} / {cfg.optimizer.name}")
+      (out_dir / "summary.json").write_text(json.dumps(
+          {k: v for k, v in summary.items() if k not in ("losses", "eval_losses")}, indent=2))
+    say(summary_line(summary))
+    return summary
+
+
+def restore_or_init(cfg: RunConfig, checkpointer, built: Built, resume: bool, say):
+  """(params, opt_state, rest, start_step, run_key): from the latest checkpoint or freshly made."""
+  if not (resume and checkpointer.latest_step() is not None):
+    if resume:
+      say(f"[run] --resume: no checkpoint in {checkpointer.directory}, starting from scratch")
+    params, opt_state, rest = built.init()
+    return params, opt_state, rest, 0, jax.random.key(cfg.run.seed)
+  template = dict(zip(("params", "opt_state", "rest"), built.abstract_state()))
+  state, meta, step = checkpointer.restore(template)
+  if meta.get("data_position") != step or meta.get("seed") != cfg.run.seed:
+    raise ValueError(f"checkpoint {checkpointer.directory}/{step} was written with seed "
+                     f"{meta.get('seed')} at data position {meta.get('data_position')}; this run "
+                     f"has seed {cfg.run.seed}: resuming would not continue the same run")
+  ignore = ("run", "checkpoint")
+  diff = config_diff({k: v for k, v in meta.get("config", {}).items() if k not in ignore},
+                      {k: v for k, v in cfg.to_dict().items() if k not in ignore})
+  say(f"[run] resumed from {checkpointer.directory} at step {step}"
+      + (f"; config changed since: {'; '.join(diff)}" if diff else ""))
+  run_key = jax.random.wrap_key_data(jnp.asarray(meta["rng"], jnp.uint32))
+  return state["params"], state["opt_state"], state["rest"], step, run_key
+
+

@@ -1,0 +1,83 @@
+"""Step logging of a run: losses, grad norm, lr, tokens/s, MFU and memory, without blocking the
+device between log steps; and the one-line run summary."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from coat_jax.training import metrics as metrics_lib
+
+
+class StepLogger:
+  """Collects per-step outputs without blocking, and every `log_now` step fetches them and logs
+  loss (mean over the window), grad norm, lr, tokens/s, MFU and peak memory."""
+
+  def __init__(self, metrics, bar, say, schedule, flops_per_token, tokens_per_step, devices, epoch_of):
+    self.metrics, self.bar, self.say, self.schedule = metrics, bar, say, schedule
+    self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
+    self.devices, self.epoch_of = devices, epoch_of
+    self.history: dict[int, float] = {}
+    self.window_tokens_per_s: list[float] = []
+    self._pending: list[tuple[int, dict]] = []
+    self._throughput = metrics_lib.Throughput()
+    self._compiled = False
+
+  def step_done(self, step: int, out: dict, log_now: bool) -> None:
+    self._pending.append((step, out))
+    self.bar.update(1)
+    if not self._compiled:  # the first step compiles: leave it out of the throughput
+      jax.block_until_ready(out["loss"])
+      self._throughput.reset()
+      self._compiled = True
+      log_now = log_now or step == 1  # log the starting loss
+    else:
+      self._throughput.update(self.tokens_per_step)
+    if log_now:
+      self._log(step)
+
+  def flush(self) -> None:
+    if self._pending:
+      for (s, _), o in zip(self._pending, jax.device_get([o for _, o in self._pending])):
+        self.history[s] = float(o["loss"])
+      self._pending.clear()
+
+  def median_tokens_per_s(self) -> float:
+    return float(np.median(self.window_tokens_per_s)) if self.window_tokens_per_s else 0.0
+
+  def _log(self, step: int) -> None:
+    fetched = jax.device_get([o for _, o in self._pending])
+    tps = self._throughput.tokens_per_s()
+    if tps > 0:
+      self.window_tokens_per_s.append(tps)
+    mfu = metrics_lib.mfu(self.flops_per_token, tps, self.devices) if tps > 0 else None
+    mem, _ = metrics_lib.peak_memory_bytes(self.devices)
+    for (s, _), o in zip(self._pending, fetched):
+      self.history[s] = float(o["loss"])
+    loss = float(np.mean([o["loss"] for o in fetched]))
+    if self.metrics:
+      self.metrics.write(step, "train", {
+          "loss": loss, "loss_last": float(fetched[-1]["loss"]),
+          "grad_norm": float(fetched[-1]["grad_norm"]), "lr": float(self.schedule(step - 1)),
+          "tokens_per_s": tps, "mfu": mfu,
+          "peak_memory_bytes": mem, "tokens_seen": step * self.tokens_per_step,
+          "epoch": self.epoch_of(step)})
+    postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}",
+               "mfu": f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
+               "mem": metrics_lib.format_bytes(mem)}
+    self.bar.set_postfix(postfix, refresh=False)
+    if self.bar.disable:
+      self.say(f"[step {step}] " + " ".join(f"{k} {v}" for k, v in postfix.items()))
+    self._pending.clear()
+    self._throughput.reset()
+
+
+def summary_line(s: dict) -> str:
+  fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
+  mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+  head = f"[done] step {s['step']}/{s['total_steps']}"
+  if s["interrupted"]:
+    head += f" (stopped by {s['interrupted']}; continue with --resume)"
+  return (f"{head}: train loss {fmt(s['first_train_loss'])} -> {fmt(s['final_train_loss'])}, "
+          f"eval loss {fmt(s['final_eval_loss'])}, {s['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+          f"peak memory {metrics_lib.format_bytes(s['peak_memory_bytes'])} ({s['peak_memory_kind']}), "
+          f"{s['wall_s']:.0f} s")

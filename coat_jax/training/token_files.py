@@ -1,0 +1,123 @@
+"""Token sources on disk: pre-tokenized files (.npy or raw memmaps), text and JSON-lines files.
+
+"tokens": `.npy` files, or raw little-endian `uint16`/`uint32` files (OLMo/Dolma-style shards, which
+are raw even when named `.npy`). "text"/"jsonl": text files or JSON lines (a `text_field`)
+tokenized with a local tokenizer.json; the ids are cached per file (keyed by path, size, mtime and
+the tokenizer's hash). Every error names the file (and line, for JSON lines).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from coat_jax.training.corpus import (atomic_save_npy, cache_dir, eos_id, load_tokenizer,
+                                      token_dtype, tokenize_documents)
+
+
+def expand_paths(patterns: Sequence[str]) -> list[Path]:
+  """Expands files and glob patterns (sorted, deduplicated, in the order given); errors name the pattern."""
+  out: list[Path] = []
+  for pattern in patterns:
+    pattern = os.path.expanduser(pattern)
+    if glob.has_magic(pattern):
+      matches = sorted(glob.glob(pattern, recursive=True))
+      if not matches:
+        raise ValueError(f"data file pattern {pattern!r} matches no files")
+    else:
+      matches = [pattern]
+    for m in matches:
+      p = Path(m)
+      if not p.exists():
+        raise ValueError(f"data file not found: {p}")
+      if not p.is_file():
+        raise ValueError(f"data path is not a file: {p}")
+      if p not in out:
+        out.append(p)
+  return out
+
+
+def load_token_file(path: Path, dtype: str) -> np.ndarray:
+  """Memory-maps one pre-tokenized file: a real `.npy` (its own dtype) or raw little-endian `dtype`.
+
+  OLMo/Dolma shards are raw memmaps even when named `*.npy`: a file without the NumPy header is
+  read as raw `dtype` whatever its name.
+  """
+  if dtype not in ("uint16", "uint32"):
+    raise ValueError(f"data.dtype must be 'uint16' or 'uint32', got {dtype!r}")
+  with open(path, "rb") as f:
+    has_header = f.read(6) == b"\x93NUMPY"
+  if has_header:
+    try:
+      arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as e:
+      raise ValueError(f"malformed .npy token file {path}: {e}") from e
+    if arr.ndim != 1:
+      raise ValueError(f"token file {path} must hold a 1-D array, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"token file {path} must hold integers, got dtype {arr.dtype}")
+    return arr
+  size = path.stat().st_size
+  itemsize = np.dtype(dtype).itemsize
+  if size % itemsize:
+    raise ValueError(f"raw token file {path} has {size} bytes, not a multiple of {itemsize} "
+                     f"(data.dtype={dtype!r}); wrong dtype or truncated file?")
+  if size == 0:
+    return np.zeros((0,), np.dtype(dtype))
+  return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+
+
+def read_jsonl(path: Path, field: str) -> list[str]:
+  """The `field` strings of a JSON-lines file; errors name the file and line."""
+  texts = []
+  with open(path, "rb") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+      if not isinstance(record, dict) or field not in record:
+        raise ValueError(f"{path}:{lineno}: record has no {field!r} field")
+      if not isinstance(record[field], str):
+        raise ValueError(f"{path}:{lineno}: field {field!r} is {type(record[field]).__name__}, not a string")
+      texts.append(record[field])
+  return texts
+
+
+def text_tokens(patterns: Sequence[str], tokenizer_path: str, kind: str, text_field: str,
+                cache: str | os.PathLike, log=print):
+  """Text (`kind="text"`) or JSON-lines (`kind="jsonl"`, strings under `text_field`) files tokenized
+  with a local tokenizer, one cached id file per input file. Returns (arrays, names, tokenizer)."""
+  files = expand_paths(patterns)
+  tok_path = Path(os.path.expanduser(tokenizer_path))
+  tokenizer = load_tokenizer(tok_path)
+  tok_file = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
+  tok_hash = hashlib.sha256(tok_file.read_bytes()).hexdigest()[:16]
+  eos = eos_id(tokenizer)
+  dtype = token_dtype(tokenizer.get_vocab_size())
+  directory = cache_dir(cache)
+  arrays, names = [], []
+  for f in files:
+    st = f.stat()
+    key = hashlib.sha256(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{kind}|{text_field}|{tok_hash}".encode()).hexdigest()[:20]
+    ids_path = directory / f"text-{key}.ids.npy"
+    if ids_path.is_file():
+      ids = np.load(ids_path, mmap_mode="r")
+    else:
+      if kind == "jsonl":
+        texts = read_jsonl(f, text_field)
+      else:
+        texts = [f.read_bytes().decode("utf-8", errors="replace")]
+      log(f"[data] tokenizing {f} ({len(texts)} documents)")
+      ids = tokenize_documents(tokenizer, texts, eos, dtype)
+      atomic_save_npy(ids_path, ids)
+    arrays.append(ids)
+    names.append(str(f))
+  return arrays, names, tokenizer

@@ -1,0 +1,93 @@
+"""Config loading: YAML numbers, where errors are reported, the schema's checks."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coat_jax.training import config_io, schema
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text: str) -> Path:
+  path = tmp_path / "run.yaml"
+  path.write_text(text)
+  return path
+
+
+@pytest.mark.parametrize("text,want", [("1e-3", 0.001), ("3E+2", 300.0), ("-2.5e-4", -2.5e-4),
+                                       (".5", 0.5), ("7", 7), ("0.25", 0.25)])
+def test_yaml_numbers_in_scientific_notation_load_as_numbers(tmp_path, text, want):
+  path = write(tmp_path, f"optimizer:\n  lr: 1e-3\n  eps: {text}\nrun:\n  steps: 7\n")
+  cfg = schema.load(path) if want > 0 else None
+  raw = config_io.load_yaml(path)
+  assert raw["optimizer"]["lr"] == 0.001 and isinstance(raw["optimizer"]["lr"], float)
+  assert raw["optimizer"]["eps"] == want and type(raw["optimizer"]["eps"]) is type(want)
+  assert raw["run"]["steps"] == 7 and type(raw["run"]["steps"]) is int
+  if cfg is not None:
+    assert cfg.optimizer.lr == 0.001 and cfg.optimizer.eps == float(want)
+
+
+def test_plain_safe_load_reads_1e_minus_3_as_a_string():
+  """The reason for config_io.YamlLoader: PyYAML's YAML 1.1 resolver (so the test above could fail)."""
+  assert yaml.safe_load("x: 1e-3")["x"] == "1e-3"
+
+
+def test_yaml_strings_and_bools_stay_what_they_were(tmp_path):
+  raw = config_io.load_yaml(write(tmp_path, "a: abc\nb: true\nc: '1e-3'\nd: [1, 2.5]\ne: null\n"))
+  assert raw == {"a": "abc", "b": True, "c": "1e-3", "d": [1, 2.5], "e": None}
+
+
+def test_file_and_override_agree_on_floats(tmp_path):
+  path = write(tmp_path, "optimizer:\n  lr: 2e-4\n")
+  assert schema.load(path).optimizer.lr == schema.load(None, ["optimizer.lr=2e-4"]).optimizer.lr == 2e-4
+
+
+@pytest.mark.parametrize("item,pattern", [
+    ("optimizer.lrr=1", r"^--set optimizer.lrr=1: unknown config key 'optimizer.lrr' \(did you mean 'lr'\?\)"),
+    ("run.steps=ten", r"^--set run.steps=ten: config key 'run.steps' must be an int"),
+    ("modle.num_layers=2", r"^--set modle.num_layers=2: unknown config key 'modle'"),
+    ("precision=fp4", r"^--set precision=fp4: config key 'precision' must be one of"),
+    ("optimizer.lr=-1", r"^--set optimizer.lr=-1: config key 'optimizer.lr' must be > 0"),
+    ("optimizer", r"^--set optimizer: expected key=value"),
+    ("optimizer=1", r"^--set optimizer=1: 'optimizer' names a section"),
+])
+def test_bad_override_error_names_the_override_not_the_file(tmp_path, item, pattern):
+  path = write(tmp_path, "run:\n  steps: 5\n")
+  with pytest.raises(ValueError, match=pattern) as e:
+    schema.load(path, [item])
+  assert str(path) not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_error_in_the_file_names_the_file(tmp_path):
+  path = write(tmp_path, "optimizer:\n  lrr: 0.1\n")
+  with pytest.raises(ValueError, match=rf"^config file {path}: unknown config key 'optimizer.lrr'"):
+    schema.load(path, ["run.steps=3"])
+  path = write(tmp_path, "optimizer:\n  lr: -0.1\n")
+  with pytest.raises(ValueError, match=rf"^config file {path}: config key 'optimizer.lr' must be > 0"):
+    schema.load(path, ["run.steps=3"])
+  assert schema.load(path, ["optimizer.lr=0.1"]).optimizer.lr == 0.1  # an override may fix it
+  path = write(tmp_path, "optimizer: [unclosed\n")
+  with pytest.raises(ValueError, match=rf"^config file {path} is not valid YAML"):
+    schema.load(path)
+
+
+def test_a_value_error_that_needs_two_overrides_blames_the_first_that_breaks(tmp_path):
+  with pytest.raises(ValueError, match=r"^--set data.kind=tokens: data.kind='tokens' needs 'data.paths'"):
+    schema.load(None, ["run.steps=3", "data.kind=tokens"])
+  cfg = schema.load(None, ["data.kind=tokens", "data.paths=[a.bin]"])
+  assert cfg.data.kind == "tokens" and cfg.data.paths == ["a.bin"]
+
+
+def test_precision_choices_come_from_coat_jax_precision():
+  from coat_jax.precision import PRECISIONS
+  assert not hasattr(schema, "PRECISIONS") or schema.PRECISIONS is PRECISIONS
+  for p in PRECISIONS:
+    assert schema.load(None, [f"precision={p}"]).precision == p
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-125m", "olmo-1b", "llama2-7b"])
+def test_shipped_configs_load_and_round_trip(name):
+  cfg = schema.load(REPO / "configs" / f"{name}.yaml")
+  assert cfg.model.preset == name
+  assert schema.from_dict(config_io.parse_yaml(cfg.to_yaml())) == cfg
