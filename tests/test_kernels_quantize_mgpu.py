@@ -1,0 +1,189 @@
+"""Mosaic GPU quantize kernels (pallas_kernels/quantize_mgpu.py) in GPU interpret mode on CPU,
+against an independent numpy reference written from the spec (float32 arithmetic where the
+kernels promise bit equality, float64 for the error bounds).
+
+Interpret-mode quirk (jax 0.11.2, CPU): inside a kernel, jnp.max over a (256, 16) block dropped a
+NaN that (64, 16) and (128, 16) blocks kept, so the NaN tests use the default 128-row blocks; on
+the GPU the max is PTX max.NaN (the GPU test checks NaN with 256-row blocks)."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import quantize_mgpu as qm
+
+E4M3 = (jnp.float8_e4m3fn, 448.0)
+E5M2 = (jnp.float8_e5m2, 57344.0)
+FLOOR = 1e-10
+
+
+def _inputs(shape, seed, dtype=np.float32):
+  print(f"seed {seed} shape {shape} dtype {np.dtype(dtype).name}")
+  rng = np.random.default_rng(seed)
+  # Per-row magnitudes spread over 2^-8 .. 2^8 so that groups get different scales.
+  x = rng.standard_normal(shape) * np.exp2(rng.uniform(-8, 8, shape[:-1] + (1,)))
+  return x.astype(dtype)
+
+
+def _np_scale(amax32, fmax):
+  """scale = max(amax * f32(1/fmax), floor) in float32, NaN for non-finite amax."""
+  with np.errstate(invalid="ignore"):
+    s = np.maximum(amax32 * np.float32(np.float32(1.0) / np.float32(fmax)), np.float32(FLOOR))
+  return np.where(np.isfinite(amax32), s, np.float32(np.nan)).astype(np.float32)
+
+
+def _np_cast(y32, dtype, fmax):
+  y = np.clip(y32, -fmax, fmax)
+  return y.astype(ml_dtypes.float8_e4m3fn if dtype == jnp.float8_e4m3fn else ml_dtypes.float8_e5m2)
+
+
+def _np_per_group(x, g, dtype, fmax):
+  xg = x.astype(np.float32).reshape(*x.shape[:-1], -1, g)
+  with np.errstate(invalid="ignore"):
+    amax = np.max(np.abs(xg), axis=-1)
+  scale = _np_scale(amax, fmax)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    q = _np_cast(xg / scale[..., None], dtype, fmax)
+  return q.reshape(x.shape), scale
+
+
+def _codes(a):
+  return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def _same_codes(a, b):
+  a, b = _codes(a), _codes(b)
+  return np.array_equal(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape,g,fmt", [((4, 256), 16, E4M3), ((8, 1024), 128, E4M3),
+                                         ((2, 2, 512), 16, E5M2)])
+def test_quantize_per_group_matches_numpy(shape, g, fmt):
+  x = _inputs(shape, seed=11)
+  q, s = qm.quantize_per_group(jnp.asarray(x), group_size=g, out_dtype=fmt[0], fmax=fmt[1],
+                               floor=FLOOR, interpret=True)
+  q_ref, s_ref = _np_per_group(x, g, *fmt)
+  assert q.shape == x.shape and q.dtype == fmt[0] and s.shape == shape[:-1] + (shape[-1] // g,)
+  np.testing.assert_array_equal(np.asarray(s), s_ref)
+  assert _same_codes(q, q_ref)
+  # float64 error bound: |x - q * s| <= half an FP8 step at the largest binade = s * fmax * 2^-m.
+  mant = 3 if fmt[0] == jnp.float8_e4m3fn else 2
+  deq = _codes(q).astype(np.float64).reshape(*shape[:-1], -1, g) * s_ref[..., None]
+  err = np.abs(deq - x.astype(np.float64).reshape(deq.shape))
+  assert np.all(err <= s_ref[..., None].astype(np.float64) * fmt[1] * 2.0**-(mant + 1) + 1e-30)
+
+
+def test_quantize_per_group_bfloat16_input():
+  x = _inputs((4, 256), seed=12).astype(ml_dtypes.bfloat16)
+  q, s = qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
+                               floor=FLOOR, interpret=True)
+  q_ref, s_ref = _np_per_group(x, 16, *E4M3)
+  np.testing.assert_array_equal(np.asarray(s), s_ref)
+  assert _same_codes(q, q_ref)
+
+
+def test_non_finite_groups_get_nan_scales_and_zeros_get_the_floor():
+  x = _inputs((4, 256), seed=13)
+  x[0, 3] = np.nan       # group 0 of row 0
+  x[1, 40] = np.inf      # group 2 of row 1
+  x[2, 16:32] = 0.0      # group 1 of row 2: all zero
+  q, s = qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
+                               floor=FLOOR, interpret=True)
+  s = np.asarray(s)
+  assert np.isnan(s[0, 0]) and np.isnan(s[1, 2])
+  assert s[2, 1] == np.float32(FLOOR) and np.all(_codes(q)[2, 16:32] == 0)
+  assert np.isnan(_codes(q)[0, 3])
+  finite = np.ones(s.shape, bool)
+  finite[0, 0] = finite[1, 2] = False
+  assert np.all(np.isfinite(s[finite]))
+
+
+def test_dequantize_per_group_matches_numpy():
+  x = _inputs((16, 512), seed=14)
+  q_ref, s_ref = _np_per_group(x, 128, *E4M3)
+  out = qm.dequantize_per_group(jnp.asarray(q_ref), jnp.asarray(s_ref), group_size=128,
+                                dtype=jnp.float32, interpret=True)
+  want = (q_ref.astype(np.float32).reshape(16, 4, 128) * s_ref[..., None]).reshape(16, 512)
+  np.testing.assert_array_equal(np.asarray(out), want)
+
+
+def test_tile_amax_matches_numpy_and_keeps_nan():
+  x = _inputs((8, 128), seed=15)
+  x[5, 70] = np.nan
+  p = np.asarray(qm.tile_amax(jnp.asarray(x), interpret=True))
+  want = np.max(np.abs(x.reshape(8, 8, 16)), axis=-1)
+  assert np.isnan(p[5, 4]) and np.isnan(want[5, 4])
+  np.testing.assert_array_equal(p, want)
+
+
+@pytest.mark.parametrize("shape,transpose", [((64, 128), False), ((2, 64, 128), True),
+                                             ((128, 64), True)])
+def test_quantize_per_tensor_matches_numpy(shape, transpose):
+  x = _inputs(shape, seed=16)
+  q, s, q_t = qm.quantize_per_tensor(jnp.asarray(x), out_dtype=E4M3[0], fmax=E4M3[1],
+                                     floor=FLOOR, with_transpose=transpose, interpret=True)
+  s_ref = _np_scale(np.max(np.abs(x)), E4M3[1])
+  assert np.asarray(s) == s_ref
+  q_ref = _np_cast(x / s_ref, *E4M3)
+  assert _same_codes(q, q_ref)
+  if transpose:
+    assert q_t.shape == shape[:-2] + (shape[-1], shape[-2])
+    assert _same_codes(q_t, np.swapaxes(q_ref, -1, -2))
+  else:
+    assert q_t is None
+
+
+def test_quantize_per_tensor_given_amax_and_nan():
+  x = _inputs((64, 128), seed=17)
+  q, s, _ = qm.quantize_per_tensor(jnp.asarray(x), out_dtype=E4M3[0], fmax=E4M3[1], floor=FLOOR,
+                                   amax=jnp.float32(2.0), interpret=True)
+  s_ref = _np_scale(np.float32(2.0), E4M3[1])
+  assert np.asarray(s) == s_ref
+  assert _same_codes(q, _np_cast(x / s_ref, *E4M3))   # values above 2 saturate at 448
+  x[3, 3] = np.nan
+  _, s_nan, _ = qm.quantize_per_tensor(jnp.asarray(x), out_dtype=E4M3[0], fmax=E4M3[1],
+                                       floor=FLOOR, interpret=True)
+  assert np.isnan(np.asarray(s_nan))
+
+
+def test_supported_and_clear_errors():
+  assert qm.supported_per_group((4, 256), jnp.float32, 16)
+  assert not qm.supported_per_group((4, 250), jnp.float32, 16)      # N % G
+  assert not qm.supported_per_group((2, 256), jnp.float32, 16)      # 32 groups, not 64k
+  assert not qm.supported_per_group((4, 256), jnp.int32, 16)
+  assert qm.supported_per_tensor((2, 64, 128), jnp.float32, True)
+  assert not qm.supported_per_tensor((2, 32, 128), jnp.float32, True)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    qm.quantize_per_group(jnp.ones((4, 250)), group_size=16, out_dtype=E4M3[0], fmax=448.0,
+                          floor=FLOOR, interpret=True)
+  with pytest.raises(ValueError, match="floating-point"):
+    qm.quantize_per_group(jnp.ones((4, 256), jnp.int32), group_size=16, out_dtype=E4M3[0],
+                          fmax=448.0, floor=FLOOR, interpret=True)
+  with pytest.raises(ValueError, match="unsupported"):
+    qm.quantize_per_tensor(jnp.ones((32, 128)), out_dtype=E4M3[0], fmax=448.0, floor=FLOOR,
+                           with_transpose=True, interpret=True)
+  with pytest.raises(ValueError, match="one value per group"):
+    qm.dequantize_per_group(jnp.ones((4, 256), jnp.float8_e4m3fn), jnp.ones((4, 8)),
+                            group_size=16, interpret=True)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_equal_the_numpy_reference():
+  x = _inputs((512, 1024), seed=18)
+  q, s = qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
+                               floor=FLOOR)
+  q_ref, s_ref = _np_per_group(x, 16, *E4M3)
+  np.testing.assert_array_equal(np.asarray(s), s_ref)
+  assert _same_codes(q, q_ref)
+  q, s, q_t = qm.quantize_per_tensor(jnp.asarray(x), out_dtype=E4M3[0], fmax=E4M3[1],
+                                     floor=FLOOR, with_transpose=True)
+  q_ref = _np_cast(x / _np_scale(np.max(np.abs(x)), E4M3[1]), *E4M3)
+  assert _same_codes(q, q_ref) and _same_codes(q_t, q_ref.T)
+  x[7, 33] = np.nan
+  x[9, 100] = np.inf
+  q, s = qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
+                               floor=FLOOR, block=256)
+  s = np.asarray(s)
+  assert np.isnan(s[7, 2]) and np.isnan(s[9, 6]) and np.sum(np.isnan(s)) == 2
