@@ -201,7 +201,26 @@ def markdown(meta: dict, result: dict) -> str:
         lines.append(f"| {ck['step']} | {ck['loss']:.3f} | {moment} | {'on' if expand else 'off'} | "
                      + " | ".join(f"{c['rel_mse_geomean']:.2e} ({c['rel_mse_pooled']:.1e})"
                                   for c in cells) + f" | {ratio:.2f} |")
+  last = result["checkpoints"][-1]
+  by = {(r["moment"], r["expand"], r["axis"]): r["per_tensor"] for r in last["rows"]}
+  kinds = sorted({tensor_kind(n) for n in last["shapes"]})
+  lines += ["", f"By tensor kind at step {last['step']}, expansion on: geometric mean over the "
+            "kind's tensors of the ratio first / last of each tensor's relative MSE "
+            "(< 1: the first axis loses less).", "",
+            "| tensor | shape | COAT's axis | m: first / last | v: first / last |", "|---|---|---|---|---|"]
+  for kind in kinds:
+    names = [n for n in last["shapes"] if tensor_kind(n) == kind]
+    ratios = [float(np.exp(np.mean([np.log(by[mo, True, "first"][n] / by[mo, True, "last"][n])
+                                    for n in names]))) for mo in ("m", "v")]
+    lines.append(f"| {kind} (x{len(names)}) | {last['shapes'][names[0]]} | {coat_axis(names[0])} | "
+                 f"{ratios[0]:.2f} | {ratios[1]:.2f} |")
   return "\n".join(lines) + "\n"
+
+
+def tensor_kind(name: str) -> str:
+  """The param path without layer indices, "kernel" and nnx's "value": "self_attn/q_proj"."""
+  parts = [p for p in name.split("/") if not p.isdigit() and p not in ("layers", "kernel", "value")]
+  return "/".join(parts)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

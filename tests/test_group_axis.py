@@ -130,3 +130,7 @@ def test_train_and_measure_tiny(rng):
       if axis == "coat":
         for n, val in r["per_tensor"].items():
           assert val == by[moment, expand, group_axis.coat_axis(n)]["per_tensor"][n]
+  md = group_axis.markdown({"format": "e4m3", "group_size": 32, "model": "tiny", "run": "3 steps",
+                            "device": "cpu", "command": "test"}, res)
+  assert md.count("\n| 3 |") == 4 and "| self_attn/q_proj (x1) | [64, 64] | first |" in md
+  assert "| embed/embedding (x1) | [128, 64] | last |" in md
