@@ -163,3 +163,44 @@ def test_fp8_gemm_on_mesh_equals_single_device(rng, axes, parallel):
   np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6,
                              atol=1e-6 * float(jnp.abs(want).max()))
+
+
+# coat on every mesh; the other modes on the FSDP + TP mesh (interpret mode is slow: ~15 s each).
+LINEAR_CASES = [("coat", a) for a in MESHES] + [(m, MESHES[2]) for m in ("bf16", "fp8_linear")]
+
+
+@pytest.mark.parametrize("mode,axes", LINEAR_CASES,
+                         ids=[f"{m}-" + "x".join(f"{k}{v}" for k, v in a.items())
+                              for m, a in LINEAR_CASES])
+def test_linear_fsdp_tp_on_mesh_equals_single_device(rng, axes, mode):
+  """A column-parallel then a row-parallel linear (as q_proj / o_proj: w_in ("fsdp", "tensor"),
+  w_out ("tensor", "fsdp")), forward and both gradients, kernels forced on (per shard; the GEMM's
+  interpreted ops partitioned by XLA on CPU). Per-tensor scales are global, so the FP8 operands
+  equal the single-device ones; sums over split axes may be reordered (the row-parallel product,
+  the FSDP gradient reduction), hence float32 tolerances: 1e-5 relative to each result's max."""
+  from coat_jax import ops
+  mesh = _mesh(axes)
+  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+  w_in = jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.float32)
+  r = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+
+  def loss(x, w_in, w_out):
+    y = ops.linear(ops.linear(x, w_in, mode=mode), w_out, mode=mode)
+    return jnp.sum(y * r), y
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  t = "tensor" if "tensor" in axes else None
+  f = "fsdp" if "fsdp" in axes else None
+  sh = [NamedSharding(mesh, P(_row_col_spec(axes)[0], None)), NamedSharding(mesh, P(f, t)),
+        NamedSharding(mesh, P(t, f))]
+  # the sharded step returns each gradient sharded like its input (FSDP: reduce-scattered)
+  sharded_step = jax.jit(step, out_shardings=((NamedSharding(mesh, P()), sh[0]), tuple(sh)))
+  with kernels.backend("pallas"):
+    (_, want_y), want_g = step(x, w_in, w_out)
+    (_, got_y), got_g = sharded_step(*(jax.device_put(a, s) for a, s in zip((x, w_in, w_out),
+                                                                          sh)))
+  for a, b in zip((got_y, *got_g), (want_y, *want_g)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
