@@ -6,14 +6,28 @@ never falls back: this module checks its `supported*` and otherwise calls the re
 wraps kernel results in QuantizedArray / ExpandedMoment. Every function here has the signature
 and semantics of its reference.
 
-Backend choice: `auto` (default) uses the Pallas kernels on a single Hopper GPU (compute
-capability 9.x; a `pallas_call` has no sharding rule, so with several devices XLA's ops are used)
-and the jnp references everywhere else. Force a choice with the environment variable
+Backend choice: `auto` (default) uses the Pallas kernels on Hopper GPUs (compute capability
+9.x), on one device or a mesh of them, and the jnp references everywhere else. Force a choice with the environment variable
 COAT_JAX_KERNELS (read at import), `set_backend(...)` (process default) or the
 `backend(...)` context manager: `auto` | `pallas` | `reference`, or per kernel family, e.g.
 `gemm=pallas,quantize=reference` (families: FAMILIES; the rest stay auto). The choice lives in a
 JAX user context (`jax.make_user_context`), which is part of jit's cache key: the same jitted
 function called under two backends is traced twice, once for each.
+
+Meshes: with more than one device, every Pallas call is wrapped by `coat_jax.sharded`
+(custom_partitioning): inside a sharded jax.jit each device runs the kernel on its local shard.
+The mesh and the operands' shardings come from jit's sharding propagation at partitioning time;
+the caller only has to jit with sharded inputs (in_shardings, or arrays placed with
+NamedSharding on a mesh with Auto axes, as coat_jax.sharding builds). Semantics do not depend on
+the mesh: a per-tensor scale is the amax of the whole logical tensor (the stage-1 tile maxima are
+local, their max is XLA's global reduction), per-group scales are local and groups never straddle
+a shard boundary (a last axis whose shards would split groups is gathered for the kernel), and
+the optimizer step runs per shard on the local moments. The FP8 GEMM gathers its contracting
+axis (FSDP weights are all-gathered for the product) and keeps M and N sharded (tensor
+parallelism: column-parallel outputs stay sharded; a row-parallel product gathers K); that path
+has not run on a GPU mesh yet, so `auto` keeps the GEMM on XLA with several devices. In interpret
+mode (CPU) the GEMM kernel is not wrapped (its ordered callbacks cannot pass custom_partitioning):
+XLA partitions its interpreted ops like any others.
 """
 from __future__ import annotations
 
@@ -24,7 +38,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from coat_jax import adam_math, expansion, formats, gemm, quantize
+from coat_jax import adam_math, expansion, formats, gemm, quantize, sharded
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.quantize import QuantizedArray
 
@@ -97,14 +111,23 @@ def use_pallas(family: str = "gemm") -> bool:
   if family not in FAMILIES:
     raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
   choice = dict(_BACKEND.value)[family]
-  if choice == "auto":  # Pallas calls carry no sharding rule: multi-device runs use XLA's ops.
-    return _on_hopper() and jax.device_count() == 1 and AUTO_ON_HOPPER[family] == "pallas"
+  if choice == "auto":  # on meshes too (`sharded` runs the kernels per shard), but the GEMM:
+    # its partitioned path (sharded.matmul_tn) has not run on a GPU mesh yet.
+    return (_on_hopper() and AUTO_ON_HOPPER[family] == "pallas"
+            and (family != "gemm" or jax.device_count() == 1))
   return choice == "pallas"
 
 
 def interpret_mode() -> bool:
   """Pallas kernels run in interpret mode when forced on a machine without a GPU (CPU tests)."""
   return jax.default_backend() != "gpu"
+
+
+def _rows(kernel, args, kinds_in, kinds_out, group_size):
+  """kernel(*args) on one device; per shard (coat_jax.sharded.rowwise) with several."""
+  if jax.device_count() == 1:
+    return tuple(kernel(*args))
+  return sharded.rowwise(kernel, args, kinds_in, kinds_out, group_size)
 
 
 def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
@@ -119,11 +142,20 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
   if use_pallas("quantize"):
     from pallas_kernels import quantize as pk  # local: keeps Pallas out of reference-only imports.
     if pk.supported_per_tensor(x, with_transpose, f.dtype):
-      if amax is None:
-        amax = jnp.max(pk.tile_amax(x, interpret=interpret_mode()))   # jnp.max propagates NaN
+      tile, interp = pk.STAGE1_TILE, interpret_mode()
+      if amax is None:   # stage 1 per shard; stage 2 (jnp.max, global, propagates NaN) by XLA
+        (tiles,) = _rows(lambda a: (pk.tile_amax(a, interpret=interp),), [x], ["data"], ["meta"],
+                         tile)
+        amax = jnp.max(tiles)
       scale = quantize.scale_from_amax(amax, f, floor)
-      data, data_t = pk.quantize_per_tensor(x, scale, dtype=f.dtype, with_transpose=with_transpose,
-                                            interpret=interpret_mode())
+      if jax.device_count() == 1:
+        data, data_t = pk.quantize_per_tensor(x, scale, dtype=f.dtype,
+                                              with_transpose=with_transpose, interpret=interp)
+      else:   # per shard; the transposed copy by XLA (a shard's transpose is not local)
+        (data,) = _rows(lambda a, s: (pk.quantize_per_tensor(a, s, dtype=f.dtype,
+                                                             interpret=interp)[0],),
+                        [x, scale], ["data", "scalar"], ["data"], tile)
+        data_t = jnp.swapaxes(data, -1, -2) if with_transpose else None
       return QuantizedArray(data, scale, f.name, 0, data_t)
   return quantize.quantize_per_tensor(x, f, amax=amax, with_transpose=with_transpose, floor=floor)
 
@@ -135,8 +167,10 @@ def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", 
   if use_pallas("quantize"):
     from pallas_kernels import quantize as pk
     if pk.supported_per_group(x, group_size, f.dtype):
-      data, scale = pk.quantize_per_group(x, group_size, dtype=f.dtype, floor=floor,
-                                          interpret=interpret_mode())
+      interp = interpret_mode()
+      data, scale = _rows(lambda a: pk.quantize_per_group(a, group_size, dtype=f.dtype,
+                                                          floor=floor, interpret=interp),
+                          [x], ["data"], ["data", "meta"], group_size)
       return QuantizedArray(data, scale, f.name, group_size)
   return quantize.quantize_per_group(x, group_size, f, floor=floor)
 
@@ -146,8 +180,11 @@ def dequantize(q: QuantizedArray, dtype):
   if use_pallas("dequantize") and q.group_size > 0:
     from pallas_kernels import quantize as pk
     if pk.supported_per_group(q.data, q.group_size, q.data.dtype):
-      return pk.dequantize_per_group(q.data, q.scale, q.group_size, jnp.dtype(dtype),
-                                     interpret=interpret_mode())
+      interp, g, out_dtype = interpret_mode(), q.group_size, jnp.dtype(dtype)
+      (out,) = _rows(lambda d, sc: (pk.dequantize_per_group(d, sc, g, out_dtype,
+                                                            interpret=interp),),
+                     [q.data, q.scale], ["data", "meta"], ["data"], g)
+      return out
   return quantize.dequantize(q, dtype)
 
 
@@ -161,13 +198,20 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
   if not (a.per_tensor and b.per_tensor):
     raise ValueError("fp8_dot_general needs per-tensor quantized operands "
                      f"(got group sizes {a.group_size} and {b.group_size})")
+  # Mosaic GPU's interpret mode uses ordered callbacks, which custom_partitioning cannot carry:
+  # there (CPU tests) the kernel's interpreted ops are partitioned by XLA like any other ops.
+  per_shard = jax.device_count() > 1 and not interpret_mode()
   if use_pallas("gemm"):
     from pallas_kernels import fp8_matmul as pk  # local: keeps Pallas out of reference-only imports.
     a2, b2, out_shape, _ = pk.tn_operands(a.data, a.data_t, b.data, b.data_t, dimension_numbers)
     if a2 is not None and jnp.dtype(out_dtype) in pk.OUT_DTYPES:
       scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
-      out = pk.fp8_matmul_tn(a2, b2, scale, out_dtype,
-                             interpret=pk.interpret_params(interpret_mode()))
+      interp = pk.interpret_params(interpret_mode())
+      kernel = lambda x, y, s: pk.fp8_matmul_tn(x, y, s, out_dtype, interpret=interp)
+      if not per_shard:
+        out = kernel(a2, b2, scale)
+      else:
+        out = sharded.matmul_tn(kernel, a2, b2, scale)
       return out.reshape(out_shape)
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
 
@@ -192,13 +236,29 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
       # and moments written over the old ones, in place when the caller donates them (a jitted
       # train step with donated state does). On the H100 (one 1.21e9 leaf) the pair took the
       # step from 17.4 to 7.1 ms (benchmarks/sweep_adam_kernel.py).
-      out, m3, v3 = pk.adam_step(
-          param, grad, tuple(m), tuple(v), **kwargs,
-          m_log2_range=math.log2(expansion.expansion_range(mf)),
-          v_log2_range=math.log2(expansion.expansion_range(vf)),
-          floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
-          grad_clamp=adam_math.GRAD_CLAMP,
-          interpret=interpret_mode(), fast_math=True, alias=True)
-      return out, ExpandedMoment(*m3), ExpandedMoment(*v3)
+      static = dict(group_size=group_size, expand=expand, expand_min=expand_min, output=output,
+                    m_log2_range=math.log2(expansion.expansion_range(mf)),
+                    v_log2_range=math.log2(expansion.expansion_range(vf)),
+                    floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
+                    grad_clamp=adam_math.GRAD_CLAMP, interpret=interpret_mode(),
+                    fast_math=True, alias=True)
+      # Python numbers stay static (as in the reference, 1 - b1 is then exact in float64 before
+      # rounding); arrays (schedules, inject_hyperparams, count) are replicated scalar operands.
+      hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count)
+      traced = [k for k, x in hyper.items() if not isinstance(x, (int, float))]
+      static.update({k: x for k, x in hyper.items() if k not in traced})
+      p_in = [] if param is None else [param]
+
+      def kernel(*a):
+        p = a[0] if param is not None else None
+        g, md, ma, mk, vd, va, vk, *hv = a[len(p_in):]
+        out, m3, v3 = pk.adam_step(p, g, (md, ma, mk), (vd, va, vk), **static,
+                                   **dict(zip(traced, hv)))
+        return (out, *m3, *v3)
+
+      args = p_in + [grad, *m, *v] + [jnp.asarray(hyper[k]) for k in traced]
+      kinds = ["data"] * (len(p_in) + 1) + ["data", "meta", "meta"] * 2 + ["scalar"] * len(traced)
+      out, *mv = _rows(kernel, args, kinds, ["data"] + ["data", "meta", "meta"] * 2, group_size)
+      return out, ExpandedMoment(*mv[:3]), ExpandedMoment(*mv[3:])
   return adam_math.adam_step_reference(param, grad, m, v, m_format=m_format, v_format=v_format,
                                        **kwargs)

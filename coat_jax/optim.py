@@ -274,6 +274,30 @@ def _metadata_sharding(sharding: NamedSharding, shape) -> NamedSharding:
   return NamedSharding(sharding.mesh, PartitionSpec(*out))
 
 
+def check_group_split(path: str, shape, num_groups: int, sharding: NamedSharding) -> None:
+  """ValueError naming the parameter and split when its last-axis split cuts quantization groups.
+
+  The fused Adam kernel runs per shard (coat_jax.sharded) and needs each shard to hold whole
+  groups of G = N / num_groups along the last axis. Shapes the kernel does not take (N not a
+  multiple of G: a short final group) use the reference step, which takes any split.
+  """
+  n = shape[-1] if len(shape) else 1
+  if not len(shape) or n % num_groups:
+    return
+  group = n // num_groups
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  entry = spec[-1]
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    return
+  shards = _axis_size(sharding.mesh, entry)
+  if n % shards or (n // shards) % group:
+    raise ValueError(
+        f"state_shardings: parameter {path} of shape {tuple(shape)} has its last axis split "
+        f"{shards} ways over mesh axes {entry!r} ({n} / {shards} = {n / shards:g} per shard), "
+        f"which cuts its optimizer groups of {group}; shard that axis so that each shard holds a "
+        f"multiple of {group} elements (or not at all), or use the reference optimizer step")
+
+
 def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
   """NamedShardings for a CoatAdamWState from the params' NamedShardings.
 
@@ -282,24 +306,33 @@ def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
   the last axis, so e.g. a last axis sharded 4 ways with 2 groups is replicated). count:
   replicated on the first param sharding's mesh. Meant for meshes with Auto axis types (as
   coat_jax.sharding builds); under Explicit axes the group reshape would need explicit shardings.
+  When the fused kernel is in use (`kernels.use_pallas("adam")`; it runs per shard), a last-axis
+  split that cuts a parameter's groups raises ValueError naming the parameter and the split
+  (`check_group_split`).
   """
-  shard_leaves, treedef = jax.tree.flatten(param_shardings,
-                                           is_leaf=lambda x: isinstance(x, NamedSharding))
+  is_sharding = lambda x: isinstance(x, NamedSharding)
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)
+  paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+  shard_leaves = [s for _, s in with_paths]
   if not shard_leaves:
     raise ValueError("state_shardings: param_shardings has no NamedSharding leaves")
   for s in shard_leaves:
     if not isinstance(s, NamedSharding):
       raise ValueError(f"state_shardings: expected NamedSharding leaves, got {type(s).__name__}")
 
-  def moment(sharding, leaf):
+  per_shard_kernel = kernels.use_pallas("adam")
+
+  def moment(path, sharding, leaf):
     if isinstance(leaf, ExpandedMoment):
+      if per_shard_kernel:
+        check_group_split(path, leaf.data.shape, leaf.amax.shape[-1], sharding)
       meta = _metadata_sharding(sharding, leaf.amax.shape)
       return ExpandedMoment(sharding, meta, meta)
     return sharding
 
   def moments(tree):
     leaves = treedef.flatten_up_to(tree)
-    return treedef.unflatten([moment(s, l) for s, l in zip(shard_leaves, leaves)])
+    return treedef.unflatten([moment(*a) for a in zip(paths, shard_leaves, leaves)])
 
   count = NamedSharding(shard_leaves[0].mesh, PartitionSpec())
   return CoatAdamWState(count, moments(state.mu), moments(state.nu))

@@ -220,6 +220,24 @@ def test_backend_context_keys_jit_cache(rng):
     f(x)
   assert traces[:1] == ["pallas"] and "reference" in traces
   assert traces.count("pallas") >= 2   # the per-family form traced again
+  before = kernels.current_backend()
+  try:   # the process-wide form keys the cache too
+    g_traces = []
+
+    @jax.jit
+    def g(a):
+      g_traces.append(kernels.current_backend()["quantize"])
+      return kernels.quantize_per_group(a, 16).data
+
+    kernels.set_backend("reference")
+    g(x)
+    kernels.set_backend("pallas")
+    g(x)
+    g(x)
+    assert g_traces == ["reference", "pallas"]
+  finally:
+    kernels.set_backend(",".join(f"{k}={v}" for k, v in before.items()))
+  assert kernels.current_backend() == before
   with pytest.raises(ValueError, match="unknown kernel backend"):
     kernels.backend("quantize=fast")
 

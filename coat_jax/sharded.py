@@ -1,0 +1,175 @@
+"""Row kernels on sharded arrays: each device runs the Pallas kernel on its local shard.
+
+A `pallas_call` has no sharding rule: inside a sharded jax.jit, XLA would gather its operands onto
+every device. `rowwise` wraps a row kernel in `jax.experimental.custom_partitioning`, so the SPMD
+partitioner hands each device its local block and the kernel runs there, no collective added.
+
+Row kernels (per-group quantize / dequantize, the stage-1 tile maxima, the fused Adam step) work
+on groups of G consecutive elements along the last axis. Their operands are of three kinds:
+  "data"   (..., N)      the tensor (x, q, param, grad, moment data);
+  "meta"   (..., N / G)  one value per group (scales, amax, k_code);
+  "scalar" any shape     replicated (step scalars, a per-tensor scale).
+Every "data" and "meta" operand and result gets the first "data" operand's sharding on the
+leading axes; the last axis keeps its sharding when each shard holds whole groups (N / shards
+divisible by G). So per-group results never depend on the mesh: a group never straddles a shard
+boundary. Known limit: an input whose last axis is split so that shards cut groups fails in XLA's
+partitioner (Shardy splits the mesh axis across the group factor before `partition` can ask for
+the axis whole); `coat_jax.optim.state_shardings` therefore names any parameter whose split would
+do that, and activation splits (hidden / tensor) are multiples of 16 in practice.
+
+The mesh comes from the operands' shardings at partitioning time (after jit's sharding
+propagation); nothing needs to be set at trace time for these kernels.
+"""
+from __future__ import annotations
+
+import math
+import string
+from typing import Callable, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+KINDS = ("data", "meta", "scalar")
+
+
+def _axis_size(mesh, entry) -> int:
+  if entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return math.prod(mesh.shape[n] for n in names)
+
+
+def local_spec(mesh, spec, shape, group_size: int) -> tuple:
+  """`spec` padded to len(shape), with the last axis replicated unless each shard of it holds
+  whole groups of `group_size`."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  spec = tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in spec)
+  if spec and spec[-1] is not None:
+    shards = _axis_size(mesh, spec[-1])
+    if shape[-1] % shards or (shape[-1] // shards) % group_size:
+      spec = spec[:-1] + (None,)
+  return spec
+
+
+def _rule(kinds_in: Sequence[str], ranks_in, kinds_out: Sequence[str], ranks_out,
+          group_size: int, n_last: int) -> tuple[str, tuple[str, ...], dict]:
+  """Shardy rule: shared leading factors; data's last axis = (g e) with e = G elements of a
+  group (never sharded), meta's last axis = g; scalars have their own replicated factors."""
+  letters = iter(string.ascii_lowercase.replace("g", "").replace("e", ""))
+  lead = {}
+  repl = []
+
+  def dims(kind, rank):
+    if kind == "scalar":
+      names = [f"s{len(repl) + i}" for i in range(rank)]
+      repl.extend(names)
+      return " ".join(names)
+    leading = []
+    for i in range(rank - 1):
+      if i not in lead:
+        lead[i] = next(letters)
+      leading.append(lead[i])
+    last = "(g e)" if kind == "data" else "g"
+    return " ".join(leading + [last])
+
+  ins = ", ".join(dims(k, r) for k, r in zip(kinds_in, ranks_in))
+  outs = ", ".join(dims(k, r) for k, r in zip(kinds_out, ranks_out))
+  sizes = {"e": group_size}
+  if "meta" not in tuple(kinds_in) + tuple(kinds_out):   # g appears only inside (g e)
+    sizes["g"] = n_last // group_size
+  return f"{ins} -> {outs}", tuple(repl) + ("e",), sizes
+
+
+def rowwise(kernel: Callable, args: Sequence[jax.Array], kinds_in: Sequence[str],
+            kinds_out: Sequence[str], group_size: int):
+  """kernel(*args) -> tuple of results, run per shard (see the module docstring).
+
+  Args:
+    kernel: a function of the arrays `args` only (close over static parameters), returning a
+      tuple of arrays of kinds `kinds_out`; it must be correct on any block of whole groups.
+    kinds_in, kinds_out: one of KINDS per operand / result; at least one "data" operand.
+  """
+  for k in tuple(kinds_in) + tuple(kinds_out):
+    if k not in KINDS:
+      raise ValueError(f"rowwise: operand kind must be one of {KINDS}, got {k!r}")
+  if "data" not in kinds_in:
+    raise ValueError("rowwise: needs a 'data' operand to take the sharding from")
+  first = list(kinds_in).index("data")
+  out_shapes = jax.eval_shape(kernel, *args)
+  if len(out_shapes) != len(kinds_out):
+    raise ValueError(f"rowwise: kernel returned {len(out_shapes)} results, expected "
+                     f"{len(kinds_out)}")
+
+  def specs(mesh, data_sharding, shapes, kinds):
+    spec = local_spec(mesh, data_sharding.spec, args[first].shape, group_size)
+    out = []
+    for s, kind in zip(shapes, kinds):
+      if kind == "scalar":
+        out.append(NamedSharding(mesh, PartitionSpec()))
+      else:
+        out.append(NamedSharding(mesh, PartitionSpec(*spec[:len(s.shape)])))
+    return out
+
+  def infer(mesh, arg_shapes, result_shape):
+    return tuple(specs(mesh, arg_shapes[first].sharding, out_shapes, kinds_out))
+
+  def partition(mesh, arg_shapes, result_shape):
+    data_sharding = arg_shapes[first].sharding
+    in_sh = specs(mesh, data_sharding, args, kinds_in)
+    out_sh = specs(mesh, data_sharding, out_shapes, kinds_out)
+    return mesh, lambda *a: tuple(kernel(*a)), tuple(out_sh), tuple(in_sh)
+
+  rule, repl, sizes = _rule(kinds_in, [a.ndim for a in args], kinds_out,
+                            [s.ndim for s in out_shapes], group_size, args[first].shape[-1])
+  fn = custom_partitioning(lambda *a: tuple(kernel(*a)))
+  fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule, need_replication_factors=repl, **sizes)
+  return fn(*args)
+
+
+def _drop_axes(entry, used):
+  """A spec entry without the mesh axes in `used` (None if nothing is left)."""
+  if entry is None:
+    return None
+  names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in used)
+  return None if not names else names[0] if len(names) == 1 else names
+
+
+def _names(entry) -> tuple:
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def matmul_tn(kernel: Callable, a: jax.Array, b: jax.Array, scale: jax.Array):
+  """kernel(a (M, K), b (N, K), scale ()) -> (M, N), run per shard.
+
+  M keeps a's sharding and N b's (minus mesh axes M already uses); K is gathered (the kernel
+  needs whole rows to contract), so an FSDP-sharded weight is all-gathered for the product and
+  the result is exact on every shard; the scale is replicated.
+  """
+  out_shape = jax.eval_shape(kernel, a, b, scale)
+
+  def specs(mesh, a_sharding, b_sharding):
+    sa = tuple(a_sharding.spec) + (None,) * (2 - len(a_sharding.spec))
+    sb = tuple(b_sharding.spec) + (None,) * (2 - len(b_sharding.spec))
+    m = None if sa[0] is PartitionSpec.UNCONSTRAINED else sa[0]
+    n = None if sb[0] is PartitionSpec.UNCONSTRAINED else _drop_axes(sb[0], _names(m))
+    if m is not None and a.shape[0] % _axis_size(mesh, m):
+      m = None
+    if n is not None and b.shape[0] % _axis_size(mesh, n):
+      n = None
+    return (NamedSharding(mesh, PartitionSpec(m, None)), NamedSharding(mesh, PartitionSpec(n, None)),
+            NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(m, n)))
+
+  def infer(mesh, arg_shapes, result_shape):
+    return specs(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)[3]
+
+  def partition(mesh, arg_shapes, result_shape):
+    sa, sb, ss, so = specs(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
+    return mesh, kernel, so, (sa, sb, ss)
+
+  fn = custom_partitioning(kernel)
+  fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule="m k, n k, -> m n", need_replication_factors=("k",))
+  del out_shape
+  return fn(a, b, scale)

@@ -1,0 +1,206 @@
+"""Pallas kernels inside sharded jax.jit (8 simulated CPU devices, interpret mode): each device runs
+the kernel on its local shard (coat_jax.sharded), and results equal the single-device run
+bit for bit (the per-group / per-row math does not depend on how the rows are split; the
+per-tensor amax is the global max either way)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from coat_jax import kernels, optim, quantize, sharded
+from pallas_kernels import quantize as pk
+
+MESHES = [{"data": 8}, {"fsdp": 8}, {"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}]
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _mesh(axes):
+  return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+def _row_col_spec(axes):
+  """Activations: rows over the batch axes, columns over "tensor" (as coat_jax.sharding)."""
+  batch = tuple(a for a in ("data", "fsdp") if a in axes)
+  return P(batch if batch else None, "tensor" if "tensor" in axes else None)
+
+
+def _param_spec(axes):
+  """A column-parallel weight (in, out): ("fsdp", "tensor"), as q_proj in coat_jax.sharding."""
+  return P("fsdp" if "fsdp" in axes else None, "tensor" if "tensor" in axes else None)
+
+
+def _bits(a):
+  return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)) if a.dtype.itemsize == 1 else \
+      np.asarray(a)
+
+
+def _assert_same(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
+def test_quantize_ops_on_mesh_equal_single_device(rng, axes):
+  mesh = _mesh(axes)
+  x = jnp.asarray(rng.standard_normal((32, 256)) * np.exp2(rng.integers(-6, 6, (32, 256))),
+                  jnp.float32)
+  xs = jax.device_put(x, NamedSharding(mesh, _row_col_spec(axes)))
+  with kernels.backend("pallas"):
+    group = jax.jit(lambda a: kernels.quantize_per_group(a, 16, "e4m3"))
+    tensor = jax.jit(lambda a: kernels.quantize_per_tensor(a, "e5m2", with_transpose=True))
+    deq = jax.jit(lambda q: kernels.dequantize(q, jnp.float32))
+    qg, qt = group(xs), tensor(xs)
+    back = deq(qg)
+    hlo = group.lower(xs).compile().as_text()
+  # single device: the kernels on the whole array
+  data, scale = pk.quantize_per_group(x, 16, dtype=E4M3, floor=1e-10, interpret=True)
+  _assert_same((qg.data, qg.scale), (data, scale))
+  amax = jnp.max(pk.tile_amax(x, interpret=True))
+  want_scale = jax.jit(lambda a: quantize.scale_from_amax(a, "e5m2", 1e-10))(amax)
+  np.testing.assert_array_equal(np.asarray(qt.scale), np.asarray(want_scale))   # global amax
+  t_data, t_data_t = pk.quantize_per_tensor(x, qt.scale, dtype=jnp.float8_e5m2,
+                                            with_transpose=True, interpret=True)
+  _assert_same((qt.data, qt.data_t), (t_data, t_data_t))
+  _assert_same(back, pk.dequantize_per_group(data, scale, 16, jnp.float32, interpret=True))
+  # local: the per-group quantize moves no data between devices, results stay sharded
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+  assert qg.data.sharding.is_equivalent_to(xs.sharding, 2)
+  assert qg.scale.sharding.is_equivalent_to(xs.sharding, 2)
+  assert all(s.data.size * 8 == x.size for s in qg.data.addressable_shards)   # 1/8 per device
+
+
+def test_split_cutting_groups_is_named_in_an_error(rng):
+  """A last axis split so that shards cut groups: `local_spec` keeps the last axis whole for a row
+  kernel, and state_shardings (with the per-shard kernel in use) names the parameter and split."""
+  mesh = _mesh({"fsdp": 2, "tensor": 4})
+  assert sharded.local_spec(mesh, P(None, "tensor"), (16, 256), 128) == (None, None)
+  assert sharded.local_spec(mesh, P(None, "tensor"), (16, 512), 128) == (None, "tensor")
+  params = {"wide": jnp.zeros((64, 512)), "narrow": jnp.zeros((64, 256))}
+  state = jax.jit(optim.coat_adamw(1e-3).init)(params)
+  p_sh = {n: NamedSharding(mesh, P("fsdp", "tensor")) for n in params}
+  with kernels.backend("pallas"), pytest.raises(ValueError, match=r"\['narrow'\].*split 4 ways"):
+    optim.state_shardings(p_sh, state)
+  with kernels.backend("reference"):   # the reference step takes any split
+    sh = optim.state_shardings(p_sh, state)
+  assert sh.mu["narrow"].data.spec == P("fsdp", "tensor")
+
+
+@pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
+def test_coat_adamw_on_mesh_equals_single_device(rng, axes):
+  """Two steps of coat_adamw (fused kernel per shard) with params sharded like a column-parallel
+  weight: bit-exact with the unsharded run; each device holds 1/(fsdp * tensor) of the FP8
+  state bytes (data replicates)."""
+  mesh = _mesh(axes)
+  params = {"w": jnp.asarray(rng.standard_normal((64, 512)) * 0.1, jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((8,)), jnp.float32)}
+  grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * 1e-2, jnp.float32),
+                        params) for _ in range(2)]
+  opt = optim.coat_adamw(1e-2, min_quantized_size=1024)
+  p_sh = {"w": NamedSharding(mesh, _param_spec(axes)), "b": NamedSharding(mesh, P())}
+  state = jax.jit(opt.init)(params)
+  s_sh = optim.state_shardings(p_sh, state)
+
+  def run(params, state, shard):
+    step = jax.jit(lambda g, s, p: opt.update(g, s, p))
+    if shard:
+      params, state = jax.device_put(params, p_sh), jax.device_put(state, s_sh)
+    for g in grads:
+      g = jax.device_put(g, p_sh) if shard else g
+      if shard:   # per shard on the local moments: no FP8 state or param is gathered
+        hlo = step.lower(g, state, params).compile().as_text()
+        assert "all-gather" not in hlo and "all-to-all" not in hlo
+      u, state = step(g, state, params)
+      params = jax.tree.map(lambda p, u: p + u, params, u)
+    return params, state
+
+  with kernels.backend("pallas"):
+    want = run(params, state, False)
+    got = run(params, state, True)
+  # "w" (the kernel, per shard): bit-exact. "b" (float32 moments, XLA's reference math, compiled
+  # into a different program when partitioned): float32 rounding may differ by an ulp.
+  pick = lambda t, name: (t[0][name], t[1].mu[name], t[1].nu[name])
+  _assert_same(pick(got, "w"), pick(want, "w"))
+  for a, b in zip(pick(got, "b"), pick(want, "b")):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2.0**-22, atol=0)
+  mu = got[1].mu["w"]
+  assert isinstance(mu, optim.ExpandedMoment)
+  assert mu.data.sharding.is_equivalent_to(p_sh["w"], 2)
+  shards = axes.get("fsdp", 1) * axes.get("tensor", 1)
+  for moment in (got[1].mu["w"], got[1].nu["w"]):
+    for leaf in moment:
+      total = leaf.size * leaf.dtype.itemsize
+      for shard in leaf.addressable_shards:
+        assert shard.data.size * leaf.dtype.itemsize * shards == total
+
+
+@pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
+@pytest.mark.parametrize("parallel", ["column", "row"])
+def test_fp8_gemm_on_mesh_equals_single_device(rng, axes, parallel):
+  """x (tokens, K) over the batch axes times an FSDP + tensor-parallel weight, through
+  kernels.fp8_dot_general (TN). Column-parallel: w (N, K) split ("tensor", "fsdp"); row-parallel:
+  ("fsdp", "tensor"), K split over "tensor". On CPU the interpreted kernel is partitioned by XLA;
+  a split K sums partial products in another order, so the bound is float32 accumulation
+  (relative 1e-6), bit-exact otherwise."""
+  mesh = _mesh(axes)
+  x = kernels.quantize_per_tensor(jnp.asarray(rng.standard_normal((256, 256)), jnp.float32))
+  w = kernels.quantize_per_tensor(jnp.asarray(rng.standard_normal((128, 256)), jnp.float32))
+  t = "tensor" if "tensor" in axes else None
+  f = "fsdp" if "fsdp" in axes else None
+  w_spec = P(t, f) if parallel == "column" else P(f, t)
+  put = lambda q, spec: quantize.QuantizedArray(jax.device_put(q.data, NamedSharding(mesh, spec)),
+                                                q.scale, q.fmt, 0)
+  dn = (((1,), (1,)), ((), ()))
+  gemm = jax.jit(lambda a, b: kernels.fp8_dot_general(a, b, dn, jnp.float32))
+  with kernels.backend("pallas"):
+    want = gemm(x, w)
+    got = gemm(put(x, P(_row_col_spec(axes)[0])),
+               put(w, w_spec))
+  ref = np.asarray(x.data, np.float64) @ np.asarray(w.data, np.float64).T * float(x.scale * w.scale)
+  np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6,
+                             atol=1e-6 * float(jnp.abs(want).max()))
+
+
+# coat on every mesh; the other modes on the FSDP + TP mesh (interpret mode is slow: ~15 s each).
+LINEAR_CASES = [("coat", a) for a in MESHES] + [(m, MESHES[2]) for m in ("bf16", "fp8_linear")]
+
+
+@pytest.mark.parametrize("mode,axes", LINEAR_CASES,
+                         ids=[f"{m}-" + "x".join(f"{k}{v}" for k, v in a.items())
+                              for m, a in LINEAR_CASES])
+def test_linear_fsdp_tp_on_mesh_equals_single_device(rng, axes, mode):
+  """A column-parallel then a row-parallel linear (as q_proj / o_proj: w_in ("fsdp", "tensor"),
+  w_out ("tensor", "fsdp")), forward and both gradients, kernels forced on (per shard; the GEMM's
+  interpreted ops partitioned by XLA on CPU). Per-tensor scales are global, so the FP8 operands
+  equal the single-device ones; sums over split axes may be reordered (the row-parallel product,
+  the FSDP gradient reduction), hence float32 tolerances: 1e-5 relative to each result's max."""
+  from coat_jax import ops
+  mesh = _mesh(axes)
+  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+  w_in = jnp.asarray(rng.standard_normal((128, 256)) / 11, jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.float32)
+  r = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+
+  def loss(x, w_in, w_out):
+    y = ops.linear(ops.linear(x, w_in, mode=mode), w_out, mode=mode)
+    return jnp.sum(y * r), y
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  t = "tensor" if "tensor" in axes else None
+  f = "fsdp" if "fsdp" in axes else None
+  sh = [NamedSharding(mesh, P(_row_col_spec(axes)[0], None)), NamedSharding(mesh, P(f, t)),
+        NamedSharding(mesh, P(t, f))]
+  # the sharded step returns each gradient sharded like its input (FSDP: reduce-scattered)
+  sharded_step = jax.jit(step, out_shardings=((NamedSharding(mesh, P()), sh[0]), tuple(sh)))
+  with kernels.backend("pallas"):
+    (_, want_y), want_g = step(x, w_in, w_out)
+    (_, got_y), got_g = sharded_step(*(jax.device_put(a, s) for a, s in zip((x, w_in, w_out),
+                                                                          sh)))
+  for a, b in zip((got_y, *got_g), (want_y, *want_g)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all()
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
