@@ -105,7 +105,7 @@ def run_mode(args: argparse.Namespace, mode: str, deadline: float | None,
       + (f", stopping at step {stop_after} (as the earlier mode)" if stop_after else "")
       + (f", {deadline - time.time():.0f} s for this mode" if deadline else ""))
   try:
-    summary = run(cfg, stop_after=stop_after, log=say, on_step=on_step)
+    summary = run(cfg, stop_after=stop_after, log=say, on_step=on_step, overwrite=True)
   finally:
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # the end-of-run checkpoint is not needed
   return {k: v for k, v in summary.items() if k not in ("losses", "eval_losses")}
@@ -121,7 +121,8 @@ def read_curves(run_dir: Path) -> dict:
   records = metrics_lib.read_jsonl(path)
   as_float = lambda v: float(v) if isinstance(v, (int, float)) else float("nan")  # "nan" strings
   curves = {"eval": [[r["step"], as_float(r["loss"])] for r in records if r.get("split") == "eval"],
-            "train": [[r["step"], as_float(r["loss"])] for r in records if r.get("split") == "train"],
+            "train": [[r["step"], as_float(metrics_lib.train_loss_mean(r))] for r in records
+                      if r.get("split") == "train"],
             "epoch": max((r.get("epoch", 0.0) for r in records if r.get("split") == "train"), default=0.0)}
   summary_path = run_dir / "summary.json"
   if summary_path.is_file():
@@ -211,8 +212,8 @@ def report(args: argparse.Namespace, runs: dict[str, dict]) -> dict:
     tps, mfu = s.get("tokens_per_s"), s.get("mfu")
     say(f"  {m}: {s.get('step', '?')} steps, {curves[m].get('epoch', 0):.2f} epochs, "
         f"{tps or 0:,.0f} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-        f"train loss {s.get('first_train_loss') or float('nan'):.3f} -> "
-        f"{s.get('final_train_loss') or float('nan'):.3f}, wall {s.get('wall_s') or 0:.0f} s")
+        f"train loss (one batch) {s.get('train_loss_first') or float('nan'):.3f} -> "
+        f"{s.get('train_loss_last') or float('nan'):.3f}, wall {s.get('wall_s') or 0:.0f} s")
   for m, g in cmp["final_gap"].items():
     say(f"[accuracy] final relative eval-loss gap at step {cmp['final_step']}: "
         f"{m} vs bf16+adamw = {100 * g:+.2f}%")

@@ -205,9 +205,15 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
   return out
 
 
+def train_loss_mean(record: dict[str, Any]) -> Any:
+  """A train record's windowed mean loss ("loss" in logs written before it was named "loss_mean")."""
+  return record.get("loss_mean", record.get("loss"))
+
+
 def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> bool:
   """Writes a train/eval loss-vs-step PNG; returns False when there is nothing to plot."""
-  train = [(r["step"], r["loss"]) for r in records if r.get("split") == "train" and _finite(r.get("loss"))]
+  train = [(r["step"], train_loss_mean(r)) for r in records
+           if r.get("split") == "train" and _finite(train_loss_mean(r))]
   evals = [(r["step"], r["loss"]) for r in records if r.get("split") == "eval" and _finite(r.get("loss"))]
   if not train and not evals:
     return False
@@ -218,7 +224,7 @@ def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike, title: s
 
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
   if train:
-    ax.plot(*zip(*train), label="train", lw=1.2)
+    ax.plot(*zip(*train), label="train (mean since the previous log step)", lw=1.2)
   if evals:
     ax.plot(*zip(*evals), "o-", label="eval", lw=1.5, ms=4)
   ax.set_xlabel("step")
