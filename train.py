@@ -11,8 +11,9 @@ Everything a run needs is in the config (coat_jax/training/schema.py documents t
 section.key=value` overrides any entry and is checked like the file. Outputs go to `run.out_dir`:
 config.yaml, metrics.jsonl, tb/ (TensorBoard), loss.png, summary.json, checkpoints/.
 
-SIGINT/SIGTERM: the current step finishes, a checkpoint is written, and the run exits cleanly
-(`--resume` continues it); a second signal stops at once.
+SIGINT/SIGTERM: the current step finishes, a checkpoint is written, and the run exits with status
+128 + the signal number (130, 143; `--resume` continues it); a second signal stops at once. A fresh
+run into a directory that holds an earlier run is refused: --resume, a new --out-dir or --overwrite.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 from coat_jax.training import schema
-from coat_jax.training.loop import run
+from coat_jax.training.loop import exit_status, run
 from coat_jax.training.schema import RunConfig
 
 REPO = Path(__file__).resolve().parent
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config entry, e.g. --set optimizer.lr=1e-3 (repeatable)")
   p.add_argument("--resume", action="store_true", help="restore the latest checkpoint and continue")
+  p.add_argument("--overwrite", action="store_true",
+                 help="start afresh in an output directory that holds an earlier run, deleting its "
+                      "checkpoints and logs (without it such a run is refused)")
   p.add_argument("--steps", type=int, default=None, help="shorthand for --set run.steps=N")
   p.add_argument("--out-dir", default=None, help="shorthand for --set run.out_dir=DIR")
   p.add_argument("--stop-after", type=int, default=None,
@@ -70,12 +74,13 @@ def main(argv: list[str] | None = None) -> dict:
   if args.print_config:
     print(cfg.to_yaml(), end="")
     return {}
-  return run(cfg, resume=args.resume, stop_after=args.stop_after)
+  return run(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":
   try:
-    main()
+    summary = main()
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  sys.exit(exit_status(summary))  # 128 + N after signal N (checkpoint written), else 0

@@ -1,8 +1,22 @@
-"""Pieces the benchmark scripts share (benchmarks/ is on sys.path when they run as scripts)."""
+"""Pieces the benchmark scripts share: timing, time budgets, plotting, `--modes` parsing.
+
+The scripts run as `python benchmarks/X.py`: their folder is on the import path by itself and
+coat_jax is installed, so `from _common import ...` needs no path manipulation. No script imports
+another.
+"""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import collections
+import glob
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+# One color per (precision + optimizer) mode in every plot.
+MODE_COLORS = {"bf16+adamw": "tab:blue", "fp8_linear+adamw": "tab:green", "coat+coat_adamw": "tab:red"}
 
 
 def parse_modes(parser: argparse.ArgumentParser, text: str, choices: Sequence[str],
@@ -14,3 +28,122 @@ def parse_modes(parser: argparse.ArgumentParser, text: str, choices: Sequence[st
   if bad:
     parser.error(f"unknown modes {bad}; choose from {tuple(choices)}")
   return modes
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing.
+
+
+def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+  """Median milliseconds of one blocking `fn()` call over `iters` calls after `warmup` calls."""
+  import jax
+
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def median_ms_back_to_back(fn: Callable, *args, iters: int = 10, repeats: int = 7) -> float:
+  """Median over `repeats` of the mean milliseconds per call of `iters` back-to-back `fn(*args)`
+  calls (one block at the end: hides dispatch gaps of short kernels)."""
+  import jax
+
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    outs = [fn(*args) for _ in range(iters)]
+    jax.block_until_ready(outs)
+    times.append((time.perf_counter() - t0) / iters)
+  return 1e3 * statistics.median(times)
+
+
+def time_calls(fn: Callable, args_fn: Callable, steps: int, warmup: int = 2) -> float:
+  """Median milliseconds of fn(*args) over `steps` calls; args_fn(out) gives the next call's args
+  (args_fn(None) the first), so donated or stateful calls can chain."""
+  import jax
+
+  args = args_fn(None)
+  for _ in range(warmup):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    args = args_fn(out)
+  times = []
+  for _ in range(steps):
+    jax.block_until_ready(args)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) * 1e3)
+    args = args_fn(out)
+  return statistics.median(times)
+
+
+def kernel_times(trace_dir: str) -> collections.Counter:
+  """Microseconds per kernel name summed over the GPU planes of the newest profiler trace."""
+  import jax
+
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  if not paths:
+    raise ValueError(f"no profiler trace (*.xplane.pb) under {trace_dir}")
+  data = jax.profiler.ProfileData.from_file(paths[-1])
+  out = collections.Counter()
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "stream" not in line.name.lower():  # kernel lines are per CUDA stream
+        continue
+      for ev in line.events:
+        out[ev.name] += ev.duration_ns / 1e3
+  if not out:
+    print("no GPU kernel events; planes/lines:",
+          [(pl.name, [ln.name for ln in pl.lines][:6]) for pl in data.planes][:8])
+  return out
+
+
+class Budget:
+  """Wall-clock budget of a whole script: `seconds` (None: unlimited) less a `reserve` for the
+  final report."""
+
+  def __init__(self, seconds: float | None, reserve: float = 10.0):
+    self.t0, self.seconds, self.reserve = time.time(), seconds, reserve
+
+  def deadline(self) -> float | None:
+    """The time.time() by which the work must end, or None."""
+    return None if self.seconds is None else self.t0 + self.seconds - self.reserve
+
+  def left(self) -> float:
+    d = self.deadline()
+    return math.inf if d is None else d - time.time()
+
+  def elapsed(self) -> float:
+    return time.time() - self.t0
+
+
+# ----------------------------------------------------------------------------------------------
+# Plotting.
+
+
+def pyplot():
+  """matplotlib.pyplot on the file-only Agg backend."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def save_figure(fig, path) -> bool:
+  """Lays out, writes and closes `fig`; True (the scripts' "plot written" result)."""
+  import matplotlib.pyplot as plt
+
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return True

@@ -1,7 +1,7 @@
 """Pretraining accuracy: eval-loss curves of "bf16+adamw" vs "coat+coat_adamw" on the same data.
 
-Each mode is one train.py `run()` on configs/llama-125m.yaml (the offline stdlib corpus, its 32k
-BPE) with overrides: precision, optimizer, steps, sequence length, batch, eval cadence, an
+Each mode is one `coat_jax.training.loop.run()` (what train.py runs) on configs/llama-125m.yaml
+(the offline stdlib corpus, its 32k BPE) with overrides: precision, optimizer, steps, sequence length, batch, eval cadence, an
 out_dir per mode (`<out>/<mode>/`: metrics.jsonl, summary.json, loss.png, config.yaml) and a
 temporary checkpoint directory that is deleted afterwards. The curves are read back from each
 run's metrics.jsonl. Writes `<out>/accuracy.json` and `<out>/accuracy.png` (both eval curves on
@@ -12,7 +12,7 @@ The stdlib corpus is ~7.6M tokens (Python 3.12), so batch 8 x 1024 for 2000 step
 (batch 32 would be ~9 epochs and the held-out loss would turn up from overfitting).
 
 --seconds-budget splits the remaining time evenly over the modes still to run; a mode that hits
-its share stops (train.py's StopRequest: final eval, end-of-run checkpoint) and the later modes
+its share stops (the loop's StopRequest: final eval, end-of-run checkpoint) and the later modes
 then stop at the same step, so the curves stay comparable. Peak memory is process-wide here (the
 modes share a process): use bench_e2e.py for memory.
 
@@ -34,14 +34,12 @@ import gc
 import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from _common import parse_modes  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from _common import MODE_COLORS, parse_modes, pyplot, save_figure
 
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 DEFAULT_MODES = ("bf16+adamw", "coat+coat_adamw")
@@ -83,9 +81,9 @@ def mode_dir(out: Path, mode: str) -> Path:
 
 def run_mode(args: argparse.Namespace, mode: str, deadline: float | None,
              stop_after: int | None) -> dict:
-  """One train.py run of `mode`; returns its summary (without per-step losses)."""
-  import train as train_lib
-  from coat_jax import config as config_lib
+  """One training run of `mode`; returns its summary (without per-step losses)."""
+  from coat_jax.training import schema
+  from coat_jax.training.loop import run
 
   precision, opt_name = mode.split("+")
   ckpt_dir = Path(tempfile.mkdtemp(prefix="coat_acc_ckpt_"))
@@ -97,7 +95,7 @@ def run_mode(args: argparse.Namespace, mode: str, deadline: float | None,
       "run.progress=false", "run.tensorboard=false", "run.plot=true",
       f"checkpoint.dir={ckpt_dir}", "checkpoint.every=0", "checkpoint.async_save=false",
   ] + list(args.overrides)
-  cfg = config_lib.load(args.config, overrides)
+  cfg = schema.load(args.config, overrides)
 
   def on_step(step, stop):
     if deadline is not None and time.time() > deadline and not stop:
@@ -107,7 +105,7 @@ def run_mode(args: argparse.Namespace, mode: str, deadline: float | None,
       + (f", stopping at step {stop_after} (as the earlier mode)" if stop_after else "")
       + (f", {deadline - time.time():.0f} s for this mode" if deadline else ""))
   try:
-    summary = train_lib.run(cfg, stop_after=stop_after, log=say, on_step=on_step)
+    summary = run(cfg, stop_after=stop_after, log=say, on_step=on_step, overwrite=True)
   finally:
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # the end-of-run checkpoint is not needed
   return {k: v for k, v in summary.items() if k not in ("losses", "eval_losses")}
@@ -115,7 +113,7 @@ def run_mode(args: argparse.Namespace, mode: str, deadline: float | None,
 
 def read_curves(run_dir: Path) -> dict:
   """Train (logged means) and eval curves from a run's metrics.jsonl; {} if there is none."""
-  from coat_jax import metrics as metrics_lib
+  from coat_jax.training import metrics as metrics_lib
 
   path = run_dir / "metrics.jsonl"
   if not path.is_file():
@@ -123,7 +121,8 @@ def read_curves(run_dir: Path) -> dict:
   records = metrics_lib.read_jsonl(path)
   as_float = lambda v: float(v) if isinstance(v, (int, float)) else float("nan")  # "nan" strings
   curves = {"eval": [[r["step"], as_float(r["loss"])] for r in records if r.get("split") == "eval"],
-            "train": [[r["step"], as_float(r["loss"])] for r in records if r.get("split") == "train"],
+            "train": [[r["step"], as_float(metrics_lib.train_loss_mean(r))] for r in records
+                      if r.get("split") == "train"],
             "epoch": max((r.get("epoch", 0.0) for r in records if r.get("split") == "train"), default=0.0)}
   summary_path = run_dir / "summary.json"
   if summary_path.is_file():
@@ -152,14 +151,10 @@ def compare(curves: dict[str, dict]) -> dict:
 
 def plot(curves: dict[str, dict], cmp: dict, path: Path, title: str) -> bool:
   """Eval curves of all modes on one axis (train curves faint); the relative gap below."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = pyplot()
   fig, (ax, gx) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=110, sharex=True,
                                gridspec_kw={"height_ratios": [3, 1]})
-  colors = {"bf16+adamw": "tab:blue", "fp8_linear+adamw": "tab:green", "coat+coat_adamw": "tab:red"}
+  colors = MODE_COLORS
   drawn = False
   for mode, c in curves.items():
     color, ls = colors.get(mode), "-" if mode == "bf16+adamw" else "--"
@@ -187,10 +182,7 @@ def plot(curves: dict[str, dict], cmp: dict, path: Path, title: str) -> bool:
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return True
+  return save_figure(fig, path)
 
 
 def report(args: argparse.Namespace, runs: dict[str, dict]) -> dict:
@@ -220,8 +212,8 @@ def report(args: argparse.Namespace, runs: dict[str, dict]) -> dict:
     tps, mfu = s.get("tokens_per_s"), s.get("mfu")
     say(f"  {m}: {s.get('step', '?')} steps, {curves[m].get('epoch', 0):.2f} epochs, "
         f"{tps or 0:,.0f} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-        f"train loss {s.get('first_train_loss') or float('nan'):.3f} -> "
-        f"{s.get('final_train_loss') or float('nan'):.3f}, wall {s.get('wall_s') or 0:.0f} s")
+        f"train loss (one batch) {s.get('train_loss_first') or float('nan'):.3f} -> "
+        f"{s.get('train_loss_last') or float('nan'):.3f}, wall {s.get('wall_s') or 0:.0f} s")
   for m, g in cmp["final_gap"].items():
     say(f"[accuracy] final relative eval-loss gap at step {cmp['final_step']}: "
         f"{m} vs bf16+adamw = {100 * g:+.2f}%")

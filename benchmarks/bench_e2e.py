@@ -2,8 +2,8 @@
 
 Modes: "bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw" (precision + optimizer). Each
 measurement is a child process of this script (`--one MODE --batch B`), so every mode's
-`peak_bytes_in_use` is its own. A child builds the model and optimizer with train.py's
-`model_config`, `build_optimizer`, `model_parts` and `make_steps`, compiles the train step ahead
+`peak_bytes_in_use` is its own. A child builds the model, optimizer and jitted step with
+`coat_jax.training.build.build` (as train.py does), compiles the train step ahead
 of time (XLA's `memory_analysis` is recorded), runs --warmup steps and then --steps timed steps on
 synthetic random tokens (each ended by block_until_ready; the median is reported), and prints one
 `RESULT {json}` line. Before compiling it checks the bound params + grads + optimizer state
@@ -11,8 +11,8 @@ synthetic random tokens (each ended by block_until_ready; the median is reported
 `bytes_limit`: a mode that cannot fit even that is reported "oom (state)" without compiling.
 An XLA RESOURCE_EXHAUSTED error (compile or run) is reported "oom".
 
-MFU = coat_jax.models.llama.flops_per_token x tokens/s / 989e12 (H100 dense BF16 peak, the same
-denominator for every mode; train.py's metrics.mfu).
+MFU = coat_jax.models.llama.flops_per_token x tokens/s / the devices' dense BF16 peak (the same
+denominator for every mode; coat_jax.training.metrics.mfu, n/a on CPU and unknown devices).
 
 GPU (H100; children get XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 unless it is set):
   python benchmarks/bench_e2e.py --json $OUT/e2e_olmo1b.json --seconds-budget 450
@@ -42,12 +42,11 @@ import threading
 import time
 from pathlib import Path
 
-from _common import parse_modes  # benchmarks/ is on sys.path when run as a script
+from _common import Budget, parse_modes
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 REMATS = ("none", "full", "dots", "dots_saveable")
-H100_PEAK_BF16 = 989e12
 RESULT_TAG = "RESULT "
 GB = 1e9
 
@@ -120,37 +119,25 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   import jax
   import numpy as np
 
-  sys.path.insert(0, str(REPO))
-  import train as train_lib
-  from coat_jax import config as config_lib
-  from coat_jax import metrics as metrics_lib
-  from coat_jax import sharding as sharding_lib
   from coat_jax.models import llama as llama_lib
+  from coat_jax.training import mesh as mesh_lib, metrics as metrics_lib, schema
+  from coat_jax.training.build import build
 
   precision, opt_name = args.one.split("+")
   overrides = [f"model.preset={args.preset}", "model.dtype=auto", f"model.remat={args.remat}",
                f"precision={precision}", f"optimizer.name={opt_name}",
-               f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}"]
+               f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}", "run.steps=1000"]
   if args.attention_impl:
     overrides.append(f"model.attention_impl={args.attention_impl}")
-  cfg = config_lib.load(None, overrides + list(args.overrides))
-  llama_cfg = train_lib.model_config(cfg, None)
-  mesh = sharding_lib.make_mesh(cfg.mesh)
-  if args.batch % sharding_lib.batch_shards(mesh):
-    raise ValueError(f"batch {args.batch} is not divisible by the "
-                     f"{sharding_lib.batch_shards(mesh)} batch shards")
+  cfg = schema.load(None, overrides + list(args.overrides))
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  built = build(cfg, mesh, seed=0)
+  llama_cfg, parts, opt_abstract = built.llama_cfg, built.parts, built.opt_abstract
   dev = jax.devices()[0]
   out.update(device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}", num_devices=mesh.devices.size,
              dtype=llama_cfg.dtype, num_params=llama_lib.num_params(llama_cfg),
              flops_per_token=float(llama_lib.flops_per_token(llama_cfg, args.seq_len)))
 
-  parts, init_fn = train_lib.model_parts(llama_cfg, 0, mesh)
-  tx, schedule = train_lib.build_optimizer(cfg.optimizer, total_steps=1000)
-  opt_abstract = jax.eval_shape(tx.init, parts.params_abstract)
-  opt_sh = sharding_lib.optimizer_state_shardings(tx, opt_abstract, parts.params_shardings, mesh,
-                                                  cfg.optimizer.name)
-  train_step, _ = train_lib.make_steps(parts, tx, opt_sh, mesh,
-                                       train_lib.build_apply(cfg.optimizer, tx, schedule))
   params_bytes, opt_bytes = _tree_bytes(parts.params_abstract), _tree_bytes(opt_abstract)
   stats = dev.memory_stats() or {}
   limit = stats.get("bytes_limit")
@@ -166,13 +153,10 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
                     f"{limit / GB:.2f} GB: cannot fit at any batch")
     return
 
-  batch_sh = sharding_lib.batch_sharding(mesh)
+  batch_sh = built.batch_sharding
   tokens_abs = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), np.int32, sharding=batch_sh)
-  abstract = (train_lib._with_shardings(parts.params_abstract, parts.params_shardings),
-              train_lib._with_shardings(opt_abstract, opt_sh),
-              train_lib._with_shardings(parts.rest_abstract, parts.rest_shardings), tokens_abs)
   t0 = time.perf_counter()
-  compiled = train_step.lower(*abstract).compile()
+  compiled = built.train_step.lower(*built.abstract_state(), tokens_abs).compile()
   out["compile_s"] = time.perf_counter() - t0
   try:
     ma = compiled.memory_analysis()
@@ -186,8 +170,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   say(f"[child {args.one} b={args.batch}] compiled in {out['compile_s']:.1f} s"
       + (f", XLA predicts {mem['predicted_bytes'] / GB:.2f} GB" if mem else ""))
 
-  params, rest = init_fn()
-  opt_state = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)(params)
+  params, opt_state, rest = built.init()
   tokens = jax.device_put(
       jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, llama_cfg.vocab_size,
                          dtype=np.int32), batch_sh)
@@ -207,13 +190,10 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   peak, kind = metrics_lib.peak_memory_bytes(list(mesh.devices.flat))
   step_s = statistics.median(times) if times else None
   tokens_per_s = args.batch * args.seq_len / step_s if step_s else None
-  peak_flops = metrics_lib.peak_flops(dev)
-  if peak_flops is None and dev.platform == "gpu":
-    peak_flops = H100_PEAK_BF16
   out.update(status="ok", peak_bytes=peak, peak_kind=kind, step_s=step_s,
              step_s_all=times, tokens_per_s=tokens_per_s,
-             mfu=(out["flops_per_token"] * tokens_per_s / (peak_flops * mesh.devices.size)
-                  if tokens_per_s and peak_flops else None),
+             mfu=(metrics_lib.mfu(out["flops_per_token"], tokens_per_s, list(mesh.devices.flat))
+                  if tokens_per_s else None),
              loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
              loss_finite=all(math.isfinite(x) for x in losses))
 
@@ -232,20 +212,6 @@ def _on_signal(signum, frame):
   proc = _RUNNING["proc"]
   if proc is not None and proc.poll() is None:
     proc.kill()
-
-
-class Budget:
-  """Wall-clock budget of the whole script (None: unlimited)."""
-
-  def __init__(self, seconds: float | None, reserve: float = 10.0):
-    self.t0, self.seconds, self.reserve = time.time(), seconds, reserve
-
-  def deadline(self) -> float | None:
-    return None if self.seconds is None else self.t0 + self.seconds - self.reserve
-
-  def left(self) -> float:
-    d = self.deadline()
-    return math.inf if d is None else d - time.time()
 
 
 def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget) -> dict:

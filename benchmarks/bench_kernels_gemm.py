@@ -8,20 +8,16 @@ All three take the same operands: A (M, K), B as (N, K) (TN); bf16 runs A @ B.T 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
-import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from _common import median_ms_back_to_back
+from coat_jax.training.metrics import PEAK_BF16_FLOPS
+from pallas_kernels import fp8_matmul as fm
 
-from pallas_kernels import fp8_matmul as fm  # noqa: E402
-
-PEAK_FP8, PEAK_BF16 = 1979e12, 989e12
+PEAK_BF16 = dict(PEAK_BF16_FLOPS)["H100"]
+PEAK_FP8 = 2 * PEAK_BF16  # Hopper's dense FP8 tensor-core rate is twice its BF16 rate
 TN = (((1,), (1,)), ((), ()))
 T = 16384  # 8 x 2048 tokens
 SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192)]
@@ -45,19 +41,6 @@ TUNE = {
     "m128x128_w4": fm.GemmConfig(wg_dim="m", grid_tile_width=4),
     "m128x128_gm_m": fm.GemmConfig(wg_dim="m", grid_minor="m"),
 }
-
-
-def bench(fn, *args, iters=20, reps=5):
-  """Median over reps of the mean time per call (seconds) of `iters` back-to-back calls."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / iters)
-  return statistics.median(times)
 
 
 def operands(m, n, k, key):
@@ -88,8 +71,8 @@ def run_shape(m, n, k, configs, key, iters):
   flops = 2.0 * m * n * k
   f_bf16 = jax.jit(xla_bf16)
   f_fp8 = jax.jit(xla_fp8)
-  t_bf16 = bench(f_bf16, a16, b16, iters=iters)
-  t_fp8 = bench(f_fp8, a8, b8, s, iters=iters)
+  t_bf16 = 1e-3 * median_ms_back_to_back(f_bf16, a16, b16, iters=iters, repeats=5)
+  t_fp8 = 1e-3 * median_ms_back_to_back(f_fp8, a8, b8, s, iters=iters, repeats=5)
   ref = f_fp8(a8, b8, s)
   rows = []
   for name, cfg in configs.items():
@@ -104,7 +87,7 @@ def run_shape(m, n, k, configs, key, iters):
         if not bool(jnp.all(gmax.astype(jnp.bfloat16).astype(jnp.float32) == want)):
           print(f"  {m}x{n}x{k} {name}: epilogue amax differs from max|out|")
       err = rel_err(out, ref)
-      t_pl = bench(f_pl, a8, b8, s, iters=iters)
+      t_pl = 1e-3 * median_ms_back_to_back(f_pl, a8, b8, s, iters=iters, repeats=5)
     except Exception as e:  # noqa: BLE001  (report and go on to the next variant)
       print(f"  {m}x{n}x{k} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
       continue

@@ -6,28 +6,14 @@ call are those the kernel must move: bf16 input read once per pass, FP8 outputs,
 from __future__ import annotations
 
 import sys
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from coat_jax import quantize  # noqa: E402
-from pallas_kernels import quantize as pk  # noqa: E402
-
-
-def median_ms(fn, *args, iters: int = 10, repeats: int = 7) -> float:
-  """Median over `repeats` of the mean time of `iters` back-to-back calls (hides dispatch gaps)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    outs = [fn(*args) for _ in range(iters)]
-    jax.block_until_ready(outs)
-    times.append((time.perf_counter() - t0) / iters)
-  return 1e3 * float(np.median(times))
+from _common import median_ms_back_to_back as median_ms
+from coat_jax import quantize
+from pallas_kernels import quantize as pk
 
 
 def probe_cast():

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from _common import parse_modes  # benchmarks/ is on sys.path when run as a script
+from _common import median_ms, parse_modes
 from coat_jax import memory, ops
 from coat_jax.nn import DecoderBlock
 from coat_jax.precision import PRECISIONS as MODES
@@ -61,17 +59,6 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   args.modes = parse_modes(p, args.modes, MODES)
   return args
-
-
-def median_ms(fn, iters: int, warmup: int) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
 
 
 def device_bytes(key: str) -> int | None:

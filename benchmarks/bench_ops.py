@@ -14,7 +14,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from bench_layer import median_ms  # benchmarks/ is on sys.path when run as a script
+from _common import median_ms
 from coat_jax import kernels, ops
 
 MODES = ("bf16", "fp8_linear", "coat")

@@ -18,13 +18,12 @@ write counted).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from _common import kernel_times, time_calls
 from coat_jax import kernels
 from coat_jax.optim import coat_adamw, coat_adamw_apply, optimizer_state_bytes
 
@@ -35,24 +34,6 @@ def make_tree(shapes, key, scale_value):
   keys = jax.random.split(key, len(shapes))
   return {f"p{i:02d}": jax.random.normal(k, s, jnp.float32) * scale_value
           for i, (k, s) in enumerate(zip(keys, shapes))}
-
-
-def time_calls(fn, args_fn, steps: int, warmup: int = 2) -> float:
-  """Median milliseconds of fn(*args) over `steps` calls; args_fn(out) gives the next call's args."""
-  args = args_fn(None)
-  for _ in range(warmup):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    args = args_fn(out)
-  times = []
-  for _ in range(steps):
-    jax.block_until_ready(args)
-    t0 = time.perf_counter()
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) * 1e3)
-    args = args_fn(out)
-  return statistics.median(times)
 
 
 def copy_bandwidth(n_bytes: int, steps: int) -> float:
@@ -95,7 +76,6 @@ def bench_optimizer(name, opt, params_fn, grads, steps, profile=False):
   device_ms = None
   if profile:  # one traced step, its inputs (fresh grads) made before the trace starts
     import tempfile
-    from profile_layer import kernel_times  # benchmarks/ is on sys.path when run as a script
     args = jax.block_until_ready(next_args(None))
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):

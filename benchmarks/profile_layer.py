@@ -9,15 +9,13 @@ which GEMMs, quantize kernels and fusions the time goes to.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import os
 import tempfile
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from _common import kernel_times
 from coat_jax import ops
 from coat_jax.nn import DecoderBlock
 
@@ -38,25 +36,6 @@ def layer_fn(mode, a):
     y, pullback = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x, cos, sin), params, x)
     return y, pullback(dy)
   return lambda: fwd_bwd(params, x, dy)
-
-
-def kernel_times(trace_dir: str) -> dict[str, float]:
-  """Microseconds per kernel name summed over the GPU planes of the newest trace."""
-  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-  data = jax.profiler.ProfileData.from_file(path)
-  out = collections.Counter()
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if "stream" not in line.name.lower():  # kernel lines are per CUDA stream
-        continue
-      for ev in line.events:
-        out[ev.name] += ev.duration_ns / 1e3
-  if not out:
-    print("no GPU kernel events; planes/lines:",
-          [(pl.name, [ln.name for ln in pl.lines][:6]) for pl in data.planes][:8])
-  return out
 
 
 def main(argv=None):

@@ -25,7 +25,7 @@ shape: hidden 256, 4 layers, 4 heads / 2 KV heads) this script
        (jvp of grad) through the float32 "bf16"-mode model (the FP8 ops' custom VJPs have no
        second derivatives), on the same batch.
    The learning rate is a runtime multiplier on one compiled train step per mode
-   (train.py's make_steps on build_optimizer(lr=1) chained with optax.inject_hyperparams(scale)):
+   (coat_jax.training.build.build with lr=1 and extra_tx=optax.inject_hyperparams(scale)):
    AdamW's update is linear in lr, so this is the same run as lr in the schedule, without a
    compile per lr.
 2. Optimizer-state formats: m/v format (the same for both) in {E4M3, E5M2, INT8} x expansion
@@ -56,23 +56,20 @@ import functools
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from _common import MODE_COLORS, Budget, pyplot, save_figure
+from coat_jax import expansion
+from coat_jax.training import build as build_lib, mesh as mesh_lib, schema
+from coat_jax.training.dataset import TokenDataset
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import train as train_lib  # noqa: E402
-from coat_jax import config as config_lib  # noqa: E402
-from coat_jax import data as data_lib  # noqa: E402
-from coat_jax import expansion  # noqa: E402
-from coat_jax import sharding as sharding_lib  # noqa: E402
 
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 # The "tiny" preset's shape on configs/tiny.yaml (which shrinks it further for CPU runs).
@@ -86,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="train.py config override (repeatable), after the small-model defaults")
+                 help="run config override (repeatable), after the small-model defaults")
   p.add_argument("--modes", default="bf16+adamw,coat+coat_adamw")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--lrs", default="3e-3,3e-2,3e-1",
@@ -145,8 +142,8 @@ def logit_sharpness(logits: jax.Array, labels: jax.Array, eps: float) -> tuple[j
   z = logits.astype(jnp.float32)
   onehot = jax.nn.one_hot(labels, z.shape[-1], dtype=jnp.float32)
   sign = 1.0 - 2.0 * onehot  # +1 off the label, -1 on it: the sign of dL/dz everywhere in the box
-  loss = train_lib.cross_entropy(z, labels)
-  worst = train_lib.cross_entropy(z + eps * (jnp.abs(z) + 1.0) * sign, labels)
+  loss = build_lib.cross_entropy(z, labels)
+  worst = build_lib.cross_entropy(z + eps * (jnp.abs(z) + 1.0) * sign, labels)
   return 100.0 * (worst - loss) / (1.0 + loss), loss
 
 
@@ -154,12 +151,12 @@ def _tree_vdot(a, b):
   return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def make_hessian_lmax(parts: train_lib.ModelParts, iters: int):
+def make_hessian_lmax(parts: build_lib.ModelParts, iters: int):
   """jit fn(params, rest, tokens, key) -> Rayleigh quotient after `iters` power iterations."""
 
   def loss(params, rest, tokens):
     logits = parts.merge(params, rest)(tokens[:, :-1])
-    return train_lib.cross_entropy(logits, tokens[:, 1:])
+    return build_lib.cross_entropy(logits, tokens[:, 1:])
 
   @jax.jit
   def lmax(params, rest, tokens, key):
@@ -204,27 +201,13 @@ def quant_error(x: np.ndarray, fmt: str, group_size: int, expand_min: int,
 # Runs.
 
 
-class Budget:
-  def __init__(self, seconds: float | None, reserve: float = 15.0):
-    self.t0, self.seconds, self.reserve = time.time(), seconds, reserve
-
-  def left(self) -> float:
-    return math.inf if self.seconds is None else self.t0 + self.seconds - self.reserve - time.time()
-
-
 @dataclasses.dataclass
 class Mode:
   """One compiled (precision, optimizer) setup, shared by all seeds and learning rates."""
   name: str
-  cfg: config_lib.RunConfig
-  parts: train_lib.ModelParts
-  tx: optax.GradientTransformation
-  opt_sh: object
-  train_step: object
-  eval_step: object
+  cfg: schema.RunConfig
+  built: build_lib.Built
   sharpness: object
-  opt_init: object
-  init_fns: dict
 
 
 class Study:
@@ -236,22 +219,22 @@ class Study:
         f"model.max_seq_len={args.seq_len}", f"data.seq_len={args.seq_len}",
         f"data.batch_size={args.batch}", f"run.steps={args.steps}", "mesh.data=1",
         "run.progress=false", "run.tensorboard=false"] + list(args.overrides)
-    self.base = config_lib.load(args.config, overrides)
-    self.mesh = sharding_lib.make_mesh(self.base.mesh)
-    self.rep = sharding_lib.replicated(self.mesh)
-    self.batch_sh = sharding_lib.batch_sharding(self.mesh)
-    self.datasets: dict[int, data_lib.TokenDataset] = {}
+    self.base = schema.load(args.config, overrides)
+    self.mesh = mesh_lib.make_mesh(self.base.mesh)
+    self.rep = mesh_lib.replicated(self.mesh)
+    self.batch_sh = mesh_lib.batch_sharding(self.mesh)
+    self.datasets: dict[int, TokenDataset] = {}
     ds = self.dataset(0)
     self.vocab = ds.vocab_size
-    self.eval_batches = [sharding_lib.put_batch(b, self.batch_sh)
+    self.eval_batches = [mesh_lib.put_batch(b, self.batch_sh)
                          for b in ds.eval_batches(max(1, self.base.data.eval_batches))]
     self.probe = self.eval_batches[0]  # the fixed held-out batch for sharpness
     self.modes: dict[str, Mode] = {}
     self._hessian = None
 
-  def dataset(self, seed: int) -> data_lib.TokenDataset:
+  def dataset(self, seed: int) -> TokenDataset:
     if seed not in self.datasets:
-      self.datasets[seed] = data_lib.build_dataset(self.base.data, seed, log=say)
+      self.datasets[seed] = build_lib.dataset_from_config(self.base.data, seed, log=say)
     return self.datasets[seed]
 
   def mode(self, name: str, steps: int, **opt_overrides) -> Mode:
@@ -262,24 +245,16 @@ class Study:
     precision, opt_name = name.split("+")
     opt = dataclasses.replace(self.base.optimizer, name=opt_name, lr=1.0, **opt_overrides)
     cfg = dataclasses.replace(self.base, precision=precision, optimizer=opt)
-    llama_cfg = train_lib.model_config(cfg, self.vocab)
-    parts, _ = train_lib.model_parts(llama_cfg, 0, self.mesh)
-    base_tx, _ = train_lib.build_optimizer(opt, steps)
-    tx = optax.chain(base_tx, optax.inject_hyperparams(optax.scale)(step_size=1.0))
-    abstract = jax.eval_shape(tx.init, parts.params_abstract)
-    base_sh = sharding_lib.optimizer_state_shardings(base_tx, abstract[0], parts.params_shardings,
-                                                     self.mesh, opt_name)
-    opt_sh = (base_sh, jax.tree.map(lambda _: self.rep, abstract[1]))
-    train_step, eval_step = train_lib.make_steps(parts, tx, opt_sh, self.mesh)
-    eps = self.args.sharpness_eps
+    built = build_lib.build(cfg, self.mesh, vocab_size=self.vocab, total_steps=steps, seed=0,
+                            extra_tx=optax.inject_hyperparams(optax.scale)(step_size=1.0))
+    parts, eps = built.parts, self.args.sharpness_eps
 
     @jax.jit
     def sharpness(params, rest, tokens):
       logits = parts.merge(params, rest)(tokens[:, :-1])
       return logit_sharpness(logits, tokens[:, 1:], eps)
 
-    opt_init = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)
-    m = Mode(name, cfg, parts, tx, opt_sh, train_step, eval_step, sharpness, opt_init, {})
+    m = Mode(name, cfg, built, sharpness)
     self.modes[key] = m
     return m
 
@@ -288,7 +263,7 @@ class Study:
     if self._hessian is None:
       cfg = dataclasses.replace(self.base, precision="bf16",
                                 model=dataclasses.replace(self.base.model, dtype="float32"))
-      parts, _ = train_lib.model_parts(train_lib.model_config(cfg, self.vocab), 0, self.mesh)
+      parts, _ = build_lib.model_parts(build_lib.model_config(cfg, self.vocab), 0, self.mesh)
       self._hessian = make_hessian_lmax(parts, iters)
     return self._hessian
 
@@ -296,11 +271,7 @@ class Study:
             hessian_iters: int = 0, keep_state: bool = False) -> dict:
     """One run; returns its record (losses per step, divergence flags, eval loss, sharpness)."""
     t0 = time.time()
-    if seed not in mode.init_fns:
-      mode.init_fns[seed] = train_lib.model_parts(train_lib.model_config(mode.cfg, self.vocab),
-                                                  seed, self.mesh)[1]
-    params, rest = mode.init_fns[seed]()
-    opt_state = mode.opt_init(params)
+    params, opt_state, rest = mode.built.init(seed)
     scale_state = opt_state[1]
     hyper = dict(scale_state.hyperparams)
     hyper["step_size"] = jax.device_put(jnp.asarray(lr, hyper["step_size"].dtype), self.rep)
@@ -317,8 +288,8 @@ class Study:
       probe(0)
     pending = []
     for step in range(1, steps + 1):
-      tokens = sharding_lib.put_batch(ds.train_batch(step - 1), self.batch_sh)
-      params, opt_state, rest, out = mode.train_step(params, opt_state, rest, tokens)
+      tokens = mesh_lib.put_batch(ds.train_batch(step - 1), self.batch_sh)
+      params, opt_state, rest, out = mode.built.train_step(params, opt_state, rest, tokens)
       pending.append(out["loss"])
       if step % self.args.check_every == 0 or step == steps:
         rec["losses"] += [float(x) for x in jax.device_get(pending)]
@@ -336,7 +307,7 @@ class Study:
     rec["div_final_gt_initial"] = (not rec["div_nonfinite"]) and rec["final_loss"] > rec["initial_loss"]
     rec["diverged"] = rec["div_nonfinite"] or rec["div_final_gt_initial"]
     if not rec["div_nonfinite"]:
-      rec["eval_loss"] = float(np.mean(jax.device_get([mode.eval_step(params, rest, b)
+      rec["eval_loss"] = float(np.mean(jax.device_get([mode.built.eval_step(params, rest, b)
                                                        for b in self.eval_batches])))
       if sharpness_every and (not rec["sharpness"] or rec["sharpness"][-1][0] != len(losses)):
         probe(len(losses))
@@ -404,7 +375,7 @@ def run_formats(study: Study, args, budget: Budget) -> dict:
   adam = [s for s in jax.tree.leaves(ref.pop("_opt_state"),
                                      is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
           if isinstance(s, optax.ScaleByAdamState)][0]
-  names = [sharding_lib.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(adam.mu)]
+  names = [mesh_lib.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(adam.mu)]
   mus, nus = jax.device_get(jax.tree.leaves(adam.mu)), jax.device_get(jax.tree.leaves(adam.nu))
   chosen = [i for i, m in enumerate(mus) if m.ndim >= 2 and m.size >= opt.min_quantized_size]
   out["reference"] = {k: ref.get(k) for k in ("initial_loss", "final_loss", "eval_loss", "diverged")}
@@ -510,14 +481,10 @@ def plot(args, runs: list[dict], path: Path) -> bool:
   done = [r for r in runs if not r.get("skipped") and r.get("losses")]
   if not done:
     return False
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = pyplot()
   lrs = [lr for lr in args.lrs if any(r["lr"] == lr for r in done)]
   fig, axes = plt.subplots(2, len(lrs), figsize=(5 * len(lrs), 7.5), dpi=100, squeeze=False)
-  colors = {"bf16+adamw": "tab:blue", "fp8_linear+adamw": "tab:green", "coat+coat_adamw": "tab:red"}
+  colors = MODE_COLORS
   for j, lr in enumerate(lrs):
     ax, bx = axes[0, j], axes[1, j]
     for r in [r for r in done if r["lr"] == lr]:
@@ -545,15 +512,12 @@ def plot(args, runs: list[dict], path: Path) -> bool:
     bx.set_ylabel(f"logit sharpness (eps {args.sharpness_eps:g}), %")
     bx.grid(alpha=0.3)
     bx.legend()
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return True
+  return save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  budget = Budget(args.seconds_budget)
+  budget = Budget(args.seconds_budget, reserve=15.0)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   study = Study(args)

@@ -24,7 +24,7 @@ import optax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from bench_optimizer import time_calls  # benchmarks/ is on sys.path when run as a script
+from _common import time_calls
 from coat_jax.expansion import quantize_expanded
 from pallas_kernels import adam_step as pk
 from pallas_kernels.quantize import _pow2_divisor

@@ -1,14 +1,19 @@
-"""Smoke tests of benchmarks/{bench_e2e,accuracy,stability}.py: tiny shapes, outputs exist, finite."""
+"""Smoke tests of benchmarks/{bench_e2e,accuracy,stability}.py: tiny shapes, outputs exist, finite;
+benchmarks/_common.py; and the scripts' import rules (only _common is shared, no sys.path edits)."""
 import importlib.util
 import json
 import math
+import re
 import sys
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from coat_jax.training.build import cross_entropy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +26,8 @@ def _load(name):
   return module
 
 
-sys.path.insert(0, str(REPO / "benchmarks"))   # the scripts import their siblings
+sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as scripts: they import _common
+common = _load("_common")
 e2e = _load("bench_e2e")
 accuracy = _load("accuracy")
 stability = _load("stability")
@@ -32,7 +38,7 @@ def test_logit_sharpness_is_the_maximum_over_the_box(rng):
   z = jnp.asarray(rng.standard_normal((2, 3, v)) * 3, jnp.float32)
   y = jnp.asarray(rng.integers(0, v, (2, 3)), jnp.int32)
   sharp, loss = stability.logit_sharpness(z, y, eps)
-  ce = jax.jit(jax.vmap(lambda d: stability.train_lib.cross_entropy(z + d, y)))
+  ce = jax.jit(jax.vmap(lambda d: cross_entropy(z + d, y)))
   base = float(ce(jnp.zeros((1,) + z.shape))[0])
   assert abs(float(loss) - base) < 1e-6 and float(sharp) > 0
   worst = base + float(sharp) / 100 * (1 + base)
@@ -111,8 +117,8 @@ def test_hessian_power_iteration_matches_dense_eigenvalue(rng):
     def merge(params, rest):
       return lambda t: params["w"][t]
 
-  lam = float(stability.make_hessian_lmax(Parts, 60)({"w": w0}, {}, tokens, jax.random.key(0)))
-  loss = lambda w: stability.train_lib.cross_entropy(w.reshape(v, v)[tokens[:, :-1]], tokens[:, 1:])
+  lam = float(stability.make_hessian_lmax(Parts, 300)({"w": w0}, {}, tokens, jax.random.key(0)))
+  loss = lambda w: cross_entropy(w.reshape(v, v)[tokens[:, :-1]], tokens[:, 1:])
   eig = np.linalg.eigvalsh(np.asarray(jax.hessian(loss)(w0.reshape(-1)), np.float64))
   assert lam == pytest.approx(eig[np.argmax(np.abs(eig))], rel=1e-3)
 
@@ -125,3 +131,34 @@ def test_adam_sweep_runs_and_checks_the_kernel_setting(capsys):
   assert any(n.startswith("optax") for n in names) and any("fast alias" in n for n in names)
   assert all(ms > 0 and math.isfinite(ms) for _, ms, _ in results)
   assert "| variant | ms |" in capsys.readouterr().out
+
+
+def test_scripts_share_only_common_and_never_edit_sys_path():
+  scripts = sorted((REPO / "benchmarks").glob("*.py"))
+  names = {p.stem for p in scripts}
+  assert {"_common", "bench_e2e", "stability", "accuracy"} <= names
+  for p in scripts:
+    text = p.read_text()
+    assert "sys.path" not in text, f"{p.name} edits sys.path"
+    imported = set(re.findall(r"^\s*(?:from|import)\s+(\w+)", text, re.M))
+    siblings = (imported & names) - {"_common"}
+    assert not siblings, f"{p.name} imports the scripts {siblings}; move shared code to _common"
+    private = set(re.findall(r"^\s*from\s+(\S+)\s+import\s+(_\w+)", text, re.M))
+    # Known: pallas_kernels (another owner) keeps its block-size helper private for now.
+    private -= {("pallas_kernels.quantize", "_pow2_divisor")}
+    assert not private, f"{p.name} imports private names {private}"
+
+
+def test_common_timing_and_budget(rng):
+  x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  assert 0 < common.median_ms(lambda: f(x), iters=3, warmup=1) < 10_000
+  assert 0 < common.median_ms_back_to_back(f, x, iters=2, repeats=3) < 10_000
+  chained = common.time_calls(lambda a: a + 1, lambda out: (x,) if out is None else (out,), steps=3,
+                              warmup=1)
+  assert 0 < chained < 10_000
+  b = common.Budget(100.0, reserve=10.0)
+  assert 89.0 < b.left() <= 90.0 and b.deadline() == pytest.approx(b.t0 + 90.0)
+  assert common.Budget(None).left() == math.inf and common.Budget(None).deadline() is None
+  assert common.Budget(0.0, reserve=0.0).left() <= 0
+  assert 0 <= b.elapsed() < 5 and time.time() >= b.t0

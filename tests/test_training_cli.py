@@ -38,7 +38,7 @@ def test_main_runs_a_tiny_config_end_to_end(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "[done] step 4/4" in proc.stdout
   summary = json.loads((out / "summary.json").read_text())
-  assert summary["step"] == 4 and summary["final_train_loss"] > 0
+  assert summary["step"] == 4 and summary["train_loss_last"] > 0
   steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
   assert steps[0] == 1 and steps[-1] == 4
   assert schema.load(out / "config.yaml").run.steps == 4

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -73,6 +74,48 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
   return out
 
 
+def earlier_run(out_dir: Path, ckpt_dir: Path) -> list[str]:
+  """What of an earlier run lies in these directories: metrics.jsonl and checkpoint steps."""
+  found = [str(out_dir / "metrics.jsonl")] if (out_dir / "metrics.jsonl").is_file() else []
+  if ckpt_dir.is_dir():
+    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    if steps:
+      found.append(f"checkpoints {', '.join(map(str, steps))} in {ckpt_dir}")
+  return found
+
+
+def clear_earlier_run(out_dir: Path, ckpt_dir: Path, overwrite: bool) -> None:
+  """Refuses (ValueError) a fresh run into an earlier run's directories, or with `overwrite`
+  deletes that run's checkpoints and logs."""
+  found = earlier_run(out_dir, ckpt_dir)
+  if not found:
+    return
+  if not overwrite:
+    raise ValueError(f"{out_dir} holds an earlier run ({'; '.join(found)}): continue it with "
+                     f"--resume, choose a new --out-dir, or replace it with --overwrite")
+  shutil.rmtree(ckpt_dir, ignore_errors=True)
+  shutil.rmtree(out_dir / "tb", ignore_errors=True)
+  for name in ("metrics.jsonl", "summary.json", "loss.png", "config.yaml"):
+    (out_dir / name).unlink(missing_ok=True)
+
+
+def first_train_loss(records: list[dict], history: dict[int, float]) -> float | None:
+  """The run's first logged one-batch loss: from the metrics records (which survive resumes),
+  else the earliest step of `history`."""
+  for r in records:
+    if r.get("split") == "train" and "loss_last" in r:
+      return r["loss_last"]
+  return history[min(history)] if history else None
+
+
+def exit_status(summary: dict) -> int:
+  """The process exit status after a run: 128 + the signal number when a signal stopped it."""
+  reason = summary.get("interrupted")
+  if reason in signal.Signals.__members__:
+    return 128 + int(signal.Signals[reason])
+  return 0
+
+
 def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
   """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set)."""
   if not directory or jax.config.jax_compilation_cache_dir:
@@ -89,7 +132,7 @@ def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
 def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         devices: list[jax.Device] | None = None, log: Callable[[str], None] = print,
         on_step: Callable[[int, "StopRequest"], None] | None = None,
-        stop: StopRequest | None = None) -> dict:
+        stop: StopRequest | None = None, overwrite: bool = False) -> dict:
   """Trains per `cfg`; returns a summary dict (final losses, throughput, memory, per-step losses).
 
   Args:
@@ -99,6 +142,8 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
     on_step: called as on_step(step, stop) after every step; `stop.request(reason)` ends the run
       with a checkpoint, as a signal does.
     stop: a StopRequest to use (its signal handlers are installed for the duration of the run).
+    overwrite: a fresh run (no `resume`) replaces an earlier run's checkpoints and logs in its
+      directories; without it such a run is refused (ValueError), and nothing is deleted.
   """
   t_start = time.time()
   is_main = jax.process_index() == 0
@@ -106,6 +151,9 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
   say = log if is_main else (lambda _: None)
   total_steps = cfg.run.steps
   end_step = total_steps if stop_after is None else min(total_steps, stop_after)
+  ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+  if not resume:
+    clear_earlier_run(out_dir, ckpt_dir, overwrite)
 
   use_compile_cache(cfg.run.compile_cache, say)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
@@ -126,7 +174,6 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
       f"{mesh.devices.flat[0].platform} device(s)")
   train_step, eval_step = built.train_step, built.eval_step
 
-  ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
   # Resources opened from here on are closed on errors too (close() is idempotent).
   with contextlib.ExitStack() as cleanup:
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir, cfg.checkpoint.every, cfg.checkpoint.keep,
@@ -203,7 +250,9 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
     history = logger.history
     summary = {
         "step": step, "total_steps": total_steps, "interrupted": interrupted,
-        "final_train_loss": history.get(step), "first_train_loss": history[min(history)] if history else None,
+        # One batch's loss each: the run's first step (from metrics.jsonl after a resume), the last.
+        "train_loss_first": first_train_loss(metrics.records if metrics else [], history),
+        "train_loss_last": history.get(step),
         "final_eval_loss": final_eval, "tokens_per_s": tokens_per_s,
         "mfu": metrics_lib.mfu(flops_per_token, tokens_per_s, devices_used) if tokens_per_s else None,
         "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,

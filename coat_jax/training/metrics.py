@@ -104,19 +104,21 @@ class Throughput:
 # Writers.
 
 
-class _TensorboardPackageWriter:
-  """Scalar summaries through the `tensorboard` package's event-file writer (no TF needed)."""
+class _ScalarEventWriter:
+  """Scalar summaries in a TensorBoard event file, written synchronously: `flush()` means on disk.
 
-  def __init__(self, logdir: str):
-    from tensorboard.compat.proto import event_pb2, summary_pb2
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+  `event_writer` is tensorboardX's EventsWriter (its SummaryWriter puts events on a queue that a
+  thread drains, and its flush does not wait for the queue: a killed run lost its last scalars)
+  or the `tensorboard` package's EventFileWriter (whose flush drains its queue first).
+  """
 
-    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
-    self._writer = EventFileWriter(logdir)
+  def __init__(self, event_writer, event_pb2, summary_pb2):
+    self._writer, self._event, self._summary = event_writer, event_pb2.Event, summary_pb2.Summary
+    self._write = getattr(event_writer, "write_event", None) or event_writer.add_event
 
   def add_scalar(self, tag: str, value: float, step: int) -> None:
     summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
-    self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
+    self._write(self._event(wall_time=time.time(), step=int(step), summary=summary))
 
   def flush(self) -> None:
     self._writer.flush()
@@ -126,14 +128,18 @@ class _TensorboardPackageWriter:
 
 
 def tensorboard_writer(logdir: str | os.PathLike, log=print):
-  """A writer with add_scalar/flush/close: tensorboardX, else the `tensorboard` package, else None."""
+  """A writer with add_scalar/flush/close over tensorboardX, else the `tensorboard` package, else None."""
+  Path(logdir).mkdir(parents=True, exist_ok=True)
   try:
-    from tensorboardX import SummaryWriter
-    return SummaryWriter(str(logdir))
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto import event_pb2, summary_pb2
+    return _ScalarEventWriter(EventsWriter(os.path.join(str(logdir), "events")), event_pb2, summary_pb2)
   except ImportError:
     pass
   try:
-    return _TensorboardPackageWriter(str(logdir))
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    return _ScalarEventWriter(EventFileWriter(str(logdir)), event_pb2, summary_pb2)
   except ImportError:
     log("[metrics] neither tensorboardX nor tensorboard is installed: TensorBoard logging skipped")
     return None
@@ -205,9 +211,15 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
   return out
 
 
+def train_loss_mean(record: dict[str, Any]) -> Any:
+  """A train record's windowed mean loss ("loss" in logs written before it was named "loss_mean")."""
+  return record.get("loss_mean", record.get("loss"))
+
+
 def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> bool:
   """Writes a train/eval loss-vs-step PNG; returns False when there is nothing to plot."""
-  train = [(r["step"], r["loss"]) for r in records if r.get("split") == "train" and _finite(r.get("loss"))]
+  train = [(r["step"], train_loss_mean(r)) for r in records
+           if r.get("split") == "train" and _finite(train_loss_mean(r))]
   evals = [(r["step"], r["loss"]) for r in records if r.get("split") == "eval" and _finite(r.get("loss"))]
   if not train and not evals:
     return False
@@ -218,7 +230,7 @@ def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike, title: s
 
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
   if train:
-    ax.plot(*zip(*train), label="train", lw=1.2)
+    ax.plot(*zip(*train), label="train (mean since the previous log step)", lw=1.2)
   if evals:
     ax.plot(*zip(*evals), "o-", label="eval", lw=1.5, ms=4)
   ax.set_xlabel("step")

@@ -10,7 +10,8 @@ from coat_jax.training import metrics as metrics_lib
 
 class StepLogger:
   """Collects per-step outputs without blocking, and every `log_now` step fetches them and logs
-  loss (mean over the window), grad norm, lr, tokens/s, MFU and peak memory."""
+  `loss_mean` (over the steps since the last log, `loss_mean_steps` of them; the progress bar's
+  `loss_meanN`), `loss_last` (the last batch's), grad norm, lr, tokens/s, MFU and peak memory."""
 
   def __init__(self, metrics, bar, say, schedule, flops_per_token, tokens_per_step, devices, epoch_of):
     self.metrics, self.bar, self.say, self.schedule = metrics, bar, say, schedule
@@ -56,12 +57,13 @@ class StepLogger:
     loss = float(np.mean([o["loss"] for o in fetched]))
     if self.metrics:
       self.metrics.write(step, "train", {
-          "loss": loss, "loss_last": float(fetched[-1]["loss"]),
+          "loss_mean": loss, "loss_mean_steps": len(fetched), "loss_last": float(fetched[-1]["loss"]),
           "grad_norm": float(fetched[-1]["grad_norm"]), "lr": float(self.schedule(step - 1)),
           "tokens_per_s": tps, "mfu": mfu,
           "peak_memory_bytes": mem, "tokens_seen": step * self.tokens_per_step,
           "epoch": self.epoch_of(step)})
-    postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}",
+      self.metrics.flush()  # a killed run keeps its logs up to here (TensorBoard included)
+    postfix = {f"loss_mean{len(fetched)}": f"{loss:.4f}", "tok/s": f"{tps:,.0f}",
                "mfu": f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
                "mem": metrics_lib.format_bytes(mem)}
     self.bar.set_postfix(postfix, refresh=False)
@@ -77,7 +79,8 @@ def summary_line(s: dict) -> str:
   head = f"[done] step {s['step']}/{s['total_steps']}"
   if s["interrupted"]:
     head += f" (stopped by {s['interrupted']}; continue with --resume)"
-  return (f"{head}: train loss {fmt(s['first_train_loss'])} -> {fmt(s['final_train_loss'])}, "
+  return (f"{head}: train loss (one batch) first {fmt(s['train_loss_first'])} -> last "
+          f"{fmt(s['train_loss_last'])}, "
           f"eval loss {fmt(s['final_eval_loss'])}, {s['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
           f"peak memory {metrics_lib.format_bytes(s['peak_memory_bytes'])} ({s['peak_memory_kind']}), "
           f"{s['wall_s']:.0f} s")
