@@ -32,10 +32,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.rows_mgpu import launch, pad_scalars
+from pallas_kernels.rows_mgpu import ROW_QUANTUM, launch, pad_scalars
 
 STAGE1_TILE = 16
-ROW_QUANTUM = 64        # the WGMMA layout tiles rows by 64 (one warpgroup)
 BLOCK_ROWS = (1024, 512, 256, 128, 64)
 _WGMMA = plgpu.Layout.WGMMA
 

@@ -15,6 +15,7 @@ Imports jax and numpy only.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -23,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+ROW_QUANTUM = 64     # the WGMMA register layout tiles rows by 64 (one warpgroup)
 MAX_CTAS = 132 * 4   # H100: 132 SMs; several small-block CTAs per SM hide latency
 # (block shape, block id -> the GMEM ref's index: a tuple of ints / pl.ds; None dims are squeezed)
 Block = tuple[tuple, Callable[[jax.Array], tuple]]
@@ -39,8 +41,19 @@ def num_ctas(num_blocks: int, max_ctas: int = MAX_CTAS) -> int:
 def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Array],
            in_blocks: Sequence[Block], out_shapes: Sequence[jax.ShapeDtypeStruct],
            out_blocks: Sequence[Block], num_blocks: int, name: str, interpret: bool = False,
-           max_ctas: int = MAX_CTAS) -> list[jax.Array]:
+           max_ctas: int = MAX_CTAS,
+           out_in_place: dict[int, int] | None = None, swizzle: bool = False,
+           body_scratch: Sequence = ()) -> list[jax.Array]:
   """Runs `body` over `num_blocks` blocks; returns the outputs (a list, as out_shapes).
+
+  out_in_place: {output index: input index}: that output's block is written into the input's
+    shared-memory buffer (same block shape and dtype) and stored from there, saving its buffer.
+    Those stores must then finish reading before the next block's loads reuse the slot.
+  body_scratch: extra shared-memory buffers (plgpu.SMEM(...)) passed to `body` after the
+    outputs, allocated once per CTA.
+  swizzle: 2-D blocks whose rows span a multiple of 128 bytes live in shared memory tiled (8 rows
+    x 128 bytes) and 128-byte swizzled, so WGMMA-layout loads of wide rows (a 128-float32 row is
+    512 bytes: 8 rows on one bank) are free of bank conflicts.
 
   Each CTA double-buffers: block s+1 is loaded while block s is computed, and block s's stores
   drain while block s+1 is computed (`wait_smem_to_gmem(1)` before a slot's buffers are reused).
@@ -50,6 +63,12 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
   n_scalars = len(scalars)
 
   n_in, n_out = len(inputs), len(out_shapes)
+  in_place = dict(out_in_place or {})
+  for j, i in in_place.items():
+    if (tuple(out_blocks[j][0]) != tuple(in_blocks[i][0])
+        or jnp.dtype(out_shapes[j].dtype) != jnp.dtype(inputs[i].dtype)):
+      raise ValueError(f"launch: output {j} cannot be written in place of input {i} (block "
+                       f"shape or dtype differ)")
 
   def kernel(*refs):
     pl.run_scoped(lambda *scratch_refs: pipeline(*refs, *scratch_refs), *scratch)
@@ -59,20 +78,25 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
     in_gmem = refs[n_scalars:n_scalars + n_in]
     out_gmem = refs[n_scalars + n_in:n_scalars + n_in + n_out]
     in_smem = refs[n_scalars + n_in + n_out:n_scalars + 2 * n_in + n_out]
-    out_smem = refs[n_scalars + 2 * n_in + n_out:-1]
+    n_own = n_out - len(in_place)
+    own_out = iter(refs[n_scalars + 2 * n_in + n_out:n_scalars + 2 * n_in + n_out + n_own])
+    out_smem = [in_smem[in_place[j]] if j in in_place else next(own_out) for j in range(n_out)]
+    extra = refs[n_scalars + 2 * n_in + n_out + n_own:-1]
     barriers = refs[-1]                                   # (2, n_in): slot x input
     first = lax.axis_index("cta") * steps
 
     def fetch(step, slot):
       blk = first + step
       for g, buf, (_, index), i in zip(in_gmem, in_smem, in_blocks, range(n_in)):
-        plgpu.copy_gmem_to_smem(g.at[index(blk)], buf.at[slot], barriers.at[slot, i])
+        plgpu.copy_gmem_to_smem(g.at[index(blk)], in_views[i](buf, slot), barriers.at[slot, i])
 
     fetch(0, 0)
 
     @pl.loop(0, steps)
     def _(step):
       slot = step % 2
+      if in_place:   # the previous block's in-place stores read the slot about to be refilled
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       @pl.when(step + 1 < steps)
       def _():
@@ -82,21 +106,44 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
         plgpu.barrier_wait(barriers.at[slot, i])
       # The stores issued two steps ago read this slot's output buffers: let them finish.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      body(*scalar_refs, *[b.at[slot] for b in in_smem], *[b.at[slot] for b in out_smem])
+      body(*scalar_refs, *[v(b, slot) for v, b in zip(in_views, in_smem)],
+           *[v(b, slot) for v, b in zip(out_views, out_smem)], *extra)
       plgpu.commit_smem()
       blk = first + step
       for j, (g, buf, (_, index)) in enumerate(zip(out_gmem, out_smem, out_blocks)):
-        plgpu.copy_smem_to_gmem(buf.at[slot], g.at[index(blk)], commit_group=j == n_out - 1)
+        plgpu.copy_smem_to_gmem(out_views[j](buf, slot), g.at[index(blk)],
+                                commit_group=j == n_out - 1)
 
     plgpu.wait_smem_to_gmem(0)
 
   def squeeze(shape):
     return tuple(d for d in shape if d is not None)
 
-  scratch = ([plgpu.SMEM((2, *squeeze(sh)), x.dtype) for (sh, _), x in zip(in_blocks, inputs)]
-             + [plgpu.SMEM((2, *squeeze(sh)), o.dtype) for (sh, _), o in zip(out_blocks,
-                                                                             out_shapes)]
-             + [plgpu.Barrier(num_barriers=(2, max(n_in, 1)))])
+  def slot_buffer(shape, dtype):
+    """SMEM (2, *block) buffer whose slots start 128-byte aligned (TMA wants aligned shared
+    memory: 64-byte uint8 slots gave CUDA_ERROR_MISALIGNED_ADDRESS on the H100), and a view of
+    one slot's block."""
+    shape = squeeze(shape)
+    nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+    if len(shape) == 1 and nbytes % 128:
+      padded = shape[0] * (128 // math.gcd(nbytes, 128))
+      return plgpu.SMEM((2, padded), dtype), lambda buf, slot: buf.at[slot, pl.ds(0, shape[0])]
+    row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
+    if swizzle and len(shape) == 2 and row_bytes % 128 == 0 and shape[0] % 8 == 0:
+      transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+                    plgpu.SwizzleTransform(128))
+      return (plgpu.SMEM((2, *shape), dtype, transforms=transforms),
+              lambda buf, slot: buf.at[slot])
+    return plgpu.SMEM((2, *shape), dtype), lambda buf, slot: buf.at[slot]
+
+  in_bufs = [slot_buffer(sh, x.dtype) for (sh, _), x in zip(in_blocks, inputs)]
+  out_bufs = [slot_buffer(sh, o.dtype) for j, ((sh, _), o) in enumerate(zip(out_blocks, out_shapes))
+              if j not in in_place]
+  scratch = [b for b, _ in in_bufs] + [b for b, _ in out_bufs] + list(body_scratch) + [
+      plgpu.Barrier(num_barriers=(2, max(n_in, 1)))]
+  in_views = [v for _, v in in_bufs]
+  own_views = iter([v for _, v in out_bufs])
+  out_views = [in_views[in_place[j]] if j in in_place else next(own_views) for j in range(n_out)]
   # plgpu.kernel (a mesh of CTAs, operands left in GMEM) rather than pallas_call with a grid:
   # GPU interpret mode wrote only the first CTA's outputs of a multi-CTA pallas_call.
   call = plgpu.kernel(

@@ -1,0 +1,180 @@
+"""Mosaic GPU kernels (pallas_kernels/*_mgpu.py) vs the Triton-backend kernels vs a device copy.
+
+Prints one table: per kernel, GB/s (bytes the kernel must move / median time) of the new Mosaic
+GPU kernel and of the current Triton-backend kernel, and each as % of a copy's GB/s (a jitted
+x + 1 over the same number of bytes read + written). With --check, the new kernels' outputs are
+also compared with the jnp references on the device (FP8 codes / scales: count of differences).
+
+  python3 benchmarks/bench_kernels_mgpu.py                       # all, 8192 x 8192
+  python3 benchmarks/bench_kernels_mgpu.py --only adam --adam-rows 4096 --check
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+KERNELS = ("per_group", "tile_amax", "dequantize", "per_tensor", "per_tensor_t", "adam",
+           "adam_c16")
+
+
+def _median_seconds(fn, reps: int, batches: int = 5) -> float:
+  """Median over `batches` of the mean time of `reps` back-to-back calls (launch overhead is
+  hidden behind the queued kernels, as in a training step)."""
+  import jax
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(batches):
+    t = time.perf_counter()
+    out = [fn() for _ in range(reps)]
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t) / reps)
+  return sorted(times)[len(times) // 2]
+
+
+def _copy_gbs(nbytes: int, reps: int) -> float:
+  """GB/s of x + 1 over a float32 array moving nbytes (read + write)."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((nbytes // 8,), jnp.float32)
+  f = jax.jit(lambda a: a + 1)
+  return nbytes / _median_seconds(lambda: f(x), reps) / 1e9
+
+
+def _cases(n: int, adam_rows: int, check: bool):
+  """(name, bytes moved, new kernel thunk, triton kernel thunk or None, check thunk or None)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from coat_jax import expansion, optim, quantize as Q
+  from pallas_kernels import adam_step as adam_triton
+  from pallas_kernels import adam_step_mgpu as adam_mgpu
+  from pallas_kernels import quantize as q_triton
+  from pallas_kernels import quantize_mgpu as q_mgpu
+
+  e4 = jnp.float8_e4m3fn
+  x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  codes = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32))
+  ndiff = lambda a, b: int(np.sum(~((codes(a) == codes(b)) | (np.isnan(codes(a))
+                                                             & np.isnan(codes(b))))))
+  qk = dict(out_dtype=e4, fmax=448.0, floor=1e-10)
+  ref_g = Q.quantize_per_group(x, 16, "e4m3")
+  yield ("per_group", n * n * (2 + 1) + n * n // 16 * 4,
+         lambda: q_mgpu.quantize_per_group(x, group_size=16, **qk),
+         lambda: q_triton.quantize_per_group(x, 16, "e4m3"),
+         (lambda: (lambda q, s: f"code diffs {ndiff(q, ref_g.data)}, scale diffs "
+                   f"{ndiff(s, ref_g.scale)}")(*q_mgpu.quantize_per_group(x, group_size=16, **qk)))
+         if check else None)
+  yield ("tile_amax", n * n * 2 + n * n // 16 * 4, lambda: q_mgpu.tile_amax(x),
+         lambda: q_triton.tile_amax(x),
+         (lambda: f"diffs {ndiff(q_mgpu.tile_amax(x), Q.group_amax(x, 16))}") if check else None)
+  yield ("dequantize", n * n * (1 + 2) + n * n // 16 * 4,
+         lambda: q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16,
+                                             dtype=jnp.bfloat16),
+         lambda: q_triton.dequantize_per_group(ref_g, jnp.bfloat16),
+         (lambda: f"diffs {ndiff(q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16), Q.dequantize(ref_g, jnp.bfloat16))}")
+         if check else None)
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  for name, tr in (("per_tensor", False), ("per_tensor_t", True)):
+    ref_t = Q.quantize_per_tensor(x, "e4m3", amax=amax, with_transpose=tr)
+    run = lambda tr=tr: q_mgpu.quantize_per_tensor(x, amax=amax, with_transpose=tr, **qk)
+    yield (name, n * n * (2 + (2 if tr else 1)), run,
+           lambda tr=tr: q_triton.quantize_per_tensor(x, "e4m3", amax=amax, with_transpose=tr),
+           (lambda tr=tr, ref_t=ref_t, run=run: (lambda q, s, qt: f"code diffs "
+             f"{ndiff(q, ref_t.data)}" + (f", transposed {ndiff(qt, ref_t.data_t)}" if tr else ""))
+            (*run())) if check else None)
+
+  g = 128
+  shape = (adam_rows, 4096)
+  keys = jax.random.split(jax.random.key(1), 4)
+  p = jax.random.normal(keys[0], shape, jnp.float32)
+  gr = jax.random.normal(keys[1], shape, jnp.float32) * 1e-2
+  m = expansion.quantize_expanded(jax.random.normal(keys[2], shape) * 1e-3, "e4m3", g, 16)
+  v = expansion.quantize_expanded(jnp.abs(jax.random.normal(keys[3], shape)) * 1e-6, "e4m3",
+                                  g, 16)
+  hyper = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, count=jnp.int32(3))
+  log2r = math.log2(expansion.expansion_range("e4m3"))
+  mk = dict(m_fmax=448.0, v_fmax=448.0, m_log2_range=log2r, v_log2_range=log2r, group_size=g,
+            expand=True, expand_min=16, **hyper)
+  fmt = dict(m_format="e4m3", v_format="e4m3", group_size=g, expand=True, expand_min=16, **hyper)
+  size = math.prod(shape)
+  moved = size * (4 + 4 + 4 + 2 * 2) + 2 * 2 * (size // g) * 5   # p, g, new p, 2 moments r+w
+
+  def code_steps(a, b):
+    """FP8 codes apart (sign-magnitude bits to a monotonic integer), per element."""
+    def mono(c):
+      bits = np.asarray(jax.lax.bitcast_convert_type(c, jnp.uint8)).astype(np.int32)
+      return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)
+    return np.abs(mono(a) - mono(b))
+
+  def adam_check(**extra):
+    out = adam_mgpu.adam_step(p, gr, *m, *v, **mk, **extra)
+    ref = optim.adam_step_reference(p, gr, m, v, **fmt)
+    dp = float(jnp.linalg.norm(out[0] - ref[0]) / jnp.linalg.norm(ref[0] - p))
+    dm, dv = code_steps(out[1], ref[1].data), code_steps(out[4], ref[2].data)
+    dk = int(np.sum(codes(out[3]) != codes(ref[1].k_code)))
+    return (f"param rel L2 {dp:.2e}; m codes off {int(np.sum(dm > 0))} (max {dm.max()}), "
+            f"v codes off {int(np.sum(dv > 0))} (max {dv.max()}), m k diffs {dk}")
+  yield ("adam", moved, lambda: adam_mgpu.adam_step(p, gr, *m, *v, **mk),
+         lambda: adam_triton.adam_step(p, gr, m, v, **fmt), adam_check if check else None)
+  yield ("adam_c16", moved, lambda: adam_mgpu.adam_step(p, gr, *m, *v, **mk, chunk=16),
+         None, (lambda: adam_check(chunk=16)) if check else None)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", default=",".join(KERNELS),
+                      help=f"comma-separated subset of {', '.join(KERNELS)}")
+  parser.add_argument("--n", type=int, default=8192, help="quantize inputs are n x n bf16")
+  parser.add_argument("--adam-rows", type=int, default=16384,
+                      help="the Adam step's param is (rows, 4096) float32")
+  parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--check", action="store_true",
+                      help="also compare the new kernels with the jnp references")
+  parser.add_argument("--no-triton", action="store_true", help="skip the Triton-backend kernels")
+  args = parser.parse_args(argv)
+  names = [s for s in args.only.split(",") if s]
+  bad = sorted(set(names) - set(KERNELS))
+  if bad:
+    parser.error(f"--only: unknown kernel(s) {bad}; choose from {list(KERNELS)}")
+
+  import jax
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+  header = f"{'kernel':<14}{'MB moved':>10}{'copy GB/s':>11}{'mgpu GB/s':>11}{'% copy':>8}" \
+           f"{'triton GB/s':>13}{'% copy':>8}  check"
+  print(header)
+  for name, nbytes, new, old, check in _cases(args.n, args.adam_rows, args.check):
+    if name not in names:
+      continue
+    copy = _copy_gbs(nbytes, args.reps)
+    row = f"{name:<14}{nbytes / 1e6:>10.1f}{copy:>11.0f}"
+    try:
+      gbs = nbytes / _median_seconds(new, args.reps) / 1e9
+      row += f"{gbs:>11.0f}{100 * gbs / copy:>7.0f}%"
+    except Exception as e:   # report and go on: one table for the lead
+      row += f"{'FAIL':>11}{'':>8}"
+      print(f"  {name} mgpu failed: {type(e).__name__}: {str(e)[:400]}")
+    if old is not None and not args.no_triton:
+      try:
+        gbs = nbytes / _median_seconds(old, args.reps) / 1e9
+        row += f"{gbs:>13.0f}{100 * gbs / copy:>7.0f}%"
+      except Exception as e:
+        row += f"{'FAIL':>13}{'':>8}"
+        print(f"  {name} triton failed: {type(e).__name__}: {str(e)[:400]}")
+    else:
+      row += f"{'-':>13}{'':>8}"
+    if check is not None:
+      try:
+        row += "  " + check()
+      except Exception as e:
+        row += f"  check failed: {type(e).__name__}: {str(e)[:200]}"
+    print(row, flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
