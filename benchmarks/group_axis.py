@@ -19,7 +19,8 @@ This script measures which grouping loses less of the real moments:
 
 The moments are those of one float32 adamw run; each axis variant quantizes the same m and v
 (a measurement of the stored state's error, not a run with quantized moments).
-Outputs in --out: group_axis.json (every tensor's numbers), group_axis.md (the tables).
+Outputs in --out: group_axis.json (every tensor's numbers), group_axis.md (the tables), both
+rewritten after every checkpoint.
 
 CPU (2 busy cores, ~10 min): llama-125m's width with 2 layers, vocab 4096, seq 128, batch 8:
   python benchmarks/group_axis.py --num-layers 2 --steps 200 --out runs/group_axis
@@ -136,8 +137,12 @@ def adam_moments(opt_state, min_size: int) -> dict[str, dict[str, np.ndarray]]:
 
 def train_and_measure(cfg: LlamaConfig, ds: data_lib.TokenDataset, *, steps: int,
                       checkpoints: list[int], lr: float, warmup: int, seed: int, fmt: str,
-                      group_size: int, expand_min: int, min_size: int, log=say) -> dict:
-  """Trains `cfg` with optax.adamw for `steps` steps; error_rows of its moments at `checkpoints`."""
+                      group_size: int, expand_min: int, min_size: int, log=say,
+                      on_checkpoint=lambda result: None) -> dict:
+  """Trains `cfg` with optax.adamw for `steps` steps; error_rows of its moments at `checkpoints`.
+
+  on_checkpoint(result) is called after each checkpoint (to save partial results).
+  """
   model = Llama(cfg, rngs=nnx.Rngs(seed))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(steps, warmup + 1),
@@ -177,6 +182,7 @@ def train_and_measure(cfg: LlamaConfig, ds: data_lib.TokenDataset, *, steps: int
         if r["axis"] != "coat":
           log(f"  {r['moment']} expand={r['expand']!s:5} {r['axis']:5}: rel MSE geomean "
               f"{r['rel_mse_geomean']:.3e} pooled {r['rel_mse_pooled']:.3e}")
+      on_checkpoint(result)
   result["train_s"] = time.time() - t0
   return result
 
@@ -279,15 +285,18 @@ def main(argv=None) -> dict:
                   f"tokens of {ds.description}, seed {args.seed}"),
           "command": "python benchmarks/group_axis.py " + " ".join(sys.argv[1:] if argv is None else argv)}
   say(f"[group_axis] {meta['model']}; {meta['run']}; checkpoints {args.checkpoints}")
+
+  def save(result):
+    result["meta"] = meta
+    (out / "group_axis.json").write_text(json.dumps(result, indent=1))
+    (out / "group_axis.md").write_text(markdown(meta, result))
+
   result = train_and_measure(cfg, ds, steps=args.steps, checkpoints=args.checkpoints, lr=args.lr,
                              warmup=args.warmup, seed=args.seed, fmt=args.format,
                              group_size=args.group_size, expand_min=args.expand_min,
-                             min_size=args.min_quantized_size)
-  result["meta"] = meta
-  (out / "group_axis.json").write_text(json.dumps(result, indent=1))
-  md = markdown(meta, result)
-  (out / "group_axis.md").write_text(md)
-  say("\n" + md)
+                             min_size=args.min_quantized_size, on_checkpoint=save)
+  save(result)
+  say("\n" + (out / "group_axis.md").read_text())
   say(f"[group_axis] wrote {out}/group_axis.json, group_axis.md")
   return result
 

@@ -115,10 +115,12 @@ def test_train_and_measure_tiny(rng):
                              eval_fraction=0.05, vocab_size=vocab)
   cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=1,
                     num_heads=2, max_seq_len=16, dtype="float32")
+  saved = []
   res = group_axis.train_and_measure(cfg, ds, steps=3, checkpoints=[2, 3], lr=1e-2, warmup=1,
                                      seed=0, fmt="e4m3", group_size=32, expand_min=16,
-                                     min_size=4096, log=lambda _: None)
-  assert [c["step"] for c in res["checkpoints"]] == [2, 3]
+                                     min_size=4096, log=lambda _: None,
+                                     on_checkpoint=lambda r: saved.append(len(r["checkpoints"])))
+  assert [c["step"] for c in res["checkpoints"]] == [2, 3] and saved == [1, 2]
   for ck in res["checkpoints"]:
     assert np.isfinite(ck["loss"])
     # embed (128x64), q/k/v/o (64x64), gate/up/down, lm_head: all >= 4096 elements and 2-D.
