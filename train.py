@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config entry, e.g. --set optimizer.lr=1e-3 (repeatable)")
   p.add_argument("--resume", action="store_true", help="restore the latest checkpoint and continue")
+  p.add_argument("--resume-from", type=int, default=None, metavar="STEP",
+                 help="like --resume, from the checkpoint at STEP")
   p.add_argument("--overwrite", action="store_true",
                  help="start afresh in an output directory that holds an earlier run, deleting its "
                       "checkpoints and logs (without it such a run is refused)")
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
   if args.print_config:
     print(cfg.to_yaml(), end="")
     return {}
-  return run(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
+  return run(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
+             resume_from=args.resume_from)
 
 
 if __name__ == "__main__":

@@ -210,10 +210,12 @@ def report(args: argparse.Namespace, runs: dict[str, dict]) -> dict:
   for m in modes:
     s = curves[m].get("summary", {})
     tps, mfu = s.get("tokens_per_s"), s.get("mfu")
+    first = s.get("train_loss_first", s.get("first_train_loss"))  # older summaries: first_/final_
+    last = s.get("train_loss_last", s.get("final_train_loss"))
     say(f"  {m}: {s.get('step', '?')} steps, {curves[m].get('epoch', 0):.2f} epochs, "
         f"{tps or 0:,.0f} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-        f"train loss (one batch) {s.get('train_loss_first') or float('nan'):.3f} -> "
-        f"{s.get('train_loss_last') or float('nan'):.3f}, wall {s.get('wall_s') or 0:.0f} s")
+        f"train loss (one batch) {first or float('nan'):.3f} -> {last or float('nan'):.3f}, "
+        f"wall {s.get('wall_s') or 0:.0f} s")
   for m, g in cmp["final_gap"].items():
     say(f"[accuracy] final relative eval-loss gap at step {cmp['final_step']}: "
         f"{m} vs bf16+adamw = {100 * g:+.2f}%")

@@ -130,3 +130,17 @@ def test_every_log_step_reaches_the_files_before_close(tmp_path, rng):
     assert b"train/loss_mean" in data  # protobuf keeps tag strings verbatim
   finally:
     log.close()
+
+
+def test_resume_skips_a_damaged_latest_checkpoint_and_resume_from_picks_one(cache, tmp_path):
+  extra = ("run.steps=6", "checkpoint.every=2")
+  straight = run(mini(cache, tmp_path / "a", *extra), log=QUIET)
+  run(mini(cache, tmp_path / "b", *extra), stop_after=4, log=QUIET)
+  (tmp_path / "b" / "checkpoints" / "4" / "meta" / "metadata").write_text("{garbled")
+  lines = []
+  resumed = run(mini(cache, tmp_path / "b", *extra), resume=True, log=lines.append)
+  assert sorted(resumed["losses"]) == [3, 4, 5, 6]  # from step 2, the newest intact one
+  assert resumed["losses"] == {k: straight["losses"][k] for k in (3, 4, 5, 6)}
+  assert sum("step 4" in l and "unreadable" in l for l in lines) == 1
+  again = run(mini(cache, tmp_path / "b", *extra), resume_from=2, log=QUIET)
+  assert sorted(again["losses"]) == [3, 4, 5, 6] and again["losses"] == resumed["losses"]

@@ -146,6 +146,47 @@ class Checkpointer:
     state = unflatten_state(jax.tree.map(_abstract, template), restored[_STATE])
     return data_to_keys(template, state), dict(restored[_META]), step
 
+  def restore_intact(self, template: Any, step: int | None = None, log=print
+                     ) -> tuple[Any, dict[str, Any], int]:
+    """Restores `step`, or (None) the newest checkpoint that reads back; returns (state, meta, step).
+
+    An unreadable checkpoint (truncated array file, garbled metadata, empty directory) is reported
+    in one line through `log` and renamed `<step>.unreadable` (kept for inspection, out of the
+    manager's way so the step can be saved again); the next older one is tried. ValueError (one
+    line, listing every step tried and why) when none is intact, or `step` does not exist.
+    With `step`, newer checkpoints are renamed `<step>.superseded` (the run continues from `step`
+    and will write those steps again).
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    if step is not None:
+      if step not in steps:
+        raise ValueError(f"no checkpoint at step {step} in {self.directory}; steps there: "
+                         f"{', '.join(map(str, sorted(steps))) or 'none'}")
+      for newer in (s for s in steps if s > step):
+        log(f"[checkpoint] resuming from step {step}: step {newer} set aside as {newer}.superseded")
+        self._set_aside(newer, "superseded")
+      steps = [step]
+    if not steps:
+      raise ValueError(f"no checkpoint to resume from in {self.directory}")
+    tried = []
+    for s in steps:
+      try:
+        return self.restore(template, s)
+      except Exception as e:  # orbax/tensorstore/json raise many types; all mean "unreadable" here
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        tried.append(f"step {s} ({reason})")
+        log(f"[checkpoint] step {s} in {self.directory} is unreadable: {reason}")
+        if step is None:
+          self._set_aside(s, "unreadable")
+    raise ValueError(f"no intact checkpoint in {self.directory}; tried {'; '.join(tried)}")
+
+  def _set_aside(self, step: int, why: str) -> None:
+    path = self.directory / str(step)
+    if path.is_dir():
+      path.rename(path.with_name(f"{step}.{why}-{os.getpid()}"))
+    self._manager.reload()
+    self._last_saved = self._manager.latest_step()
+
   def wait(self) -> None:
     self._manager.wait_until_finished()
 

@@ -180,14 +180,15 @@ def load(cls: type[T], path: str | Path | None, overrides, validate: Callable[[T
 
   error, blame = check(cfg), source
   for item in overrides:
+    shown = item if isinstance(item, str) and item.isprintable() else repr(item)
     try:
       raw = apply_override(cls, raw, item)
       cfg = build(cls, raw)
     except ValueError as e:
-      raise ValueError(f"--set {item}: {e}") from None
+      raise ValueError(f"--set {shown}: {e}") from None
     now = check(cfg)
     if now is not None and error is None:
-      blame = f"--set {item}"
+      blame = f"--set {shown}"
     error = now
   if error is not None:
     raise ValueError(f"{blame}: {error}")

@@ -132,11 +132,13 @@ def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
 def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         devices: list[jax.Device] | None = None, log: Callable[[str], None] = print,
         on_step: Callable[[int, "StopRequest"], None] | None = None,
-        stop: StopRequest | None = None, overwrite: bool = False) -> dict:
+        stop: StopRequest | None = None, overwrite: bool = False,
+        resume_from: int | None = None) -> dict:
   """Trains per `cfg`; returns a summary dict (final losses, throughput, memory, per-step losses).
 
   Args:
-    resume: continue from the latest checkpoint in the checkpoint directory (fresh start if none).
+    resume: continue from the newest intact checkpoint in the checkpoint directory (fresh start if
+      none at all; unreadable ones are reported and skipped). resume_from: that step (implies resume).
     stop_after: stop once this many steps are done (checkpointing), keeping `run.steps`' schedule.
     devices: devices for the mesh (default: all).
     on_step: called as on_step(step, stop) after every step; `stop.request(reason)` ends the run
@@ -146,6 +148,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
       directories; without it such a run is refused (ValueError), and nothing is deleted.
   """
   t_start = time.time()
+  resume = resume or resume_from is not None
   is_main = jax.process_index() == 0
   out_dir = Path(cfg.run.out_dir)
   say = log if is_main else (lambda _: None)
@@ -180,7 +183,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
                                          cfg.checkpoint.async_save)
     cleanup.callback(checkpointer.close)
     params, opt_state, rest, start_step, run_key = restore_or_init(cfg, checkpointer, built,
-                                                                    resume, say)
+                                                                    resume, say, resume_from)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
     metrics = None
     if is_main:
@@ -271,15 +274,16 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
     return summary
 
 
-def restore_or_init(cfg: RunConfig, checkpointer, built: Built, resume: bool, say):
+def restore_or_init(cfg: RunConfig, checkpointer, built: Built, resume: bool, say,
+                    resume_from: int | None = None):
   """(params, opt_state, rest, start_step, run_key): from the latest checkpoint or freshly made."""
-  if not (resume and checkpointer.latest_step() is not None):
+  if not (resume and (checkpointer.latest_step() is not None or resume_from is not None)):
     if resume:
       say(f"[run] --resume: no checkpoint in {checkpointer.directory}, starting from scratch")
     params, opt_state, rest = built.init()
     return params, opt_state, rest, 0, jax.random.key(cfg.run.seed)
   template = dict(zip(("params", "opt_state", "rest"), built.abstract_state()))
-  state, meta, step = checkpointer.restore(template)
+  state, meta, step = checkpointer.restore_intact(template, resume_from, log=say)
   if meta.get("data_position") != step or meta.get("seed") != cfg.run.seed:
     raise ValueError(f"checkpoint {checkpointer.directory}/{step} was written with seed "
                      f"{meta.get('seed')} at data position {meta.get('data_position')}; this run "
