@@ -1,7 +1,8 @@
 """Mosaic GPU kernels (pallas_kernels/*_mgpu.py) vs the Triton-backend kernels vs a device copy.
 
 Prints one table: per kernel, GB/s (bytes the kernel must move / median time) of the new Mosaic
-GPU kernel and of the current Triton-backend kernel, and each as % of a copy's GB/s (a jitted
+GPU kernel (for "adam_jaxtriton": the jax-triton kernel, pallas_kernels/adam_step_triton.py, when
+triton and jax-triton are installed) and of the current Triton-backend kernel, and each as % of a copy's GB/s (a jitted
 x + 1 over the same number of bytes read + written). With --check, the new kernels' outputs are
 also compared with the jnp references on the device (FP8 codes / scales: count of differences).
 
@@ -19,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KERNELS = ("per_group", "tile_amax", "dequantize", "per_tensor", "per_tensor_t", "adam",
-           "adam_c16")
+           "adam_jaxtriton")
 
 
 def _median_seconds(fn, reps: int, batches: int = 5) -> float:
@@ -111,8 +112,8 @@ def _cases(n: int, adam_rows: int, check: bool):
       return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)
     return np.abs(mono(a) - mono(b))
 
-  def adam_check(**extra):
-    out = adam_mgpu.adam_step(p, gr, *m, *v, **mk, **extra)
+  def adam_check(_kernel=adam_mgpu.adam_step):
+    out = _kernel(p, gr, *m, *v, **mk)
     ref = optim.adam_step_reference(p, gr, m, v, **fmt)
     dp = float(jnp.linalg.norm(out[0] - ref[0]) / jnp.linalg.norm(ref[0] - p))
     dm, dv = code_steps(out[1], ref[1].data), code_steps(out[4], ref[2].data)
@@ -121,8 +122,12 @@ def _cases(n: int, adam_rows: int, check: bool):
             f"v codes off {int(np.sum(dv > 0))} (max {dv.max()}), m k diffs {dk}")
   yield ("adam", moved, lambda: adam_mgpu.adam_step(p, gr, *m, *v, **mk),
          lambda: adam_triton.adam_step(p, gr, m, v, **fmt), adam_check if check else None)
-  yield ("adam_c16", moved, lambda: adam_mgpu.adam_step(p, gr, *m, *v, **mk, chunk=16),
-         None, (lambda: adam_check(chunk=16)) if check else None)
+  from pallas_kernels import adam_step_triton
+  if adam_step_triton.available():
+    def triton_check():
+      return adam_check(_kernel=adam_step_triton.adam_step)
+    yield ("adam_jaxtriton", moved, lambda: adam_step_triton.adam_step(p, gr, *m, *v, **mk),
+           lambda: adam_triton.adam_step(p, gr, m, v, **fmt), triton_check if check else None)
 
 
 def main(argv=None) -> int:

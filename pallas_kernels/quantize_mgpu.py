@@ -70,11 +70,14 @@ def supported_per_group(shape, dtype, group_size: int) -> bool:
 
 def supported_per_tensor(shape, dtype, with_transpose: bool) -> bool:
   """Per-tensor quantize: N % 64 == 0 and size / 64 a positive multiple of 64; with the transposed
-  copy instead ndim >= 2 and both N and M (the second-last axis) multiples of 64."""
+  copy instead ndim >= 2, both N and M (the second-last axis) multiples of 64 and a 16-bit dtype
+  (bf16 / f16: for float32 the transposed load fails Mosaic GPU layout inference on the H100,
+  "Failed to infer a possible set of layouts")."""
   if not jnp.issubdtype(dtype, jnp.floating) or len(shape) == 0:
     return False
   if with_transpose:
-    return len(shape) >= 2 and shape[-1] % 64 == 0 and shape[-2] % 64 == 0
+    return (len(shape) >= 2 and shape[-1] % 64 == 0 and shape[-2] % 64 == 0
+            and jnp.dtype(dtype).itemsize == 2)
   return _rows_problem(shape, dtype, 64) is None
 
 
@@ -230,7 +233,7 @@ def _tensor_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
   if transpose:
     # A strided-layout load of the transposed view fails verification ("'vector.load' op most
     # minor memref dim must have unit stride"); the WGMMA layout, unoptimized, loads it.
-    xt_ref = x_ref.transpose((1, 0))
+    xt_ref = plgpu.transpose_ref(x_ref, (1, 0))
     xt = plgpu.load(xt_ref, layout=_WGMMA, optimized=False).astype(jnp.float32)
     qt = _saturate(_div(xt, jnp.broadcast_to(scale, xt.shape), interpret), fmax)
     out_refs[1][...] = qt.astype(out_refs[1].dtype)
@@ -253,7 +256,7 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
   """
   _check_float(x.dtype, "quantize_per_tensor")
   if not supported_per_tensor(x.shape, x.dtype, with_transpose):
-    need = ("ndim >= 2 and the last two axes multiples of 64" if with_transpose else
+    need = ("ndim >= 2, the last two axes multiples of 64 and a 16-bit dtype" if with_transpose else
             "the last axis a multiple of 64 and size / 64 a positive multiple of 64")
     raise ValueError(f"quantize_per_tensor: shape {x.shape} unsupported (needs {need})")
   if amax is None:

@@ -1,0 +1,210 @@
+"""Fused COAT AdamW step as a Triton kernel called through jax-triton (GPU only).
+
+The same step as pallas_kernels/adam_step_mgpu.py (and the reference, coat_jax.optim
+adam_step_reference): per group of G elements, one row of a (P/G, G) view,
+
+  load:   x = sign(q) * mx * (|q| / fmax)^(1/k)      (exactly q * mx / fmax where k = 1)
+  Adam:   m = b1 m + (1-b1) g,  v = b2 v + (1-b2) g^2,  denom = (sqrt(v) / sqrt(bc2) + eps) * bc1
+          out = p - lr (m / denom + wd p)   (output="param")   or   -lr (m / denom + wd p)
+  store:  mx = max|x| + floor, mn = min non-zero |x| + floor (mx if none),
+          k = clip(floor(log2(R) / log2(mx / mn) * expand_min), 1, max_k) / expand_min,
+          q = cast(clamp(sign(x) * fmax * 2^(k * (log2|x| - log2 mx)), +-fmax))
+
+Written with the official Triton language and called with `jax_triton.triton_call`, so it does
+not use the deprecated Pallas Triton backend. Precise math: libdevice exp2 / log2 (as XLA), IEEE
+sqrt (`sqrt_rn`), Triton's `/` (div.full.f32, what XLA:GPU emits). A program takes BLOCK rows; the
+last program's rows are masked (Triton's masked loads/stores, no partial blocks of Pallas).
+Needs triton >= 3.6 and jax-triton 0.3.1 (`pip install .[gpu]`); it cannot run on CPU, so
+`available()` says whether it can be called. Imports jax, numpy and (optionally) triton only.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:  # GPU machines only
+  import jax_triton as jt
+  import triton
+  import triton.language as tl
+  from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - CPU machines
+  jt = triton = tl = libdevice = None
+
+OUTPUTS = ("param", "update")
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def available() -> bool:
+  """True when triton and jax-triton import (GPU machines)."""
+  return triton is not None
+
+
+def problem(shape, dtype, m_dtype, v_dtype, group_size: int) -> str | None:
+  """Why the kernel cannot take a param of `shape` / `dtype` with these moments, or None."""
+  if not jnp.issubdtype(dtype, jnp.floating):
+    return f"param dtype {dtype} is not floating"
+  if jnp.dtype(m_dtype) not in FP8_DTYPES or jnp.dtype(v_dtype) not in FP8_DTYPES:
+    return f"moment dtypes {m_dtype} / {v_dtype} are not FP8 (int8 moments are not supported)"
+  if group_size < 16 or group_size & (group_size - 1):
+    return f"group size {group_size} must be a power of two >= 16"
+  if len(shape) == 0 or shape[-1] % group_size or int(np.prod(shape)) == 0:
+    return f"last axis of shape {tuple(shape)} is not a positive multiple of {group_size}"
+  return None
+
+
+def supported(shape, dtype, m_dtype, v_dtype, group_size: int) -> bool:
+  return available() and problem(shape, dtype, m_dtype, v_dtype, group_size) is None
+
+
+if triton is not None:
+
+  @triton.jit
+  def _dequant(q_ptr, a_ptr, k_ptr, offs, rows_idx, mask, rmask, FMAX: tl.constexpr,
+               EM: tl.constexpr):
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mx = tl.load(a_ptr + rows_idx, mask=rmask, other=1.0)[:, None]
+    code = tl.load(k_ptr + rows_idx, mask=rmask, other=1).to(tl.float32)[:, None]
+    qa = tl.abs(q)
+    inv_fmax = 1.0 / FMAX
+    powered = mx * libdevice.exp2((EM / code) * libdevice.log2(qa * inv_fmax))
+    linear = qa * (mx * inv_fmax)
+    mag = tl.where(code == EM, linear, powered)
+    return tl.where(q < 0, -mag, mag)
+
+  @triton.jit
+  def _requant(x, q_ptr, a_ptr, k_ptr, offs, rows_idx, mask, rmask, FMAX: tl.constexpr,
+               LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
+               MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr):
+    a = tl.abs(x)
+    mx = tl.max(a, axis=1) + FLOOR
+    if EXPAND:
+      mn_nz = tl.min(tl.where(a > 0, a, float("inf")), axis=1)
+      mn = tl.where(mn_nz == float("inf"), mx, mn_nz + FLOOR)
+      lr = libdevice.log2(mx / mn)
+      ok = lr > 0
+      steps = tl.floor(LOG2R / tl.where(ok, lr, 1.0) * EM)
+      steps = tl.where(ok, steps, EM)
+      steps = tl.minimum(tl.maximum(steps, 1.0), MAX_K)
+      k = (steps * (1.0 / EM))[:, None]
+      mag = FMAX * libdevice.exp2(k * (libdevice.log2(a) - libdevice.log2(mx)[:, None]))
+      y = tl.where(x < 0, -mag, mag)
+    else:
+      steps = tl.zeros_like(mx) + NOEXP_K
+      y = x / (mx * (1.0 / FMAX))[:, None]
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(a_ptr + rows_idx, mx, mask=rmask)
+    tl.store(k_ptr + rows_idx, steps.to(tl.uint8), mask=rmask)
+
+  @triton.jit
+  def _adam_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
+                   o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+                   ROWS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
+                   M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
+                   V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
+                   MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr):
+    rows_idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows_idx < ROWS
+    offs = rows_idx[:, None].to(tl.int64) * G + tl.arange(0, G)[None, :]
+    mask = rmask[:, None]
+    lr = tl.load(s_ptr + 0)
+    b1 = tl.load(s_ptr + 1)
+    omb1 = tl.load(s_ptr + 2)
+    b2 = tl.load(s_ptr + 3)
+    omb2 = tl.load(s_ptr + 4)
+    eps = tl.load(s_ptr + 5)
+    wd = tl.load(s_ptr + 6)
+    inv_sqrt_bc2 = tl.load(s_ptr + 7)
+    bc1 = tl.load(s_ptr + 8)
+    m = _dequant(mq_ptr, ma_ptr, mk_ptr, offs, rows_idx, mask, rmask, M_FMAX, EM)
+    v = _dequant(vq_ptr, va_ptr, vk_ptr, offs, rows_idx, mask, rmask, V_FMAX, EM)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = b1 * m + omb1 * g
+    v = b2 * v + omb2 * (g * g)
+    direction = m / ((tl.sqrt_rn(v) * inv_sqrt_bc2 + eps) * bc1)
+    if HAS_PARAM:
+      p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+      direction = direction + wd * p
+      if OUT_PARAM:
+        out = p - lr * direction
+      else:
+        out = -(lr * direction)
+    else:
+      out = -(lr * direction)
+    tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
+    _requant(m, mqo_ptr, mao_ptr, mko_ptr, offs, rows_idx, mask, rmask, M_FMAX, M_LOG2R,
+             EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
+    _requant(v, vqo_ptr, vao_ptr, vko_ptr, offs, rows_idx, mask, rmask, V_FMAX, V_LOG2R,
+             EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
+
+
+def step_scalars(lr, b1, b2, eps, weight_decay, count) -> jax.Array:
+  """The step's scalars as the reference computes them (plus 1 / sqrt(bc2)): float32 (16,)."""
+  t = jnp.asarray(count).astype(jnp.float32)
+  bc1 = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), t)
+  bc2 = 1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)
+  vals = [lr, b1, 1.0 - b1, b2, 1.0 - b2, eps, weight_decay, 1.0 / jnp.sqrt(bc2), bc1]
+  vals = [jnp.asarray(x, jnp.float32).reshape(()) for x in vals]
+  return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "m_fmax", "v_fmax", "m_log2_range", "v_log2_range", "group_size", "expand", "expand_min",
+    "max_k_code", "amax_floor", "output", "block", "num_warps", "alias"))
+def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, b2, eps,
+              weight_decay, count, m_fmax: float, v_fmax: float, m_log2_range: float,
+              v_log2_range: float, group_size: int, expand: bool, expand_min: int,
+              max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
+              block: int = 16, num_warps: int = 4, alias: bool = False):
+  """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
+
+  block: rows of G per program (power of two); alias: write the new param and moments into the
+  old ones' buffers (pays off when the caller donates them).
+  """
+  if not available():
+    raise ValueError("adam_step_triton: triton / jax-triton are not installed (GPU only)")
+  if output not in OUTPUTS:
+    raise ValueError(f"adam_step_triton: output must be one of {OUTPUTS}, got {output!r}")
+  if param is None and output == "param":
+    raise ValueError("adam_step_triton: output='param' needs param")
+  like = grad if param is None else param
+  why = problem(like.shape, like.dtype, m_q.dtype, v_q.dtype, group_size)
+  if why is not None:
+    raise ValueError(f"adam_step_triton: {why}")
+  meta_shape = like.shape[:-1] + (like.shape[-1] // group_size,)
+  for name, a, shape in (("grad", grad, like.shape), ("m_q", m_q, like.shape),
+                         ("v_q", v_q, like.shape), ("m_amax", m_amax, meta_shape),
+                         ("m_code", m_code, meta_shape), ("v_amax", v_amax, meta_shape),
+                         ("v_code", v_code, meta_shape)):
+    if a.shape != shape:
+      raise ValueError(f"adam_step_triton: {name} has shape {a.shape}, expected {shape}")
+  rows = like.size // group_size
+  out_dtype = grad.dtype if output == "update" else param.dtype
+  p_arg = grad if param is None else param
+  operands = [step_scalars(lr, b1, b2, eps, weight_decay, count), p_arg, grad, m_q, m_amax,
+              m_code, v_q, v_amax, v_code]
+  aliases = {}
+  if alias:
+    if output == "param":
+      aliases[1] = 0
+    aliases.update({3 + i: 1 + i for i in range(6)})
+  outs = jt.triton_call(
+      *operands, kernel=_adam_kernel,
+      out_shape=[jax.ShapeDtypeStruct(like.shape, out_dtype),
+                 jax.ShapeDtypeStruct(like.shape, m_q.dtype),
+                 jax.ShapeDtypeStruct(meta_shape, jnp.float32),
+                 jax.ShapeDtypeStruct(meta_shape, jnp.uint8),
+                 jax.ShapeDtypeStruct(like.shape, v_q.dtype),
+                 jax.ShapeDtypeStruct(meta_shape, jnp.float32),
+                 jax.ShapeDtypeStruct(meta_shape, jnp.uint8)],
+      grid=(-(-rows // block),), input_output_aliases=aliases, num_warps=num_warps,
+      num_stages=1, ROWS=rows, G=group_size, BLOCK=block, HAS_PARAM=param is not None,
+      OUT_PARAM=output == "param", M_FMAX=float(m_fmax), V_FMAX=float(v_fmax),
+      M_LOG2R=float(np.float32(m_log2_range)), V_LOG2R=float(np.float32(v_log2_range)),
+      EXPAND=bool(expand), EM=float(expand_min), MAX_K=float(max_k_code),
+      FLOOR=float(np.float32(amax_floor)), NOEXP_K=float(min(expand_min, max_k_code)))
+  return tuple(outs)
