@@ -7,6 +7,7 @@
   dataset.py      windows, the train/eval split, deterministic batches (Feistel permutation)
   mesh.py         device mesh, parameter/batch/optimizer-state shardings
   build.py        `build(cfg, mesh)`: model, optimizer, shardings, jitted steps, init
+  accumulate.py   gradient accumulation over microbatches (`optimizer.accumulate`)
   loop.py         `run(cfg)`: the loop with checkpoint, metric and stop hooks
   step_log.py     per-step metrics and the summary line
   checkpoint.py   orbax checkpoints (async, exact resume)

@@ -23,6 +23,7 @@ from flax import nnx
 
 from coat_jax.precision import resolve_dtype
 from coat_jax.training import corpus, mesh as mesh_lib, token_files
+from coat_jax.training.accumulate import accumulated_value_and_grad
 from coat_jax.training.dataset import TokenDataset
 from coat_jax.training.schema import DataConfig, OptimizerConfig, RunConfig
 
@@ -193,12 +194,14 @@ def model_parts(llama_cfg, seed: int, mesh) -> tuple[ModelParts, Callable[..., t
   return parts, lambda s=seed: init_jit(jax.random.key(s))
 
 
-def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None):
+def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, accumulate: int = 1,
+               accumulate_dtype: str = "float32"):
   """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
 
   train_step(params, opt_state, rest, tokens) -> (params, opt_state, rest, {"loss", "grad_norm"});
   eval_step(params, rest, tokens) -> loss. tokens: (batch, seq_len + 1) int32.
   apply_fn: (grads, opt_state, params) -> (params, opt_state); default `optax_apply(tx)`.
+  accumulate: microbatches per step (training/accumulate.py); the loss is their mean.
   """
   apply_fn = apply_fn or optax_apply(tx)
   batch_sh, rep = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
@@ -209,8 +212,10 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None):
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
     return loss, nnx.to_pure_dict(new_rest)
 
+  grad_fn = accumulated_value_and_grad(loss_fn, accumulate, accumulate_dtype)
+
   def train_step(params, opt_state, rest, tokens):
-    (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens)
+    (loss, rest), grads = grad_fn(params, rest, tokens)
     params, opt_state = apply_fn(grads, opt_state, params)
     return params, opt_state, rest, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
@@ -266,6 +271,10 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
   if cfg.data.batch_size % shards:
     raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by the mesh's "
                      f"data x fsdp = {shards} batch shards")
+  micro = cfg.optimizer.accumulate
+  if cfg.data.batch_size % (micro * shards):
+    raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by "
+                     f"optimizer.accumulate={micro} microbatches x {shards} batch shards")
   seed = cfg.run.seed if seed is None else seed
   llama_cfg = model_config(cfg, vocab_size)
   parts, init_params = model_parts(llama_cfg, seed, mesh)
@@ -281,7 +290,8 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     rep = mesh_lib.replicated(mesh)
     opt_sh = (opt_sh, jax.tree.map(lambda _: rep, opt_abstract[1]))
     apply_fn = optax_apply(tx)
-  train_step, eval_step = make_steps(parts, tx, opt_sh, mesh, apply_fn)
+  train_step, eval_step = make_steps(parts, tx, opt_sh, mesh, apply_fn, accumulate=micro,
+                                     accumulate_dtype=cfg.optimizer.accumulate_dtype)
   opt_init = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)
 
   def init(seed: int | None = None):

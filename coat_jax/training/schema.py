@@ -24,6 +24,7 @@ import yaml
 
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
+from coat_jax.training.accumulate import ACCUM_DTYPES
 
 OPTIMIZERS = ("adamw", "coat_adamw")
 SCHEDULES = ("cosine", "constant", "linear")
@@ -40,7 +41,9 @@ class ModelConfig:
   jsonl) and the preset's otherwise (pre-tokenized files). `dtype` is the compute dtype
   ("bfloat16" | "float32" | "auto": bfloat16 on accelerators, float32 on CPU, where bfloat16
   matmuls are slow); parameters are kept in `param_dtype` (float32 by default). `remat` is a
-  policy name ("none", "full", "dots", "dots_saveable") or a bool.
+  policy name (`coat_jax.models.REMAT_POLICIES`: "none", "full", "dots", "dots_saveable",
+  "fp8_residuals") or a bool. `scan_layers` (default on) runs the decoder blocks as one scanned
+  layer, compiled once; off: a Python loop over the layers (compile time grows with depth).
   """
   preset: str = "tiny"
   vocab_size: int | None = None
@@ -59,6 +62,7 @@ class ModelConfig:
   remat: bool | str | None = None
   attention_impl: str | None = None
   init_std: float | None = None
+  scan_layers: bool | None = None
 
   def overrides(self) -> dict[str, Any]:
     """The fields set away from the preset, as `LlamaConfig.from_name` keyword arguments."""
@@ -74,6 +78,9 @@ class OptimizerConfig:
   "coat_adamw" only (params with fewer elements than `min_quantized_size` keep float32 moments;
   expansion exponents are multiples of 1/`expand_min`).
   `decay_1d=False` leaves 1-D parameters (norm scales, biases) out of weight decay.
+  `accumulate`: microbatches per optimizer step (gradient accumulation); `data.batch_size` is the
+  global batch of one step and is split into `accumulate` microbatches, run one after another, with
+  the gradient sum kept in `accumulate_dtype` ("float32" or "bfloat16").
   """
   name: str = "adamw"
   lr: float = 3e-3
@@ -92,6 +99,8 @@ class OptimizerConfig:
   expand: bool = True
   expand_min: int = 16
   min_quantized_size: int = 4096
+  accumulate: int = 1
+  accumulate_dtype: str = "float32"
 
 
 @dataclasses.dataclass
@@ -193,8 +202,9 @@ def validate(cfg: RunConfig) -> RunConfig:
   _one_of(o.schedule, SCHEDULES, "optimizer.schedule")
   _one_of(o.m_format, FP8_STATE_FORMATS, "optimizer.m_format")
   _one_of(o.v_format, FP8_STATE_FORMATS, "optimizer.v_format")
+  _one_of(o.accumulate_dtype, ACCUM_DTYPES, "optimizer.accumulate_dtype")
   positive = {"optimizer.lr": o.lr, "optimizer.group_size": o.group_size,
-              "optimizer.expand_min": o.expand_min,
+              "optimizer.expand_min": o.expand_min, "optimizer.accumulate": o.accumulate,
               "data.seq_len": cfg.data.seq_len, "data.batch_size": cfg.data.batch_size,
               "data.vocab_size": cfg.data.vocab_size, "data.corpus_max_bytes": cfg.data.corpus_max_bytes,
               "run.steps": cfg.run.steps, "run.log_every": cfg.run.log_every,
