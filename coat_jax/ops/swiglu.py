@@ -56,4 +56,6 @@ def swiglu(gate: jax.Array, up: jax.Array, *, mode: str):
     raise ValueError(f"swiglu: gate shape {gate.shape} != up shape {up.shape}")
   if mode == "coat":
     return _swiglu_coat(gate, up)
-  return _plain(gate, up), None
+  # Only gate and up are saved; the float32 silu and product are recomputed in the backward
+  # (see ops/norm.py: inside the scan over layers JAX would save the float32 intermediates).
+  return jax.checkpoint(_plain)(gate, up), None
