@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help=f"YAML run config (default: the embedded {DEFAULT_CONFIG.relative_to(REPO)})")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config entry, e.g. --set optimizer.lr=1e-3 (repeatable)")
-  p.add_argument("--resume", action="store_true", help="restore the latest checkpoint and continue")
+  p.add_argument("--resume", action="store_true", help="restore the newest intact checkpoint and continue")
   p.add_argument("--resume-from", type=int, default=None, metavar="STEP",
                  help="like --resume, from the checkpoint at STEP")
   p.add_argument("--overwrite", action="store_true",
