@@ -18,6 +18,11 @@ is a within-warp lane shuffle (Mosaic GPU's TiledLayout reduction), the scale a 
 stored to shared memory and written by TMA. Max here is NaN-propagating (PTX max.NaN), so a NaN
 group gives a NaN amax without a second reduction; inf fails the `amax < inf` test.
 
+Measured on the H100 (benchmarks/bench_kernels_mgpu.py, 8192^2 bf16, % of a device copy's GB/s):
+per-group quantize 82-88%, tile maxima 86-92%, per-group dequantize 79-80%, per-tensor 90%,
+per-tensor + transposed copy 87-91%; codes and scales bit-identical to the jnp references on the
+GPU (XLA and Mosaic GPU both divide with div.full.f32; numpy's IEEE division can differ by one code).
+
 Imports jax and numpy only: format limits (fmax), the scale floor and dtypes come in as arguments;
 inputs and outputs are plain arrays. `supported_*` say which shapes each kernel takes; the entry
 points raise ValueError on others (no fallbacks here: the dispatch chooses).

@@ -3,8 +3,8 @@
 `launch` runs `body` once per block of a list of blocks: `plgpu.kernel` starts `ctas` CTAs (one
 warpgroup each, operands left in GMEM); each takes a contiguous run of num_blocks / ctas blocks and
 streams them through two shared-memory slots with TMA copies (the next block's loads overlap this
-block's math and the previous block's stores). `body(*scalar_refs, *in_smem,
-*out_smem)` sees the scalar operands as GMEM refs (read with ref[i]) and the blocks as SMEM refs.
+block's math and the previous block's stores). `body(*scalar_refs, *in_smem, *out_smem,
+*scratch)` sees the scalar operands as GMEM refs (read with ref[i]) and the blocks as SMEM refs.
 
 Pallas GPU interpret mode (`interpret=True` here: `plgpu.InterpretGPUParams()`) runs the same
 kernel on CPU. It refuses what the usual routes emit: `pallas_call` BlockSpecs with non-trivial
@@ -42,8 +42,7 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
            in_blocks: Sequence[Block], out_shapes: Sequence[jax.ShapeDtypeStruct],
            out_blocks: Sequence[Block], num_blocks: int, name: str, interpret: bool = False,
            max_ctas: int = MAX_CTAS,
-           out_in_place: dict[int, int] | None = None, swizzle: bool = False,
-           body_scratch: Sequence = ()) -> list[jax.Array]:
+           out_in_place: dict[int, int] | None = None, body_scratch: Sequence = ()) -> list[jax.Array]:
   """Runs `body` over `num_blocks` blocks; returns the outputs (a list, as out_shapes).
 
   out_in_place: {output index: input index}: that output's block is written into the input's
@@ -51,9 +50,6 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
     Those stores must then finish reading before the next block's loads reuse the slot.
   body_scratch: extra shared-memory buffers (plgpu.SMEM(...)) passed to `body` after the
     outputs, allocated once per CTA.
-  swizzle: 2-D blocks whose rows span a multiple of 128 bytes live in shared memory tiled (8 rows
-    x 128 bytes) and 128-byte swizzled, so WGMMA-layout loads of wide rows (a 128-float32 row is
-    512 bytes: 8 rows on one bank) are free of bank conflicts.
 
   Each CTA double-buffers: block s+1 is loaded while block s is computed, and block s's stores
   drain while block s+1 is computed (`wait_smem_to_gmem(1)` before a slot's buffers are reused).
@@ -128,12 +124,6 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
     if len(shape) == 1 and nbytes % 128:
       padded = shape[0] * (128 // math.gcd(nbytes, 128))
       return plgpu.SMEM((2, padded), dtype), lambda buf, slot: buf.at[slot, pl.ds(0, shape[0])]
-    row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
-    if swizzle and len(shape) == 2 and row_bytes % 128 == 0 and shape[0] % 8 == 0:
-      transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
-                    plgpu.SwizzleTransform(128))
-      return (plgpu.SMEM((2, *shape), dtype, transforms=transforms),
-              lambda buf, slot: buf.at[slot])
     return plgpu.SMEM((2, *shape), dtype), lambda buf, slot: buf.at[slot]
 
   in_bufs = [slot_buffer(sh, x.dtype) for (sh, _), x in zip(in_blocks, inputs)]

@@ -180,6 +180,21 @@ def test_supported_and_clear_errors():
                             group_size=16, interpret=True)
 
 
+def test_benchmark_script_parses_its_arguments():
+  import importlib.util
+  from pathlib import Path
+  path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels_mgpu.py"
+  spec = importlib.util.spec_from_file_location("bench_kernels_mgpu", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  with pytest.raises(SystemExit) as exit_help:
+    bench.main(["--help"])
+  assert exit_help.value.code == 0
+  with pytest.raises(SystemExit) as exit_bad:
+    bench.main(["--only", "nope"])
+  assert exit_bad.value.code == 2
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_match_numpy_and_the_device_reference():
   """On the GPU x / scale is XLA's and Mosaic GPU's div.full.f32 (not IEEE): codes equal the jnp
