@@ -22,8 +22,9 @@ The moments are those of one float32 adamw run; each axis variant quantizes the 
 Outputs in --out: group_axis.json (every tensor's numbers), group_axis.md (the tables), both
 rewritten after every checkpoint.
 
-CPU (2 busy cores, ~10 min): llama-125m's width with 2 layers, vocab 4096, seq 128, batch 8:
-  python benchmarks/group_axis.py --num-layers 2 --steps 200 --out runs/group_axis
+CPU (the run in docs/differences.md; llama-125m's width with 4 layers, vocab 4096, seq 128,
+batch 8; 29 min on 2 shared, busy cores):
+  python benchmarks/group_axis.py --num-layers 4 --steps 300 --checkpoints 10,50,150 --out runs/group_axis
 GPU (llama-125m as in docs/accuracy.md, 32k vocab, seq 1024):
   python benchmarks/group_axis.py --vocab 32000 --corpus-max-bytes 100000000 --seq-len 1024 \\
       --batch 8 --steps 2000 --warmup 200 --checkpoints 10,50,500 --out $OUT/group_axis
