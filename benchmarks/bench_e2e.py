@@ -43,10 +43,11 @@ import time
 from pathlib import Path
 
 from _common import Budget, parse_modes
+from coat_jax.models.llama import REMAT_POLICIES  # no device is touched by this import
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
-REMATS = ("none", "full", "dots", "dots_saveable")
+REMATS = tuple(REMAT_POLICIES)
 RESULT_TAG = "RESULT "
 GB = 1e9
 

@@ -18,7 +18,7 @@ Meshes: with more than one device, every Pallas call is wrapped by `coat_jax.sha
 (custom_partitioning): inside a sharded jax.jit each device runs the kernel on its local shard.
 The mesh and the operands' shardings come from jit's sharding propagation at partitioning time;
 the caller only has to jit with sharded inputs (in_shardings, or arrays placed with
-NamedSharding on a mesh with Auto axes, as coat_jax.sharding builds). Semantics do not depend on
+NamedSharding on a mesh with Auto axes, as coat_jax.training.mesh builds). Semantics do not depend on
 the mesh: a per-tensor scale is the amax of the whole logical tensor (the stage-1 tile maxima are
 local, their max is XLA's global reduction), per-group scales are local and groups never straddle
 a shard boundary (a last axis whose shards would split groups is gathered for the kernel), and

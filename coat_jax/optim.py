@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from coat_jax import expansion, kernels
+from coat_jax import expansion, formats, kernels
 from coat_jax.adam_math import adam_step_reference
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
@@ -106,7 +106,7 @@ def _check_float_leaves(params):
                        f"{dtype}; only floating parameters can be optimized")
 
 
-DEFAULT_GROUP_SIZE = 128
+DEFAULT_GROUP_SIZE = formats.OPTIMIZER_GROUP_SIZE
 DEFAULT_EXPAND_MIN = 16
 DEFAULT_MIN_QUANTIZED_SIZE = 4096
 
@@ -305,7 +305,7 @@ def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
   with any axis whose size is not divisible by its mesh axes' size replicated (groups run along
   the last axis, so e.g. a last axis sharded 4 ways with 2 groups is replicated). count:
   replicated on the first param sharding's mesh. Meant for meshes with Auto axis types (as
-  coat_jax.sharding builds); under Explicit axes the group reshape would need explicit shardings.
+  coat_jax.training.mesh builds); under Explicit axes the group reshape would need explicit shardings.
   When the fused kernel is in use (`kernels.use_pallas("adam")`; it runs per shard), a last-axis
   split that cuts a parameter's groups raises ValueError naming the parameter and the split
   (`check_group_split`).

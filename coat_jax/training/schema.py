@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from coat_jax.formats import OPTIMIZER_GROUP_SIZE
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
 from coat_jax.training.accumulate import ACCUM_DTYPES
@@ -95,7 +96,7 @@ class OptimizerConfig:
   clip: float = 1.0
   m_format: str = "e4m3"
   v_format: str = "e4m3"
-  group_size: int = 128
+  group_size: int = OPTIMIZER_GROUP_SIZE
   expand: bool = True
   expand_min: int = 16
   min_quantized_size: int = 4096
