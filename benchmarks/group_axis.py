@@ -38,20 +38,18 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from coat_jax import data as data_lib  # noqa: E402
-from coat_jax import expansion  # noqa: E402
-from coat_jax.config import DataConfig  # noqa: E402
-from coat_jax.formats import OPTIMIZER_GROUP_SIZE  # noqa: E402
-from coat_jax.models.llama import Llama, LlamaConfig  # noqa: E402
+from coat_jax import expansion
+from coat_jax.formats import OPTIMIZER_GROUP_SIZE
+from coat_jax.models.llama import Llama, LlamaConfig
+from coat_jax.training import dataset as data_lib
+from coat_jax.training.build import dataset_from_config
+from coat_jax.training.schema import DataConfig
 
 AXES = ("last", "first", "coat")
 
@@ -266,10 +264,10 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  ds = data_lib.build_dataset(DataConfig(kind="stdlib", vocab_size=args.vocab,
-                                         corpus_max_bytes=args.corpus_max_bytes,
-                                         seq_len=args.seq_len, batch_size=args.batch),
-                              args.seed, log=say)
+  ds = dataset_from_config(DataConfig(kind="stdlib", vocab_size=args.vocab,
+                                      corpus_max_bytes=args.corpus_max_bytes,
+                                      seq_len=args.seq_len, batch_size=args.batch),
+                           args.seed, log=say)
   overrides = dict(vocab_size=ds.vocab_size, max_seq_len=args.seq_len, precision="bf16",
                    dtype=args.dtype)
   if args.num_layers is not None:

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from coat_jax import data as data_lib
+from coat_jax.training import dataset as data_lib
 from coat_jax.models.llama import LlamaConfig
 
 REPO = Path(__file__).resolve().parents[1]
