@@ -2,18 +2,50 @@
 
 Run on the GPU: `python3 benchmarks/bench_kernels_memory.py` (prints a table). Bytes counted per
 call are those the kernel must move: bf16 input read once per pass, FP8 outputs, scales.
+The Pallas side is composed as `coat_jax.kernels` does it (the kernels take and return plain
+arrays): per tensor = stage-1 `tile_amax`, jnp max, `scale_from_amax`, the quantize pass.
+
+  JAX_PLATFORMS=cpu python benchmarks/bench_kernels_memory.py --interpret --shape 64x256 \
+      --probe-kv --probe-pt                                    # smoke check of the calls
 """
 from __future__ import annotations
 
-import sys
+import argparse
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from _common import median_ms_back_to_back as median_ms
-from coat_jax import quantize
+from coat_jax import formats, quantize
+from coat_jax.quantize import QuantizedArray
 from pallas_kernels import quantize as pk
+
+FLOOR = formats.ACTIVATION_SCALE_FLOOR
+SHAPES = ((16384, 4096), (16384, 11008))
+
+
+def pk_per_group(x, group_size=16, fmt="e4m3", **kw) -> QuantizedArray:
+  """Pallas per-group quantization wrapped as `coat_jax.kernels.quantize_per_group` wraps it."""
+  f = formats.get_format(fmt)
+  data, scale = pk.quantize_per_group(x, group_size, dtype=f.dtype, floor=FLOOR, **kw)
+  return QuantizedArray(data, scale, f.name, group_size)
+
+
+def pk_per_tensor(x, fmt="e4m3", *, with_transpose=False, interpret=False,
+                  **kw) -> QuantizedArray:
+  """Pallas per-tensor quantization as `coat_jax.kernels.quantize_per_tensor` runs it on one
+  device: stage-1 tile maxima (kernel), stage 2 (jnp.max), the scale, the quantize pass."""
+  f = formats.get_format(fmt)
+  amax = jnp.max(pk.tile_amax(x, interpret=interpret))
+  scale = quantize.scale_from_amax(amax, f, FLOOR)
+  data, data_t = pk.quantize_per_tensor(x, scale, dtype=f.dtype, with_transpose=with_transpose,
+                                        interpret=interpret, **kw)
+  return QuantizedArray(data, scale, f.name, 0, data_t)
+
+
+def pk_dequant_per_group(q: QuantizedArray, dtype, **kw):
+  return pk.dequantize_per_group(q.data, q.scale, q.group_size, dtype, **kw)
 
 
 def probe_cast():
@@ -30,10 +62,10 @@ def probe_cast():
           f"XLA != via-f16 in {(xla != via16).sum()} of {yy.size}", flush=True)
 
 
-def probe_kernel_vs_ref():
+def probe_kernel_vs_ref(shape=(1000, 4096), interpret=False):
   """Relative error of kernel and XLA reference per-group quantization on the test's inputs."""
   rng = np.random.default_rng(0)
-  xn = rng.standard_normal((1000, 4096)) * np.exp2(rng.integers(-12, 12, (1000, 4096)))
+  xn = rng.standard_normal(shape) * np.exp2(rng.integers(-12, 12, shape))
   x = jnp.asarray(xn, jnp.bfloat16)
   ref = jax.jit(lambda a: quantize.quantize_per_group(a, 16, "e4m3"))(x)
   xf = np.asarray(x, np.float32)
@@ -44,17 +76,21 @@ def probe_kernel_vs_ref():
   bits = lambda q: np.asarray(jax.lax.bitcast_convert_type(q.data, jnp.uint8))
   print(f"kv probe ref err {err(ref):.3g}", flush=True)
   for mode, blk in (("full", 256), ("rn", 128)):
+    # GPU_DIVISION is read at trace time (ignored in interpret mode): clear jit's caches so that
+    # the kernel is traced again under the new mode.
     pk.GPU_DIVISION = mode
-    q = pk.quantize_per_group(x, 16, "e4m3", block=blk)
+    jax.clear_caches()
+    q = pk_per_group(x, 16, "e4m3", block=blk, interpret=interpret)
     print(f"kv probe {mode}: err {err(q):.3g}, data differ {(bits(q) != bits(ref)).mean():.4%}, "
           f"scale differ {(np.asarray(q.scale) != np.asarray(ref.scale)).mean():.4%}", flush=True)
   pk.GPU_DIVISION = "full"
+  jax.clear_caches()
 
 
-def probe_per_tensor():
+def probe_per_tensor(shape=(1008, 4096), interpret=False):
   """Kernel vs XLA reference per-tensor quantization (scale, codes) on the test's inputs."""
   rng = np.random.default_rng(0)
-  xn = rng.standard_normal((1008, 4096)) * np.exp2(rng.integers(-12, 12, (1008, 4096)))
+  xn = rng.standard_normal(shape) * np.exp2(rng.integers(-12, 12, shape))
   x = jnp.asarray(xn, jnp.bfloat16)
   bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
   for fmt in ("e4m3", "e5m2"):
@@ -63,7 +99,7 @@ def probe_per_tensor():
           a, fmt, with_transpose=tr))(x)
       jax.block_until_ready(ref)
       print(f"   ref scale before kernel {float(ref.scale):.6g}", flush=True)
-      q = pk.quantize_per_tensor(x, fmt, with_transpose=tr)
+      q = pk_per_tensor(x, fmt, with_transpose=tr, interpret=interpret)
       jax.block_until_ready(q)
       print(f"pt probe {fmt} T={tr}: scale ref {float(ref.scale):.6g} kern {float(q.scale):.6g};"
             f" data differ {(bits(q.data) != bits(ref.data)).mean():.4%}"
@@ -109,21 +145,54 @@ def probe_division():
         f"{(np.asarray(div_rn_plain) != ieee).sum()}", flush=True)
 
 
-def main():
-  if "--probe-cast" in sys.argv:
+def _shape(text: str) -> tuple[int, int]:
+  m, _, n = text.lower().partition("x")
+  try:
+    return int(m), int(n)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected MxN, e.g. 16384x4096, got {text!r}") from None
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--probe-cast", action="store_true",
+                      help="does XLA round float32 -> FP8 once or through float16?")
+  parser.add_argument("--probe-kv", action="store_true",
+                      help="per-group kernel vs XLA reference (error, differing codes/scales)")
+  parser.add_argument("--probe-pt", action="store_true",
+                      help="per-tensor kernel vs XLA reference (scale, codes)")
+  parser.add_argument("--probe-div", action="store_true",
+                      help="which float32 division XLA:GPU compiles x / s to (GPU only)")
+  parser.add_argument("--sweep", action="store_true",
+                      help="also sweep block sizes and warps of the per-group / per-tensor kernels")
+  parser.add_argument("--shape", type=_shape, action="append", metavar="MxN",
+                      help="table shapes (repeatable; default "
+                           + " ".join(f"{m}x{n}" for m, n in SHAPES)
+                           + "); with --interpret the probes use the first one too")
+  parser.add_argument("--interpret", action="store_true",
+                      help="Pallas interpret mode (CPU smoke check: use a tiny --shape)")
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  shapes = args.shape or SHAPES
+  interp = args.interpret
+  probe = {"interpret": True, "shape": shapes[0]} if interp else {}
+  if args.probe_cast:
     probe_cast()
-  if "--probe-kv" in sys.argv:
-    probe_kernel_vs_ref()
-  if "--probe-pt" in sys.argv:
-    probe_per_tensor()
-  if "--probe-div" in sys.argv:
+  if args.probe_kv:
+    probe_kernel_vs_ref(**probe)
+  if args.probe_pt:
+    probe_per_tensor(**probe)
+  if args.probe_div:
     try:
       probe_division()
     except Exception as err:  # a probe must not stop the benchmark
       print(f"div probe failed: {type(err).__name__}: {err}"[:2000], flush=True)
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   rows = []
-  for m, n in [(16384, 4096), (16384, 11008)]:
+  for m, n in shapes:
     x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16) * 3.0
     e = m * n
     copy = jax.jit(lambda a: a * 2)
@@ -133,35 +202,36 @@ def main():
     g16 = e // 16
     cases = [
         ("per-group g16 e4m3", 2 * e + e + 4 * g16,
-         jax.jit(lambda a: pk.quantize_per_group(a, 16, "e4m3")),
+         jax.jit(lambda a: pk_per_group(a, 16, "e4m3", interpret=interp)),
          jax.jit(lambda a: quantize.quantize_per_group(a, 16, "e4m3"))),
         ("stage1 tile amax", 2 * e + 4 * g16,
-         jax.jit(lambda a: pk.tile_amax(a)),
+         jax.jit(lambda a: pk.tile_amax(a, interpret=interp)),
          jax.jit(lambda a: quantize.group_amax(a, 16))),
         ("per-tensor e4m3 (2 passes)", 2 * e + 4 * g16 + 2 * e + e,
-         jax.jit(lambda a: pk.quantize_per_tensor(a, "e4m3")),
+         jax.jit(lambda a: pk_per_tensor(a, "e4m3", interpret=interp)),
          jax.jit(lambda a: quantize.quantize_per_tensor(a, "e4m3"))),
         ("per-tensor e5m2 +transpose", 2 * e + 4 * g16 + 2 * e + 2 * e,
-         jax.jit(lambda a: pk.quantize_per_tensor(a, "e5m2", with_transpose=True)),
+         jax.jit(lambda a: pk_per_tensor(a, "e5m2", with_transpose=True, interpret=interp)),
          jax.jit(lambda a: quantize.quantize_per_tensor(a, "e5m2", with_transpose=True))),
     ]
     for name, nbytes, kern, ref in cases:
       tk, tr = median_ms(kern, x), median_ms(ref, x)
       rows.append((f"{m}x{n}", name, nbytes, tk, tr, nbytes / tk / 1e6))
-    if "--sweep" in sys.argv:
+    if args.sweep:
       for r, w in [(128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (128, 2)]:
-        fn = jax.jit(lambda a, r=r, w=w: pk.quantize_per_group(a, 16, "e4m3", block=r,
-                                                               num_warps=w))
+        fn = jax.jit(lambda a, r=r, w=w: pk_per_group(a, 16, "e4m3", block=r, num_warps=w,
+                                                      interpret=interp))
         tk = median_ms(fn, x)
         print(f"sweep per-group {m}x{n} rows={r} warps={w}: {tk:.3f} ms "
               f"{100 * (3 * e + 4 * g16) / tk / 1e6 / bw_copy:.1f}% of copy", flush=True)
       for bm, bn, w in [(64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4)]:
-        fn = jax.jit(lambda a, bm=bm, bn=bn, w=w: pk.quantize_per_tensor(
-            a, "e5m2", with_transpose=True, block_rows=bm, block_cols=bn, num_warps=w))
+        fn = jax.jit(lambda a, bm=bm, bn=bn, w=w: pk_per_tensor(
+            a, "e5m2", with_transpose=True, block_rows=bm, block_cols=bn, num_warps=w,
+            interpret=interp))
         tk = median_ms(fn, x)
         print(f"sweep per-tensor+T {m}x{n} bm={bm} bn={bn} warps={w}: {tk:.3f} ms", flush=True)
-    q = pk.quantize_per_group(x, 16, "e4m3")
-    tk = median_ms(jax.jit(lambda q: pk.dequantize_per_group(q, jnp.bfloat16)), q)
+    q = pk_per_group(x, 16, "e4m3", interpret=interp)
+    tk = median_ms(jax.jit(lambda q: pk_dequant_per_group(q, jnp.bfloat16, interpret=interp)), q)
     tr = median_ms(jax.jit(lambda q: quantize.dequantize(q, jnp.bfloat16)), q)
     rows.append((f"{m}x{n}", "dequant per-group ->bf16", e + 4 * g16 + 2 * e, tk, tr,
                  (3 * e + 4 * g16) / tk / 1e6))

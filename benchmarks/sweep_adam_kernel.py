@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +26,32 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from _common import time_calls
+from coat_jax import adam_math, expansion, formats
 from coat_jax.expansion import quantize_expanded
 from pallas_kernels import adam_step as pk
-from pallas_kernels.quantize import _pow2_divisor
 
-HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, count=7, m_format="e4m3",
-             v_format="e4m3", group_size=128, expand=True, expand_min=16)
+M_FORMAT = V_FORMAT = "e4m3"
+GROUP = formats.OPTIMIZER_GROUP_SIZE   # 128
+
+
+def format_limits(m_format: str, v_format: str) -> dict:
+  """The format limits `coat_jax.kernels.coat_adam_step` passes to the kernel (same values)."""
+  return dict(m_log2_range=math.log2(expansion.expansion_range(formats.get_format(m_format))),
+              v_log2_range=math.log2(expansion.expansion_range(formats.get_format(v_format))),
+              floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
+              grad_clamp=adam_math.GRAD_CLAMP)
+
+
+HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, count=7, group_size=GROUP,
+             expand=True, expand_min=16, **format_limits(M_FORMAT, V_FORMAT))
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  """Largest power of two <= cap dividing n (how the COAT kernel picks whole blocks)."""
+  b = 1
+  while b < cap and n % (2 * b) == 0:
+    b *= 2
+  return b
 
 
 def _io_kernel(p_ref, g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
@@ -46,25 +67,25 @@ def _io_kernel(p_ref, g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
 
 @functools.partial(jax.jit, static_argnames=("block", "interpret"), donate_argnums=(0, 2, 3))
 def io_floor(p, g, m, v, *, block, interpret=False):
-  rows = p.size // 128
+  rows = p.size // GROUP
   block = _pow2_divisor(rows, block)   # whole blocks, as the COAT kernel picks them
-  big = pl.BlockSpec((block, 128), lambda i: (i, 0))
+  big = pl.BlockSpec((block, GROUP), lambda i: (i, 0))
   small = pl.BlockSpec((block,), lambda i: (i,))
   outs = pl.pallas_call(
       _io_kernel, grid=(rows // block,),
       in_specs=[big, big, big, small, small, big, small, small],
       out_specs=[big, big, small, small, big, small, small],
-      out_shape=[jax.ShapeDtypeStruct((rows, 128), p.dtype),
-                 jax.ShapeDtypeStruct((rows, 128), m.data.dtype),
+      out_shape=[jax.ShapeDtypeStruct((rows, GROUP), p.dtype),
+                 jax.ShapeDtypeStruct((rows, GROUP), m.data.dtype),
                  jax.ShapeDtypeStruct((rows,), jnp.float32),
                  jax.ShapeDtypeStruct((rows,), jnp.uint8),
-                 jax.ShapeDtypeStruct((rows, 128), v.data.dtype),
+                 jax.ShapeDtypeStruct((rows, GROUP), v.data.dtype),
                  jax.ShapeDtypeStruct((rows,), jnp.float32),
                  jax.ShapeDtypeStruct((rows,), jnp.uint8)],
       interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
-          p.reshape(rows, 128), g.reshape(rows, 128), m.data.reshape(rows, 128),
-          m.amax.reshape(rows), m.k_code.reshape(rows), v.data.reshape(rows, 128),
+          p.reshape(rows, GROUP), g.reshape(rows, GROUP), m.data.reshape(rows, GROUP),
+          m.amax.reshape(rows), m.k_code.reshape(rows), v.data.reshape(rows, GROUP),
           v.amax.reshape(rows), v.k_code.reshape(rows))
   o, mq, ma, mk, vq, va, vk = outs
   shape, meta = p.shape, m.amax.shape
@@ -90,8 +111,10 @@ def main(argv=None):
   def fresh():
     """(param, m, v) of the COAT step: float32 param, E4M3 expanded moments."""
     p = jax.random.normal(kp, shape, jnp.float32) * 0.02
-    m = jax.jit(lambda k: quantize_expanded(jax.random.normal(k, shape) * 1e-3, "e4m3"))(km)
-    v = jax.jit(lambda k: quantize_expanded(jax.random.uniform(k, shape) * 1e-6, "e4m3"))(kv)
+    m = jax.jit(lambda k: quantize_expanded(jax.random.normal(k, shape) * 1e-3, M_FORMAT,
+                                            GROUP))(km)
+    v = jax.jit(lambda k: quantize_expanded(jax.random.uniform(k, shape) * 1e-6, V_FORMAT,
+                                            GROUP))(kv)
     return p, m, v
 
   results = []
@@ -111,7 +134,7 @@ def main(argv=None):
     results.append((name, ms, bytes_per_param * n / (ms * 1e-3) / 1e12))
     print(f"  {name}: {ms:.3f} ms", flush=True)
 
-  coat_bytes = 4 + 4 + 1 + 1 + 10 / 128 + 4 + 1 + 1 + 10 / 128   # read p,g,m,v; write p,m,v
+  coat_bytes = 4 + 4 + 1 + 1 + 10 / GROUP + 4 + 1 + 1 + 10 / GROUP   # read p,g,m,v; write p,m,v
   for block in ((16, 64) if args.quick else (16, 32, 64, 128)):
     run(f"io floor (block {block})",
         functools.partial(io_floor, block=block, interpret=args.interpret), coat_bytes)
@@ -136,6 +159,7 @@ def main(argv=None):
     variants = [(b, w, f, a) for f, a in ((False, False), (True, False), (True, True))
                 for b, w in itertools.product((8, 16, 32, 64), (2, 4, 8))]
   for block, warps, fast, alias in variants:
+    # Moments go in and come out as plain (data, amax, k_code) tuples (an ExpandedMoment is one).
     fn = jax.jit(functools.partial(pk.adam_step, output="param", block=block, num_warps=warps,
                                    fast_math=fast, alias=alias, interpret=args.interpret,
                                    **HYPER), donate_argnums=(0, 2, 3))

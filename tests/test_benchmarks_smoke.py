@@ -144,8 +144,6 @@ def test_scripts_share_only_common_and_never_edit_sys_path():
     siblings = (imported & names) - {"_common"}
     assert not siblings, f"{p.name} imports the scripts {siblings}; move shared code to _common"
     private = set(re.findall(r"^\s*from\s+(\S+)\s+import\s+(_\w+)", text, re.M))
-    # Known: pallas_kernels (another owner) keeps its block-size helper private for now.
-    private -= {("pallas_kernels.quantize", "_pow2_divisor")}
     assert not private, f"{p.name} imports private names {private}"
 
 
