@@ -14,27 +14,16 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import median_ms_back_to_back
 
 KERNELS = ("per_group", "tile_amax", "dequantize", "per_tensor", "per_tensor_t", "adam",
            "adam_jaxtriton")
 
 
-def _median_seconds(fn, reps: int, batches: int = 5) -> float:
-  """Median over `batches` of the mean time of `reps` back-to-back calls (launch overhead is
-  hidden behind the queued kernels, as in a training step)."""
-  import jax
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(batches):
-    t = time.perf_counter()
-    out = [fn() for _ in range(reps)]
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t) / reps)
-  return sorted(times)[len(times) // 2]
+def _median_seconds(fn, reps: int) -> float:
+  """Seconds per call of `fn()`: the shared back-to-back median (benchmarks/_common.py)."""
+  return median_ms_back_to_back(fn, iters=reps, repeats=5) / 1e3
 
 
 def _copy_gbs(nbytes: int, reps: int) -> float:
