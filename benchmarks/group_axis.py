@@ -268,7 +268,9 @@ def main(argv=None) -> dict:
                                       corpus_max_bytes=args.corpus_max_bytes,
                                       seq_len=args.seq_len, batch_size=args.batch),
                            args.seed, log=say)
+  # Unrolled layers: each layer's moments are their own (in, out) tensors, as in COAT.
   overrides = dict(vocab_size=ds.vocab_size, max_seq_len=args.seq_len, precision="bf16",
+                   scan_layers=False,
                    dtype=args.dtype)
   if args.num_layers is not None:
     overrides["num_layers"] = args.num_layers

@@ -114,7 +114,7 @@ def test_train_and_measure_tiny(rng):
   ds = data_lib.TokenDataset([tokens], ["synthetic"], seq_len=16, batch_size=4, seed=0,
                              eval_fraction=0.05, vocab_size=vocab)
   cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=1,
-                    num_heads=2, max_seq_len=16, dtype="float32")
+                    num_heads=2, max_seq_len=16, dtype="float32", scan_layers=False)
   saved = []
   res = group_axis.train_and_measure(cfg, ds, steps=3, checkpoints=[2, 3], lr=1e-2, warmup=1,
                                      seed=0, fmt="e4m3", group_size=32, expand_min=16,

@@ -42,8 +42,10 @@ def test_accumulated_steps_match_one_batch(precision, optimizer):
                                   f"optimizer.accumulate_dtype={dtype}"], mesh)
     # The first loss is the same model on the same batch; later ones differ by the rounding of
     # the summed gradients (and, in coat, by FP8 moment codes that rounding moves by one).
+    # In coat mode even the first loss differs slightly: per-tensor FP8 scales are taken over each
+    # microbatch instead of the whole batch.
     exact = dtype == "float32" and precision == "bf16"
-    np.testing.assert_allclose(losses[0], ref_losses[0], rtol=1e-6)
+    np.testing.assert_allclose(losses[0], ref_losses[0], rtol=1e-6 if precision == "bf16" else 3e-4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5 if exact else 3e-3)
     worst = max(float(np.linalg.norm(a - b) / np.linalg.norm(b))
                 for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
