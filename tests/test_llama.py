@@ -243,9 +243,10 @@ def stdlib_bytes(max_bytes=400_000) -> np.ndarray:
   return np.frombuffer(data[:max_bytes], np.uint8).astype(np.int32)
 
 
-def train_losses(mode, data, steps, batch, seq, seed=0):
+def train_losses(mode, data, steps, batch, seq, seed=0, attention_residuals="bf16"):
   cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=2,
-                    num_heads=4, num_kv_heads=2, max_seq_len=seq, precision=mode)
+                    num_heads=4, num_kv_heads=2, max_seq_len=seq, precision=mode,
+                    attention_residuals=attention_residuals)
   model = Llama(cfg, rngs=nnx.Rngs(seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, steps, 3e-4)
   opt = nnx.Optimizer(model, optax.adamw(schedule, b2=0.95, weight_decay=0.1), wrt=nnx.Param)
@@ -274,4 +275,19 @@ def test_training_coat_matches_bf16_on_stdlib_text():
         f"coat {final['coat']:.4f}, gap {100 * gap:.2f}%")
   assert np.all(np.isfinite(losses["coat"]))
   assert final["bf16"] < 0.75 * losses["bf16"][0]  # it learned something (ln 256 = 5.55 at start)
+  assert gap < 0.02, final
+
+
+def test_training_coat_with_fp8_attention_residuals_on_stdlib_text():
+  """"coat" with FP8-saved attention q, k, v trains like "coat" (same data, seed and schedule)."""
+  data = stdlib_bytes()
+  steps = 160
+  losses = {r: train_losses("coat", data, steps, batch=16, seq=64, attention_residuals=r)
+            for r in ("bf16", "fp8")}
+  final = {r: float(l[-10:].mean()) for r, l in losses.items()}
+  gap = abs(final["fp8"] - final["bf16"]) / final["bf16"]
+  print(f"coat final loss, attention residuals bf16 {final['bf16']:.4f}, fp8 {final['fp8']:.4f}, "
+        f"gap {100 * gap:.2f}%")
+  assert np.all(np.isfinite(losses["fp8"]))
+  assert final["fp8"] < 0.75 * losses["fp8"][0]
   assert gap < 0.02, final
