@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax import memory, ops
+from coat_jax import kernels, memory, ops
 from coat_jax.precision import PRECISIONS
 
 # Relative L2 bounds. bf16 rounds to 8 mantissa bits (~0.4% per element). FP8 modes: E4M3 values
@@ -189,6 +189,68 @@ def test_attention_values_and_grads(dtype, tol, rng):
     check_close(f"attention {name}", g, gr, tol, 0.999)
 
 
+
+def qkv_f32(rng, b=2, s=32, hq=4, hkv=2, dh=32):
+  shapes = ((b, s, hq, dh), (b, s, hkv, dh), (b, s, hkv, dh))
+  return [jnp.asarray(rng.standard_normal(sh), jnp.float32) for sh in shapes]
+
+
+# FP8 residuals vs the plain attention on the same float32 inputs: the forward is the same
+# computation; the gradients come from q, k, v rounded to E4M3 per 1 x 16 group. Measured over
+# 5 seeds: relative L2 0.038-0.043 (dq, dk), 0.021-0.024 (dv); cosines >= 0.9991.
+ATTN_FP8_TOL, ATTN_FP8_COS = 0.05, 0.998
+
+
+@pytest.mark.parametrize("backend", ["reference", "quantize=pallas,dequantize=pallas"])
+def test_attention_fp8_residuals_grads(backend, rng):
+  q, k, v = qkv_f32(rng)
+  ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  with kernels.backend(backend):
+    o, pb = jax.vjp(lambda q, k, v: ops.attention(q, k, v, residuals="fp8"), q, k, v)
+    grads = pb(ct)
+  o_ref, pb_ref = jax.vjp(ops.attention, q, k, v)
+  np.testing.assert_allclose(o, o_ref, rtol=1e-6, atol=1e-6)
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, pb_ref(ct)):
+    assert g.dtype == jnp.float32
+    check_close(f"attention fp8 residuals {name}", g, g_ref, ATTN_FP8_TOL, ATTN_FP8_COS)
+    assert rel_l2(g, g_ref) > 1e-4, f"{name}: no FP8 rounding seen, residuals not FP8?"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_fp8_residuals_saved_bytes(dtype, rng):
+  """Plain keeps q, k, v in `dtype`; fp8 keeps 1 byte a value + a float32 scale per 16 values."""
+  q, k, v = (t.astype(dtype) for t in qkv_f32(rng))
+  fns = {r: (lambda r: lambda q, k, v: ops.attention(q, k, v, residuals=r))(r)
+         for r in ops.ATTENTION_RESIDUALS}
+  saved = {r: memory.saved_residual_bytes(f, q, k, v, exclude_args=False) for r, f in fns.items()}
+  values = q.size + k.size + v.size
+  assert saved["bf16"] == values * jnp.dtype(dtype).itemsize, saved
+  assert saved["fp8"] == values * (1 + 4 / 16), saved
+  fp8_dtypes = {np.dtype(a) for _, a in memory.saved_residuals(fns["fp8"], q, k, v)}
+  assert fp8_dtypes == {np.dtype(jnp.float8_e4m3fn), np.dtype(np.float32)}, fp8_dtypes
+  print(f"{jnp.dtype(dtype).name}: saved bytes fp8 / plain = {saved['fp8'] / saved['bf16']:.4f}")
+
+
+
+@pytest.mark.gpu
+def test_attention_fp8_residuals_cudnn(rng):
+  """GPU, bf16: the cuDNN attention with FP8-saved q, k, v (forward and recomputation in the
+  backward both cuDNN) vs the plain cuDNN attention. Bounds as on CPU plus bf16 rounding
+  (not yet measured on a GPU)."""
+  q, k, v = (t.astype(jnp.bfloat16) for t in qkv_f32(rng, s=256, dh=64))
+  ct = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+
+  def grads(residuals):
+    f = lambda q, k, v: ops.attention(q, k, v, implementation="cudnn", residuals=residuals)
+    step = jax.jit(lambda q, k, v, ct: jax.vjp(f, q, k, v)[1](ct))
+    assert "cudnn" in step.lower(q, k, v, ct).as_text()
+    return step(q, k, v, ct)
+
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads("fp8"), grads("bf16")):
+    check_close(f"cuDNN attention fp8 residuals {name}", g, g_ref, ATTN_FP8_TOL + 0.01,
+                ATTN_FP8_COS)
+
+
 def test_residual_add_values_and_grads(rng):
   x, y = bf16(rng, (2, 8, 16)), jnp.asarray(rng.standard_normal((2, 8, 16)), jnp.float32)
   ct = bf16(rng, (2, 8, 16))
@@ -212,3 +274,8 @@ def test_bad_inputs():
     ops.swiglu(x, x, mode="nope")
   with pytest.raises(ValueError, match="shapes"):
     ops.residual_add(x, jnp.ones((2, 4)))
+  q = jnp.ones((1, 4, 2, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="attention: residuals"):
+    ops.attention(q, q, q, residuals="fp4")
+  with pytest.raises(ValueError, match="one dtype"):
+    ops.attention(q, q.astype(jnp.float32), q, residuals="fp8")

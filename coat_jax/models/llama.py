@@ -42,6 +42,9 @@ class LlamaConfig:
   `rope_scaling` is None or a Llama 3 dict with keys `ops.LLAMA3_ROPE_KEYS`. `remat` names a
   jax.checkpoint policy applied per decoder block (REMAT_POLICIES; True/False mean "full"/"none").
   `scan_layers` runs the blocks as one scanned, stacked block (see the module docstring).
+  `attention_residuals` ("bf16" | "fp8", ops.ATTENTION_RESIDUALS) is what each attention keeps of
+  q, k, v for its backward, in any precision mode: "fp8" keeps per-1x16-group E4M3 copies
+  (1.25 instead of 2 bytes a value) and recomputes the attention from them in the backward.
   """
   vocab_size: int = 4096
   hidden_size: int = 256
@@ -60,6 +63,7 @@ class LlamaConfig:
   param_dtype: str = "float32"
   remat: str | bool = "none"
   attention_impl: str | None = None
+  attention_residuals: str = "bf16"
   init_std: float = 0.02
   scan_layers: bool = True
 
@@ -94,6 +98,7 @@ class LlamaConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"LlamaConfig.remat must be one of {tuple(REMAT_POLICIES)} or a bool, "
                        f"got {self.remat!r}")
+    ops.check_attention_residuals(self.attention_residuals, "LlamaConfig.attention_residuals")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"LlamaConfig.scan_layers must be a bool, got {self.scan_layers!r}")
     if not (self.rope_theta > 0):
@@ -199,7 +204,8 @@ class Llama(nnx.Module):
     blocks = [layers.DecoderBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                                   cfg.num_kv_heads, cfg.head_dim, eps=cfg.rms_eps,
                                   mode=cfg.precision, dtype=dtype, param_dtype=param_dtype,
-                                  attention_impl=cfg.attention_impl, rngs=rngs)
+                                  attention_impl=cfg.attention_impl,
+                                  attention_residuals=cfg.attention_residuals, rngs=rngs)
               for _ in range(cfg.num_layers)]
     self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
     # Final norm and LM head stay in the compute dtype ("bf16" ops) in every mode.

@@ -86,16 +86,20 @@ class Attention(nnx.Module):
   """Multi-head self-attention with grouped K/V heads (GQA), RoPE and a causal mask.
 
   In "coat" mode the per-tensor FP8 copy of the normalized input feeds Q, K and V; the attention
-  output reaches o_proj in `dtype` (o_proj quantizes it itself).
+  output reaches o_proj in `dtype` (o_proj quantizes it itself). `attention_residuals` ("bf16" |
+  "fp8", any mode) is what the attention keeps of q, k, v for its backward (`ops.attention`).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                mode: str = "bf16", dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
-               attention_impl: str | None = None, rngs: nnx.Rngs):
+               attention_impl: str | None = None, attention_residuals: str = "bf16",
+               rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"Attention: num_kv_heads {num_kv_heads} must divide num_heads {num_heads}")
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.attention_impl = attention_impl
+    self.attention_residuals = ops.check_attention_residuals(attention_residuals,
+                                                             "Attention: attention_residuals")
     kw = dict(mode=mode, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q_proj = Linear(hidden_size, num_heads * head_dim, **kw)
     self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, **kw)
@@ -111,7 +115,8 @@ class Attention(nnx.Module):
     v = self.v_proj(x, x_q=x_q).reshape(b, s, self.num_kv_heads, self.head_dim)
     q = ops.apply_rope(q, cos, sin, positions)
     k = ops.apply_rope(k, cos, sin, positions)
-    o = ops.attention(q, k, v, causal=True, implementation=self.attention_impl)
+    o = ops.attention(q, k, v, causal=True, implementation=self.attention_impl,
+                      residuals=self.attention_residuals)
     return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -138,12 +143,13 @@ class DecoderBlock(nnx.Module):
   def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
                head_dim: int, *, eps: float = 1e-6, mode: str = "bf16", dtype: Any = jnp.bfloat16,
                param_dtype: Any = jnp.float32, attention_impl: str | None = None,
-               rngs: nnx.Rngs):
+               attention_residuals: str = "bf16", rngs: nnx.Rngs):
     kw = dict(mode=mode, dtype=dtype, param_dtype=param_dtype)
     self.dtype = jnp.dtype(dtype)
     self.input_layernorm = RMSNorm(hidden_size, eps=eps, **kw)
     self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim,
-                               attention_impl=attention_impl, rngs=rngs, **kw)
+                               attention_impl=attention_impl,
+                               attention_residuals=attention_residuals, rngs=rngs, **kw)
     self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps, **kw)
     self.mlp = MLP(hidden_size, intermediate_size, rngs=rngs, **kw)
 
