@@ -218,9 +218,11 @@ def test_saved_activation_bytes_per_layer():
   print("saved residual bytes per layer (B=2, S=128, D=256, F=688): " +
         ", ".join(f"{m} {b} ({ratio[m]:.3f}x)" for m, b in saved.items()))
   # Measured in this setting (CPU, XLA attention under jax.checkpoint, bf16 compute): coat
-  # 0.389x (3019792 of 7755776 bytes); the bound sits ~5% above. fp8_linear keeps the same bf16
-  # inputs as bf16 (it only changes the GEMMs): 1.000x, and may never keep more.
-  assert ratio["coat"] <= 0.41, saved
+  # 0.752x (3019792 of 4015104 bytes); the bound sits ~5% above. (Before the bf16 RMSNorm and
+  # SwiGLU recomputed their float32 intermediates, bf16 kept 7755776 bytes and coat was 0.389x
+  # of that.) fp8_linear keeps the same bf16 inputs as bf16 (it only changes the GEMMs): 1.000x,
+  # and may never keep more.
+  assert ratio["coat"] <= 0.79, saved
   assert ratio["fp8_linear"] <= 1.0, saved
   # FP8-saved q, k, v (attention_residuals="fp8"): 1.25 instead of 2 bytes for each of their
   # 3 x B S D values; measured coat 0.370x of bf16.
