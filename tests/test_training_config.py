@@ -86,7 +86,7 @@ def test_precision_choices_come_from_coat_jax_precision():
     assert schema.load(None, [f"precision={p}"]).precision == p
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama-125m", "olmo-1b", "llama2-7b"])
+@pytest.mark.parametrize("name", ["tiny", "llama-125m", "olmo-1b", "llama2-7b", "llama2-13b"])
 def test_shipped_configs_load_and_round_trip(name):
   cfg = schema.load(REPO / "configs" / f"{name}.yaml")
   assert cfg.model.preset == name
