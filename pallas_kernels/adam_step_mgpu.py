@@ -41,9 +41,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.adam_operands import OUTPUTS, check_operands
 from pallas_kernels.rows_mgpu import ROW_QUANTUM, launch, pad_scalars
 
-OUTPUTS = ("param", "update")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -200,21 +200,9 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   Returns:
     (new param or update, m_q, m_amax, m_code, v_q, v_amax, v_code).
   """
-  if output not in OUTPUTS:
-    raise ValueError(f"adam_step_mgpu: output must be one of {OUTPUTS}, got {output!r}")
-  if param is None and output == "param":
-    raise ValueError("adam_step_mgpu: output='param' needs param")
-  like = grad if param is None else param
-  why = problem(like.shape, like.dtype, m_q.dtype, v_q.dtype, group_size)
-  if why is not None:
-    raise ValueError(f"adam_step_mgpu: {why}")
-  meta_shape = like.shape[:-1] + (like.shape[-1] // group_size,)
-  for name, a, shape in (("grad", grad, like.shape), ("m_q", m_q, like.shape),
-                         ("v_q", v_q, like.shape), ("m_amax", m_amax, meta_shape),
-                         ("m_code", m_code, meta_shape), ("v_amax", v_amax, meta_shape),
-                         ("v_code", v_code, meta_shape)):
-    if a.shape != shape:
-      raise ValueError(f"adam_step_mgpu: {name} has shape {a.shape}, expected {shape}")
+  like, meta_shape = check_operands(
+      "adam_step_mgpu", param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code,
+      group_size=group_size, output=output, problem=problem)
   if group_size % chunk or chunk % 8:
     raise ValueError(f"adam_step_mgpu: chunk {chunk} must divide G = {group_size} and be a "
                      f"multiple of 8")

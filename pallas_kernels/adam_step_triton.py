@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.adam_operands import OUTPUTS, check_operands
+
 try:  # GPU machines only
   import jax_triton as jt
   import triton
@@ -33,7 +35,6 @@ try:  # GPU machines only
 except ImportError:  # pragma: no cover - CPU machines
   jt = triton = tl = libdevice = None
 
-OUTPUTS = ("param", "update")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
@@ -167,21 +168,9 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   """
   if not available():
     raise ValueError("adam_step_triton: triton / jax-triton are not installed (GPU only)")
-  if output not in OUTPUTS:
-    raise ValueError(f"adam_step_triton: output must be one of {OUTPUTS}, got {output!r}")
-  if param is None and output == "param":
-    raise ValueError("adam_step_triton: output='param' needs param")
-  like = grad if param is None else param
-  why = problem(like.shape, like.dtype, m_q.dtype, v_q.dtype, group_size)
-  if why is not None:
-    raise ValueError(f"adam_step_triton: {why}")
-  meta_shape = like.shape[:-1] + (like.shape[-1] // group_size,)
-  for name, a, shape in (("grad", grad, like.shape), ("m_q", m_q, like.shape),
-                         ("v_q", v_q, like.shape), ("m_amax", m_amax, meta_shape),
-                         ("m_code", m_code, meta_shape), ("v_amax", v_amax, meta_shape),
-                         ("v_code", v_code, meta_shape)):
-    if a.shape != shape:
-      raise ValueError(f"adam_step_triton: {name} has shape {a.shape}, expected {shape}")
+  like, meta_shape = check_operands(
+      "adam_step_triton", param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code,
+      group_size=group_size, output=output, problem=problem)
   rows = like.size // group_size
   out_dtype = grad.dtype if output == "update" else param.dtype
   p_arg = grad if param is None else param

@@ -1,0 +1,32 @@
+"""Operand checks shared by the fused Adam step kernels (Mosaic GPU and jax-triton versions)."""
+from __future__ import annotations
+
+from typing import Callable
+
+OUTPUTS = ("param", "update")
+
+
+def check_operands(kernel: str, param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *,
+                   group_size: int, output: str,
+                   problem: Callable[..., str | None]) -> tuple:
+  """Raises ValueError naming `kernel` and the problem; returns (like, meta_shape).
+
+  like: the array that fixes the shapes (param, or grad when there is no param);
+  meta_shape: the per-group metadata shape (..., N / group_size).
+  """
+  if output not in OUTPUTS:
+    raise ValueError(f"{kernel}: output must be one of {OUTPUTS}, got {output!r}")
+  if param is None and output == "param":
+    raise ValueError(f"{kernel}: output='param' needs param")
+  like = grad if param is None else param
+  why = problem(like.shape, like.dtype, m_q.dtype, v_q.dtype, group_size)
+  if why is not None:
+    raise ValueError(f"{kernel}: {why}")
+  meta_shape = like.shape[:-1] + (like.shape[-1] // group_size,)
+  for name, a, shape in (("grad", grad, like.shape), ("m_q", m_q, like.shape),
+                         ("v_q", v_q, like.shape), ("m_amax", m_amax, meta_shape),
+                         ("m_code", m_code, meta_shape), ("v_amax", v_amax, meta_shape),
+                         ("v_code", v_code, meta_shape)):
+    if a.shape != shape:
+      raise ValueError(f"{kernel}: {name} has shape {a.shape}, expected {shape}")
+  return like, meta_shape
