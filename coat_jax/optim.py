@@ -56,6 +56,7 @@ from coat_jax import expansion, formats, kernels
 from coat_jax.adam_math import adam_step_reference
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
+from coat_jax.rounding import ROUNDINGS, round_to
 
 __all__ = ["CoatAdamWState", "ExpandedMoment", "adam_step_reference", "coat_adamw",
            "coat_adamw_apply", "optimizer_state_bytes", "state_shardings"]
@@ -173,9 +174,22 @@ def coat_adamw_apply(learning_rate: float | optax.Schedule, *args,
   in apply_updates (12 fewer bytes per float32 param). Being no GradientTransformation, it does
   not compose with optax wrappers (chain, apply_if_finite, MultiSteps, ...): clip or check the
   gradients before calling it. Params are required.
+
+  One more keyword, for bfloat16 master weights (2 instead of 4 bytes per parameter):
+    master_rounding: "nearest" (default) or "stochastic". With "stochastic", a bfloat16 param's
+      new value is computed in float32 and rounded to bfloat16 stochastically
+      (`coat_jax.rounding`: rounds up with probability equal to the dropped fraction, bits from a
+      hash of (element, step, leaf), so E[new param] is the float32 result and updates below half
+      a bfloat16 ulp are kept in expectation instead of lost). Other dtypes round to nearest.
+      The leaf's step then runs on a float32 copy of the param (the rounding is not yet inside
+      the fused kernel).
   """
+  rounding = kwargs.pop("master_rounding", "nearest")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"coat_adamw_apply: master_rounding must be one of {ROUNDINGS}, "
+                     f"got {rounding!r}")
   _, step_fn = _coat_adamw_fns(learning_rate, *args, **kwargs)
-  return functools.partial(step_fn, output="param")
+  return functools.partial(step_fn, output="param", master_rounding=rounding)
 
 
 def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None, *,
@@ -206,7 +220,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
     nu = jax.tree.map(lambda p: init_moment(p, v_fmt), params)
     return CoatAdamWState(jnp.zeros([], jnp.int32), mu, nu)
 
-  def step_fn(updates, state, params=None, *, output):
+  def step_fn(updates, state, params=None, *, output, master_rounding="nearest"):
     """output="update": (updates, state), optax's update_fn. "param": (new params, state)."""
     if params is None and output == "param":
       raise ValueError("coat_adamw_apply: params are required")
@@ -223,17 +237,24 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       if decay is None:
         decay = jax.tree.map(lambda _: True, params)
 
-    def leaf(g, p, m, v, use_decay):
-      return _leaf_update(g, p, m, v, output=output, lr=lr, b1=b1, b2=b2, eps=eps,
-                          weight_decay=weight_decay if use_decay else 0.0, count=count,
-                          m_format=m_fmt, v_format=v_fmt, expand=expand, **qargs)
+    def leaf(g, p, m, v, use_decay, index):
+      stochastic = (master_rounding == "stochastic" and p is not None
+                    and p.dtype == jnp.dtype(jnp.bfloat16))
+      out = _leaf_update(g, p.astype(jnp.float32) if stochastic else p, m, v, output=output,
+                         lr=lr, b1=b1, b2=b2, eps=eps,
+                         weight_decay=weight_decay if use_decay else 0.0, count=count,
+                         m_format=m_fmt, v_format=v_fmt, expand=expand, **qargs)
+      if stochastic:
+        out = (round_to(out[0], p.dtype, "stochastic", step=count, seed=index),) + tuple(out[1:])
+      return out
 
     g_leaves, treedef = jax.tree.flatten(updates)
     p_leaves = treedef.flatten_up_to(params_or_none)
     m_leaves = treedef.flatten_up_to(state.mu)
     v_leaves = treedef.flatten_up_to(state.nu)
     d_leaves = treedef.flatten_up_to(decay)
-    out = [leaf(*args) for args in zip(g_leaves, p_leaves, m_leaves, v_leaves, d_leaves)]
+    out = [leaf(*args, i) for i, args in enumerate(zip(g_leaves, p_leaves, m_leaves, v_leaves,
+                                                       d_leaves))]
     new_updates = treedef.unflatten([o[0] for o in out])
     mu = treedef.unflatten([o[1] for o in out])
     nu = treedef.unflatten([o[2] for o in out])

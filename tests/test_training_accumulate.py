@@ -70,3 +70,24 @@ def test_accumulate_must_divide_the_batch_per_shard():
     schema.load(None, ["optimizer.accumulate=0"])
   with pytest.raises(ValueError, match="accumulate_dtype"):
     schema.load(None, ["optimizer.accumulate_dtype=float16"])
+
+
+def test_bf16_master_weights_with_stochastic_rounding_train():
+  """model.param_dtype=bfloat16 + optimizer.master_rounding=stochastic: a coat run's loss falls."""
+  mesh = mesh_lib.make_mesh(schema.MeshConfig(data=1), jax.devices()[:1])
+  base = ["precision=coat", "optimizer.name=coat_adamw", "optimizer.min_quantized_size=256",
+          "optimizer.group_size=32", "model.param_dtype=bfloat16",
+          "optimizer.master_rounding=stochastic"]
+  cfg = schema.load(REPO / "configs" / "tiny.yaml", SMALL + base)
+  built = build_lib.build(cfg, mesh, vocab_size=256)
+  params, opt_state, rest = built.init()
+  assert all(p.dtype == jax.numpy.bfloat16 for p in jax.tree.leaves(params))
+  tokens = mesh_lib.put_batch(np.random.default_rng(SEED).integers(0, 256, (8, 17), dtype=np.int32),
+                              built.batch_sharding)
+  losses = []
+  for _ in range(6):  # the same batch: the loss must fall
+    params, opt_state, rest, out = built.train_step(params, opt_state, rest, tokens)
+    losses.append(float(out["loss"]))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.05, losses
+  with pytest.raises(ValueError, match="master_rounding"):
+    schema.load(None, ["optimizer.master_rounding=stochastic"])  # adamw: not supported

@@ -135,7 +135,7 @@ def build_apply(opt: OptimizerConfig, tx, schedule):
     return optax_apply(tx)
   from coat_jax.optim import coat_adamw_apply
   args, kwargs = _coat_arguments(opt)
-  core = coat_adamw_apply(schedule, *args, **kwargs)
+  core = coat_adamw_apply(schedule, *args, master_rounding=opt.master_rounding, **kwargs)
   clip = optax.clip_by_global_norm(opt.clip) if opt.clip > 0 else None
 
   def apply(grads, opt_state, params):

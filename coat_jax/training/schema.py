@@ -25,6 +25,7 @@ import yaml
 from coat_jax.formats import OPTIMIZER_GROUP_SIZE
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
+from coat_jax.rounding import ROUNDINGS
 from coat_jax.training.accumulate import ACCUM_DTYPES
 
 OPTIMIZERS = ("adamw", "coat_adamw")
@@ -82,6 +83,8 @@ class OptimizerConfig:
   `accumulate`: microbatches per optimizer step (gradient accumulation); `data.batch_size` is the
   global batch of one step and is split into `accumulate` microbatches, run one after another, with
   the gradient sum kept in `accumulate_dtype` ("float32" or "bfloat16").
+  `master_rounding`: "nearest" or "stochastic" rounding of bfloat16 master weights
+  (`model.param_dtype: bfloat16`) in coat_adamw's step (`coat_jax.rounding`).
   """
   name: str = "adamw"
   lr: float = 3e-3
@@ -102,6 +105,7 @@ class OptimizerConfig:
   min_quantized_size: int = 4096
   accumulate: int = 1
   accumulate_dtype: str = "float32"
+  master_rounding: str = "nearest"
 
 
 @dataclasses.dataclass
@@ -204,6 +208,10 @@ def validate(cfg: RunConfig) -> RunConfig:
   _one_of(o.m_format, FP8_STATE_FORMATS, "optimizer.m_format")
   _one_of(o.v_format, FP8_STATE_FORMATS, "optimizer.v_format")
   _one_of(o.accumulate_dtype, ACCUM_DTYPES, "optimizer.accumulate_dtype")
+  _one_of(o.master_rounding, ROUNDINGS, "optimizer.master_rounding")
+  if o.master_rounding != "nearest" and o.name != "coat_adamw":
+    raise ValueError(f"optimizer.master_rounding={o.master_rounding!r} needs "
+                     f"optimizer.name='coat_adamw' (got {o.name!r})")
   positive = {"optimizer.lr": o.lr, "optimizer.group_size": o.group_size,
               "optimizer.expand_min": o.expand_min, "optimizer.accumulate": o.accumulate,
               "data.seq_len": cfg.data.seq_len, "data.batch_size": cfg.data.batch_size,
