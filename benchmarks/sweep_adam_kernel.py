@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from _common import time_calls
-from coat_jax import adam_math, expansion, formats
+from coat_jax import formats, kernels
 from coat_jax.expansion import quantize_expanded
 from pallas_kernels import adam_step as pk
 
@@ -34,16 +33,8 @@ M_FORMAT = V_FORMAT = "e4m3"
 GROUP = formats.OPTIMIZER_GROUP_SIZE   # 128
 
 
-def format_limits(m_format: str, v_format: str) -> dict:
-  """The format limits `coat_jax.kernels.coat_adam_step` passes to the kernel (same values)."""
-  return dict(m_log2_range=math.log2(expansion.expansion_range(formats.get_format(m_format))),
-              v_log2_range=math.log2(expansion.expansion_range(formats.get_format(v_format))),
-              floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
-              grad_clamp=adam_math.GRAD_CLAMP)
-
-
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, count=7, group_size=GROUP,
-             expand=True, expand_min=16, **format_limits(M_FORMAT, V_FORMAT))
+             expand=True, expand_min=16, **kernels.adam_kernel_limits(M_FORMAT, V_FORMAT))
 
 
 def _pow2_divisor(n: int, cap: int) -> int:

@@ -216,6 +216,17 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
 
 
+def adam_kernel_limits(m_format, v_format) -> dict:
+  """The format limits the fused Adam kernel takes as arguments (pallas_kernels import no
+  coat_jax): log2 of each moment format's expansion range, the amax floor, the largest k code
+  and the gradient clamp."""
+  mf, vf = formats.get_format(m_format), formats.get_format(v_format)
+  return dict(m_log2_range=math.log2(expansion.expansion_range(mf)),
+              v_log2_range=math.log2(expansion.expansion_range(vf)),
+              floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
+              grad_clamp=adam_math.GRAD_CLAMP)
+
+
 def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
                    v_format, group_size, expand, expand_min, output="param"):
   """See `coat_jax.adam_math.adam_step_reference`: (new_param or update, new_m, new_v), one leaf.
@@ -231,17 +242,13 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
   if (use_pallas("adam") and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)):
     from pallas_kernels import adam_step as pk
     if pk.supported(like, group_size):
-      mf, vf = formats.get_format(m_format), formats.get_format(v_format)
       # fast_math: MUFU approximations (errors ~2^-22, far below FP8 rounding); alias: new param
       # and moments written over the old ones, in place when the caller donates them (a jitted
       # train step with donated state does). On the H100 (one 1.21e9 leaf) the pair took the
       # step from 17.4 to 7.1 ms (benchmarks/sweep_adam_kernel.py).
       static = dict(group_size=group_size, expand=expand, expand_min=expand_min, output=output,
-                    m_log2_range=math.log2(expansion.expansion_range(mf)),
-                    v_log2_range=math.log2(expansion.expansion_range(vf)),
-                    floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
-                    grad_clamp=adam_math.GRAD_CLAMP, interpret=interpret_mode(),
-                    fast_math=True, alias=True)
+                    interpret=interpret_mode(), fast_math=True, alias=True,
+                    **adam_kernel_limits(m_format, v_format))
       # Python numbers stay static (as in the reference, 1 - b1 is then exact in float64 before
       # rounding); arrays (schedules, inject_hyperparams, count) are replicated scalar operands.
       hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count)
