@@ -1,24 +1,14 @@
 """A checkpoint written on a 2-device FSDP mesh resumes on 1 device and continues the same run."""
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
-from coat_jax.training import schema
 from coat_jax.training.loop import run
+from tests.test_train import mini
 
-REPO = Path(__file__).resolve().parents[1]
-MINI = [
-    "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_heads=4",
-    "model.num_kv_heads=2", "model.max_seq_len=32", "model.dtype=float32",
-    "data.vocab_size=512", "data.corpus_max_bytes=150000", "data.seq_len=32", "data.batch_size=8",
-    "data.eval_batches=1", "optimizer.warmup=1", "optimizer.lr=1e-2", "run.progress=false",
-    "run.log_every=1", "run.eval_every=0", "run.tensorboard=false", "run.plot=false",
-    "checkpoint.async_save=false", 'run.compile_cache=""', "run.steps=6",
-    "precision=coat", "optimizer.name=coat_adamw", "optimizer.min_quantized_size=256",
-    "optimizer.group_size=32",
-]
+# The minuscule run of tests/test_train.py, in coat mode, logging every step.
+COAT = ["run.log_every=1", "data.eval_batches=1", "run.steps=6", "precision=coat",
+        "optimizer.name=coat_adamw", "optimizer.min_quantized_size=256", "optimizer.group_size=32"]
 QUIET = lambda _: None
 
 
@@ -29,8 +19,7 @@ def cache(tmp_path_factory):
 
 def test_two_device_fsdp_checkpoint_resumes_on_one_device(cache, tmp_path):
   def cfg(out, *mesh):
-    return schema.load(REPO / "configs" / "tiny.yaml",
-                       MINI + [f"data.cache_dir={cache}", f"run.out_dir={out}", *mesh])
+    return mini(cache, out, *COAT, *mesh)
 
   two = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1"]
   one = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
