@@ -31,7 +31,9 @@ shape: hidden 256, 4 layers, 4 heads / 2 KV heads) this script
 2. Optimizer-state formats: m/v format (the same for both) in {E4M3, E5M2, INT8} x expansion
    on/off: (a) quantization error (relative MSE, float64) of REAL Adam moments, the float32 m and v
    of an optax.adamw run of this model (seed 0, --format-lr), per tensor over the tensors
-   coat_adamw quantizes, with coat_jax.expansion's quantize/dequantize; geometric mean over tensors
+   coat_adamw quantizes, with coat_jax.expansion's quantize/dequantize (codes materialised
+   between two jits, and checked first against a float64 numpy quantizer: _common.py says why);
+   geometric mean over tensors
    and pooled; (b) the final loss of a --format-steps run with coat_adamw in that format (model
    in --format-precision, bf16 by default, so only the optimizer state differs from the adamw run).
 
@@ -52,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import statistics
@@ -64,8 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import MODE_COLORS, Budget, pyplot, save_figure
-from coat_jax import expansion
+from _common import (MODE_COLORS, Budget, check_moment_round_trip, moment_round_trip, pyplot,
+                     save_figure)
 from coat_jax.training import build as build_lib, mesh as mesh_lib, schema
 from coat_jax.training.dataset import TokenDataset
 
@@ -178,19 +179,15 @@ def make_hessian_lmax(parts: build_lib.ModelParts, iters: int):
   return lmax
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _round_trip(x, fmt, group_size, expand_min, expand):
-  q = expansion.quantize_expanded(x, fmt, group_size, expand_min, expand)
-  return expansion.dequantize_expanded(q, fmt, group_size, expand_min)
-
-
 def quant_error(x: np.ndarray, fmt: str, group_size: int, expand_min: int,
                 expand: bool) -> tuple[float, float, int, int]:
   """(sum (x - deq(q(x)))^2, sum x^2, #non-zero x flushed to 0, #non-zero x), float64 sums.
 
-  Uses coat_jax.expansion's compact form, as coat_adamw stores its moments.
+  Uses coat_jax.expansion's compact form, as coat_adamw stores its moments, with the FP8 codes
+  materialised between two jits (_common.moment_round_trip: inside one jit XLA GPU drops the
+  rounding).
   """
-  out = np.asarray(_round_trip(jnp.asarray(x), fmt, group_size, expand_min, expand), np.float64)
+  out = moment_round_trip(x, fmt, group_size, expand_min, expand)
   x64 = np.asarray(x, np.float64)
   nz = x64 != 0
   return (float(np.sum((out - x64) ** 2)), float(np.sum(x64 ** 2)), int(np.sum(nz & (out == 0))),
@@ -366,6 +363,9 @@ def run_formats(study: Study, args, budget: Budget) -> dict:
   out = {"lr": args.format_lr, "steps": args.format_steps or args.steps, "precision": args.format_precision,
          "group_size": opt.group_size, "expand_min": opt.expand_min, "rows": []}
   ref_name = f"{args.format_precision}+adamw"
+  for fmt in args.formats:  # aborts (one line) if this device does not really round to fmt
+    out.setdefault("round_trip_check", {})[fmt] = {
+        f"expand={e}": v for e, v in check_moment_round_trip(fmt, opt.group_size, opt.expand_min).items()}
   if budget.left() < 30:
     say("[formats] skipped: no time left")
     return out
@@ -473,7 +473,8 @@ def markdown(args, runs: list[dict], formats: dict | None, meta: dict) -> str:
                    f"{r['m_rel_mse_geomean']:.2e} ({r['m_rel_mse_pooled']:.1e}) | "
                    f"{r['v_rel_mse_geomean']:.2e} ({r['v_rel_mse_pooled']:.1e}) | "
                    f"{100 * r['m_flushed_frac']:.2f}% | {100 * r['v_flushed_frac']:.2f}% | "
-                   f"{_f(r.get('final_loss'), '.4f')} | {_f(d, '+.4f')} | {_f(r.get('eval_loss'), '.4f')} |")
+                   + ("skipped (time budget) | | |" if r.get("skipped_run") else
+                      f"{_f(r.get('final_loss'), '.4f')} | {_f(d, '+.4f')} | {_f(r.get('eval_loss'), '.4f')} |"))
   return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,12 +61,19 @@ def saturating_cast(x: jnp.ndarray, fmt: str | Format) -> jnp.ndarray:
   A plain cast to float8_e4m3fn turns anything above 448 into NaN and float8_e5m2 overflows to
   inf; this clamps instead (round-to-nearest-even for the floats, round-half-even for int8).
   NaN inputs stay NaN for the float formats (they are never silently clamped into range).
+
+  The FP8 result passes an optimization barrier: inside one jit, XLA GPU (with
+  xla_allow_excess_precision, its default) replaces a chain convert(convert(x, f8), f32) by x
+  (pass simplify-fp-conversions), so a value quantized and dequantized in the same program would
+  silently skip the rounding (and keep the wider tensor alive instead of the FP8 one). The
+  barrier ends such chains; the barrier is removed only after those passes, and it costs
+  nothing where the codes are written to memory anyway (saved residuals, GEMM operands, state).
   """
   f = get_format(fmt)
   x = jnp.clip(x, -f.max, f.max)
   if not f.is_float:
-    x = jnp.round(x)
-  return x.astype(f.dtype)
+    return jnp.round(x).astype(f.dtype)
+  return jax.lax.optimization_barrier(x.astype(f.dtype))
 
 
 def fp8_dtypes() -> tuple[np.dtype, ...]:

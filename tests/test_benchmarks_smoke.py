@@ -52,7 +52,7 @@ def test_logit_sharpness_is_the_maximum_over_the_box(rng):
 def test_quant_error_of_a_moment(rng):
   x = (rng.standard_normal((8, 256)) * np.exp(rng.uniform(-4, 4, (8, 1)))).astype(np.float32)
   err, ss, flushed, nonzero = stability.quant_error(x ** 2, "e4m3", 128, 16, True)
-  assert 0 < err / ss < 1e-2 and 0 <= flushed <= nonzero == x.size
+  assert 1e-5 < err / ss < 1e-2 and 0 <= flushed <= nonzero == x.size   # rounded, not skipped
 
 
 def test_e2e_child_and_table(capsys):

@@ -12,6 +12,7 @@ from coat_jax.training import dataset as data_lib
 from coat_jax.models.llama import LlamaConfig
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))   # as when the script runs: it imports _common
 _spec = importlib.util.spec_from_file_location("bench_group_axis", REPO / "benchmarks" / "group_axis.py")
 group_axis = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = group_axis
