@@ -40,10 +40,12 @@ shape: hidden 256, 4 layers, 4 heads / 2 KV heads) this script
 Outputs in --out: stability.json (every run's loss curve and metrics), stability.md (tables),
 stability.png (loss curves per lr, bf16 vs coat, and logit sharpness over training).
 
-GPU (H100; tiny model, 18 sweep runs of 400 steps + 7 format runs; ~5-6 min, mostly compiles):
-  python benchmarks/stability.py --out $OUT/stability --seconds-budget 450
-or as two commands of ~3 min each, with different --out directories (each writes its own
-stability.json/md): --parts sweep  /  --parts formats.
+GPU (H100, 2026-11-23: the sweep of 3 modes x 3 seeds x 3 lrs took 218 s, mostly compiles, and
+left no time for the format runs within --seconds-budget 270), so as two commands with different
+--out directories (each writes its own stability.json/md):
+  python benchmarks/stability.py --modes bf16+adamw,fp8_linear+adamw,coat+coat_adamw \
+      --parts sweep --out $OUT/stab --seconds-budget 270
+  python benchmarks/stability.py --parts formats --out $OUT/stabf --seconds-budget 330
 CPU smoke (~55 s on 2 busy cores):
   JAX_PLATFORMS=cpu python benchmarks/stability.py --out /tmp/stab_smoke --steps 8 \\
       --seq-len 32 --batch 4 --seeds 0 --lrs 3e-3,3e-1 --sharpness-every 4 \\
@@ -462,7 +464,11 @@ def markdown(args, runs: list[dict], formats: dict | None, meta: dict) -> str:
               f"flushed to 0 under a non-zero m gives an update of m / eps). Final "
               f"loss: mean train loss of the last {LAST_K} steps of a {formats['steps']}-step "
               f"{formats['precision']}+coat_adamw run; float32 moments (optax.adamw): "
-              f"{_f(ref.get('final_loss'), '.4f')} (eval {_f(ref.get('eval_loss'), '.4f')}).", "",
+              f"{_f(ref.get('final_loss'), '.4f')} (eval {_f(ref.get('eval_loss'), '.4f')}). "
+              f"Round trips checked on this device against a float64 numpy quantizer (relative "
+              f"MSE of a sample, ours / numpy): " + "; ".join(
+                  f"{fmt} " + ", ".join(f"{k} {a:.2e} / {b:.2e}" for k, (a, b) in v.items())
+                  for fmt, v in formats.get("round_trip_check", {}).items()) + ".", "",
               "| format | expand | m rel MSE | v rel MSE | m flushed | v flushed | final train loss | "
               "Δ vs fp32 moments | eval loss |",
               "|---|---|---|---|---|---|---|---|---|"]
