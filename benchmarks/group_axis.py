@@ -182,6 +182,9 @@ def train_and_measure(cfg: LlamaConfig, ds: data_lib.TokenDataset, *, steps: int
 def markdown(meta: dict, result: dict) -> str:
   lines = [f"# Group axis of the FP8 moments ({meta['format']}, G = {meta['group_size']})", "",
            f"{meta['model']}; {meta['run']}; device {meta['device']}; command `{meta['command']}`.",
+           "Round trip checked on this device against a float64 numpy quantizer (relative MSE of "
+           "a sample, ours / numpy): " + ", ".join(
+               f"{k} {a:.2e} / {b:.2e}" for k, (a, b) in meta.get("round_trip_check", {}).items()) + ".",
            "Relative MSE sum (x - deq)^2 / sum x^2 of optax.adamw's float32 m and v after a "
            "quantize/dequantize round trip: geometric mean over the tensors (pooled in brackets). "
            "**last** = groups along the kernel's last axis (output features; coat_adamw today), "
