@@ -12,9 +12,10 @@ copies; one block at the end), as a training loop that does not wait for each st
 host's dispatch of a call overlaps the previous call's GPU work. --profile also prints each
 optimizer's top GPU kernels (device time per step) and counts the copies in its compiled HLO.
 
-Rows (--rows picks some): optax.adamw; optax.adamw and coat_adamw after clip_by_global_norm in an
-optax chain (the README's first example; coat_adamw writes the update, optax.apply_updates adds
-it); coat_adamw_apply (one pass writing the params). "per leaf": one kernel launch per parameter
+Rows (--rows picks some; the default leaves out the per-leaf chains and the jnp reference):
+optax.adamw; coat_adamw (writes the update, optax.apply_updates adds it); optax.adamw and
+coat_adamw after clip_by_global_norm in an optax chain (the README's first example);
+coat_adamw_apply (one pass writing the params). "per leaf": one kernel launch per parameter
 (kernel family adam_tree=reference); "tree": the tree kernel (pallas_kernels/adam_tree_triton.py,
 a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again).
 
@@ -130,6 +131,10 @@ CONFIGS = {
     "optax": ("optax.adamw", lambda: optax.adamw(1e-3, weight_decay=1e-4), "reference", 0),
     "optax_chain": ("chain(clip, optax.adamw)",
                     lambda: _chain(optax.adamw(1e-3, weight_decay=1e-4)), "reference", 4),
+    "coat_leaf": ("coat_adamw + apply_updates, per leaf", lambda: coat_adamw(1e-3),
+                  "adam=pallas,adam_tree=reference", 12),
+    "coat_tree": ("coat_adamw + apply_updates, tree", lambda: coat_adamw(1e-3), "adam=pallas",
+                  12),
     "chain_leaf": ("chain(clip, coat_adamw), per leaf", lambda: _chain(coat_adamw(1e-3)),
                    "adam=pallas,adam_tree=reference", 4 + 8 + 12),
     "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3)),
@@ -140,7 +145,7 @@ CONFIGS = {
     "apply_jnp": ("coat_adamw_apply, jnp reference", lambda: coat_adamw_apply(1e-3),
                   "reference", 0),
 }
-DEFAULT_ROWS = [k for k in CONFIGS if k != "apply_jnp"]
+DEFAULT_ROWS = ["optax", "optax_chain", "coat_tree", "chain_tree", "apply_leaf", "apply_tree"]
 
 
 def main():
