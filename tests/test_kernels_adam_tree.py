@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from coat_jax import adam_math, expansion, kernels, optim
 from pallas_kernels import adam_tree_triton as tk
+from tests.test_kernels_adam import _compare as compare_steps
 from tests.test_kernels_adam_mgpu import EM, G, HYPER, _code_steps, _log2_range, _np_quantize, \
     _np_step, _state
 
@@ -159,6 +160,91 @@ def test_dispatch_without_tree_kernel_is_the_per_leaf_reference(rng):
     kernels.coat_adam_tree_step(ps, gs, ms, vs, decay[:2], count=count, **STEP)
 
 
+def test_tree_step_operands_aliases_and_results(monkeypatch):
+  """tree_step's wiring, with the launch recorded instead of run (no GPU here): leaves split into
+  launches by dtype and max_leaves, each leaf's 8 operands in the kernel's order, param and
+  moments aliased to their outputs, the grid = the table's last prefix sum, and each leaf given
+  back its own 7 outputs."""
+  calls = []
+
+  class FakeJT:
+    @staticmethod
+    def triton_call(*operands, kernel, out_shape, grid, input_output_aliases, **meta):
+      calls.append(dict(operands=operands, kernel=kernel, grid=grid,
+                        aliases=input_output_aliases, meta=meta))
+      return [jnp.full(o.shape, 10 * len(calls) + k, o.dtype) for k, o in enumerate(out_shape)]
+
+  monkeypatch.setattr(tk, "available", lambda: True)
+  monkeypatch.setattr(tk, "_kernel", lambda rows, starts, decay: (rows, starts, decay))
+  monkeypatch.setattr(tk.single, "jt", FakeJT)
+  f8, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+  shapes = [(4, 128), (3, 256), (40, 128)]
+  grad_dtypes = [jnp.float32, jnp.bfloat16, jnp.float32]
+  ps = [jnp.zeros(s, jnp.float32) for s in shapes]
+  gs = [jnp.ones(s, d) for s, d in zip(shapes, grad_dtypes)]
+  meta = lambda s: s[:-1] + (s[-1] // G,)
+  ms = [(jnp.zeros(s, f8), jnp.ones(meta(s)), jnp.ones(meta(s), jnp.uint8)) for s in shapes]
+  vs = [(jnp.zeros(s, e5), jnp.ones(meta(s)), jnp.ones(meta(s), jnp.uint8)) for s in shapes]
+  out = tk.tree_step(ps, gs, ms, vs, [True, True, False], count=jnp.int32(1), m_fmax=448.0,
+                     v_fmax=57344.0, m_log2_range=16.6, v_log2_range=30.0, group_size=G,
+                     expand=True, expand_min=EM, block=16, **HYPER)
+  assert len(calls) == 2                       # the bf16-gradient leaf gets its own launch
+  first, second = calls
+  assert first["kernel"] == ((4, 40), (0, 1, 4), (True, False)) and first["grid"] == (4,)
+  assert second["kernel"] == ((6,), (0, 1), (True,)) and second["grid"] == (1,)
+  ops = first["operands"]
+  assert ops[1] is ps[0] and ops[2] is gs[0] and ops[3:9] == (*ms[0], *vs[0])
+  assert ops[9] is ps[2] and ops[10] is gs[2]
+  assert first["aliases"] == {1: 0, 3: 1, 4: 2, 5: 3, 6: 4, 7: 5, 8: 6,
+                              9: 7, 11: 8, 12: 9, 13: 10, 14: 11, 15: 12, 16: 13}
+  assert first["meta"]["HAS_PARAM"] and first["meta"]["M_FMAX"] == 448.0
+  for i, launch_no, j in ((0, 1, 0), (2, 1, 1), (1, 2, 0)):
+    o, m3, v3 = out[i]
+    got = [o, *m3, *v3]
+    want = [jnp.asarray(10 * launch_no + 7 * j + k, a.dtype) for k, a in enumerate(got)]
+    assert all(np.asarray(a.ravel()[0], np.float32) == np.asarray(w, np.float32)
+               for a, w in zip(got, want))
+    assert got[0].shape == shapes[i] and got[2].shape == meta(shapes[i])
+    assert got[1].dtype == f8 and got[4].dtype == e5 and got[3].dtype == jnp.uint8
+
+
+def test_dispatch_hands_quantized_leaves_to_the_tree_kernel(rng, monkeypatch):
+  """Where the tree kernel is in use (faked here: it returns the reference's step), the dispatch
+  gives it the quantized leaves with the formats' limits, and wraps its moments back."""
+  ps, gs, ms, vs = _tree_inputs(rng, [(2, 256), (7,), (1, 128)])
+  vs = [expansion.quantize_expanded(expansion.dequantize_expanded(v, "e4m3", G, EM), "e5m2", G,
+                                    EM, True) if i != 1 else v for i, v in enumerate(vs)]
+  step = dict(STEP, v_format="e5m2")
+  seen = {}
+
+  def fake_tree_step(params, grads, m_states, v_states, decay, **kw):
+    seen.update(kw, n=len(grads), decay=decay)
+    outs = []
+    for p, g, m, v, d in zip(params, grads, m_states, v_states, decay):
+      o, m2, v2 = adam_math.adam_step_reference(
+          p, g, expansion.ExpandedMoment(*m), expansion.ExpandedMoment(*v), count=kw["count"],
+          **dict(step, weight_decay=kw["weight_decay"] * d))
+      outs.append((o, tuple(m2), tuple(v2)))
+    return outs
+
+  monkeypatch.setattr(kernels, "_tree_kernel_leaves", lambda *a: [0, 2])
+  monkeypatch.setattr(tk, "tree_step", fake_tree_step)
+  got = kernels.coat_adam_tree_step(ps, gs, ms, vs, [True, True, False], count=jnp.int32(1),
+                                    **step)
+  assert seen["n"] == 2 and seen["decay"] == [True, False]
+  assert (seen["m_fmax"], seen["v_fmax"], seen["max_k_code"]) == (448.0, 57344.0,
+                                                                   expansion.MAX_K_CODE)
+  assert seen["grad_clamp"] == adam_math.GRAD_CLAMP and seen["fast_math"] and seen["alias"]
+  assert seen["v_log2_range"] > seen["m_log2_range"] > 0
+  for i in range(3):
+    want = adam_math.adam_step_reference(ps[i], gs[i], ms[i], vs[i], count=jnp.int32(1), **dict(
+        step, weight_decay=step["weight_decay"] * (i < 2)))
+    assert type(got[i][1]) is type(want[1])
+    for a, b in zip(jax.tree.leaves(got[i]), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=1e-6)
+
+
 def test_tree_step_refuses_clearly_without_jax_triton():
   if tk.available():
     pytest.skip("jax-triton is installed here")
@@ -226,11 +312,14 @@ def test_gpu_tree_matches_float64_reference(output):
     base = out - (p if output == "param" else 0)
     rel = np.linalg.norm(o - (p if output == "param" else 0) - base) / np.linalg.norm(base)
     assert rel < 1e-4
+    # Fast math (MUFU log2 / exp2, ~2^-22): tolerances of the Pallas kernel's fast-math test.
     for q, a, k, (gq, ga, gk) in ((mq, ma, mk, m3), (vq, va, vk, v3)):
-      np.testing.assert_allclose(ga, a, rtol=1e-5)
-      assert np.mean(gk == k) > 0.99
-      same_k = np.repeat(gk == k, G, axis=-1).reshape(q.shape)
-      assert _code_steps(gq, q)[same_k].max() <= 1
+      np.testing.assert_allclose(ga, a, rtol=5e-5)
+      dk = np.abs(gk.astype(np.int32) - k.astype(np.int32))
+      assert dk.max() <= 1 and np.mean(dk == 0) >= 0.95
+      same_k = np.repeat(dk == 0, G, axis=-1).reshape(q.shape)
+      steps = _code_steps(gq, q)[same_k]
+      assert steps.max() <= 1 and np.mean(steps == 0) >= 0.99
 
 
 @pytest.mark.gpu
@@ -252,7 +341,7 @@ def test_gpu_coat_adamw_apply_takes_one_launch_for_the_tree(rng):
   assert results["auto"][0] == 1 and results["adam_tree=reference"][0] == 0
   (p1, s1), (p0, s0) = results["auto"][1], results["adam_tree=reference"][1]
   for n in shapes:
-    np.testing.assert_allclose(np.asarray(p1[n]), np.asarray(p0[n]), rtol=0, atol=1e-6)
-    for a, b in ((s1.mu[n], s0.mu[n]), (s1.nu[n], s0.nu[n])):
-      if isinstance(a, optim.ExpandedMoment):
-        assert _code_steps(np.asarray(a.data), np.asarray(b.data)).max() <= 1
+    if n == "bias":   # float32 moments: the jnp step on both paths
+      np.testing.assert_allclose(np.asarray(p1[n]), np.asarray(p0[n]), rtol=1e-6)
+      continue
+    compare_steps((p1[n], s1.mu[n], s1.nu[n]), (p0[n], s0.mu[n], s0.nu[n]), params[n])
