@@ -7,9 +7,9 @@ static prefix sum of the leaves' row-block counts (`plan`):
   leaf j owns program ids [start_j, start_j + ceil(rows_j / BLOCK)),  start_0 = 0,
   start_{j+1} = start_j + ceil(rows_j / BLOCK);   grid = start_n.
 
-The generated kernel (`_kernel_source`) selects the leaf's pointers, row count and decay flag by
-comparing the program id with these constants (scalar selects, one per leaf) and runs `adam_rows`
-once, on that leaf's own buffers: leaves of any shapes share a launch (one launch per set of
+The generated kernel (`_kernel_source`) finds a program's leaf by a binary search of the program id
+over these constants (ceil(log2 n) uniform branches), which set the leaf's pointers, row count and
+decay flag, and runs `adam_rows` once, on that leaf's own buffers: leaves of any shapes share a launch (one launch per set of
 dtypes) and no leaf is copied or packed. Every leaf passes 15 pointers (8 inputs, 7 outputs); a CUDA kernel's
 parameters had to fit in 4 KB before CUDA 12.1, so a launch takes at most MAX_LEAVES leaves
 (`plan` splits longer trees into evenly sized launches: 62 leaves -> 2 launches of 31).
@@ -93,27 +93,37 @@ _STATIC = ("G", "BLOCK", "HAS_PARAM", "OUT_PARAM", "M_FMAX", "V_FMAX", "M_LOG2R"
 
 def _kernel_source(rows: tuple[int, ...], starts: tuple[int, ...],
                    decay: tuple[bool, ...]) -> str:
-  """Python source of the launch's Triton kernel: program id -> (leaf, row block) by the
-  constants of `plan` (a scalar select per leaf), then one `adam_rows` on that leaf's pointers."""
+  """Python source of the launch's Triton kernel: program id -> (leaf, row block) by a binary
+  search over the constants of `plan` (nested ifs: ceil(log2 n) uniform branches per program),
+  which sets the leaf's pointers, row count, first program id and decay flag; then one
+  `adam_rows` on them."""
   n = len(rows)
   names = _IN + _OUT
   args = ["s_ptr"] + [f"{a}{j}" for j in range(n) for a in _IN] + \
          [f"{a}{j}" for j in range(n) for a in _OUT] + [f"{c}: tl.constexpr" for c in _STATIC]
-  lines = [f"def adam_tree_kernel({', '.join(args)}):",
-           "  pid = tl.program_id(0)",
-           "  zero = pid * 0",
-           "  start = zero",
-           f"  rows = zero + {rows[0]}",
-           f"  decay = zero + {int(decay[0])}",
-           "  " + "; ".join(f"{a} = {a}0" for a in names)]
-  for j in range(1, n):
-    lines += [f"  if pid >= {starts[j]}:",
-              f"    start = zero + {starts[j]}",
-              f"    rows = zero + {rows[j]}",
-              f"    decay = zero + {int(decay[j])}",
-              "    " + "; ".join(f"{a} = {a}{j}" for a in names)]
-  lines.append(f"  adam_rows(pid - start, rows, tl.load(s_ptr + 6) * decay.to(tl.float32), s_ptr, "
-               f"{', '.join(names)}, {', '.join(_STATIC)})")
+  lines = [f"def adam_tree_kernel({', '.join(args)}):", "  pid = tl.program_id(0)",
+           "  zero = pid * 0"]
+
+  def select(j, pad):
+    lines.extend([f"{pad}start = zero + {starts[j]}", f"{pad}rows = zero + {rows[j]}",
+                  f"{pad}decay = zero + {int(decay[j])}",
+                  pad + "; ".join(f"{a} = {a}{j}" for a in names)])
+
+  def search(lo, hi, pad):   # leaves lo .. hi - 1
+    if hi - lo == 1:
+      select(lo, pad)
+      return
+    mid = (lo + hi) // 2
+    lines.append(f"{pad}if pid < {starts[mid]}:")
+    search(lo, mid, pad + "  ")
+    lines.append(f"{pad}else:")
+    search(mid, hi, pad + "  ")
+
+  select(0, "  ")   # every name defined before the branches (Triton yields reassigned names)
+  if n > 1:
+    search(0, n, "  ")
+  lines.append(f"  adam_rows(pid - start, rows, tl.load(s_ptr + 6) * decay.to(tl.float32), "
+               f"s_ptr, {', '.join(names)}, {', '.join(_STATIC)})")
   return "\n".join(lines) + "\n"
 
 
