@@ -7,12 +7,13 @@ static prefix sum of the leaves' row-block counts (`plan`):
   leaf j owns program ids [start_j, start_j + ceil(rows_j / BLOCK)),  start_0 = 0,
   start_{j+1} = start_j + ceil(rows_j / BLOCK);   grid = start_n.
 
-The generated kernel (`_kernel_source`) finds a program's leaf by a binary search of the program id
-over these constants (ceil(log2 n) uniform branches), which set the leaf's pointers, row count and
-decay flag, and runs `adam_rows` once, on that leaf's own buffers: leaves of any shapes share a launch (one launch per set of
-dtypes) and no leaf is copied or packed. Every leaf passes 15 pointers (8 inputs, 7 outputs); a CUDA kernel's
-parameters had to fit in 4 KB before CUDA 12.1, so a launch takes at most MAX_LEAVES leaves
-(`plan` splits longer trees into evenly sized launches: 62 leaves -> 2 launches of 31).
+The generated kernel (`_kernel_source`) finds a program's leaf by a binary search of the program
+id over these constants (ceil(log2 n) uniform branches), which set the leaf's pointers, row count
+and decay flag, and runs `adam_rows` once, on that leaf's own buffers: leaves of any shapes share
+a launch (one launch per set of dtypes) and no leaf is copied or packed. Every leaf passes 15
+pointers (8 inputs, 7 outputs); a CUDA kernel's parameters had to fit in 4 KB before CUDA 12.1, so
+a launch takes at most MAX_LEAVES leaves (`plan` splits longer trees into evenly sized launches:
+62 leaves -> 2 launches of 31).
 
 Why: leaf by leaf, a 62-leaf 1.21e9-parameter tree paid ~0.85 ms of kernel time more than one leaf
 of the same size (62 launches, each with a partly idle last wave of blocks) and 62 custom calls on
@@ -45,7 +46,7 @@ MAX_LEAVES = (PARAM_BYTES - RESERVED_BYTES) // (8 * POINTERS_PER_LEAF)   # 33
 
 
 def available() -> bool:
-  """True when the one-leaf jax-triton kernel can be called (triton and jax-triton import)."""
+  """True when the kernel can be called (triton and jax-triton import: GPU machines)."""
   return single.available()
 
 
