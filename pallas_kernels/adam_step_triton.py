@@ -68,7 +68,8 @@ if triton is not None:
   @triton.jit
   def _log2(x, FAST: tl.constexpr):
     """Per-element math: libdevice / IEEE (precise, as XLA) or FAST: one MUFU instruction
-    (lg2 / ex2 / sqrt / rcp .approx.ftz, relative error ~2^-22, as the Pallas kernel's fast_math)."""
+    (lg2 / ex2 / sqrt / rcp .approx.ftz, relative error ~2^-22, as the Pallas kernel's
+    fast_math)."""
     if FAST:
       return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x],
                                        dtype=tl.float32, is_pure=True, pack=1)
@@ -195,8 +196,8 @@ if triton is not None:
                    FAST: tl.constexpr, GCLAMP: tl.constexpr):
     adam_rows(tl.program_id(0), ROWS, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
-              vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R, EXPAND, EM,
-              MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
+              vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
+              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
 
 def step_scalars(lr, b1, b2, eps, weight_decay, count) -> jax.Array:

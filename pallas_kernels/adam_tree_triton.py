@@ -39,7 +39,7 @@ try:  # GPU machines only (the kernel itself needs only triton: it compiles with
 except ImportError:  # pragma: no cover - CPU machines
   triton = tl = None
 
-POINTERS_PER_LEAF = 15          # inputs p, g, m (data, amax, code), v (3); outputs out, m (3), v (3)
+POINTERS_PER_LEAF = 15          # in: p, g, m (data, amax, code), v (3); out: out, m (3), v (3)
 PARAM_BYTES = 4096              # classic CUDA kernel-parameter limit
 RESERVED_BYTES = 64             # scalars pointer + Triton's hidden scratch pointers, with margin
 MAX_LEAVES = (PARAM_BYTES - RESERVED_BYTES) // (8 * POINTERS_PER_LEAF)   # 33
