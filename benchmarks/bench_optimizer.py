@@ -1,18 +1,30 @@
-"""Optimizer step time and state bytes: optax.adamw vs coat_adamw (jnp reference; Pallas if present).
+"""Optimizer step time and state bytes: optax.adamw vs coat_adamw (optax chain) vs coat_adamw_apply.
 
 Parameters as in /work/shared/gpu_notes.md: 56 x (4096, 4096) + 6 x (4096, 11008) float32 =
 1.21e9 (scaled by --scale on the row count), random gradients, on the default device. Each step is
 one jitted call `(params, state, grads) -> (params, state)` with params, state and grads donated
 (inside a train step the gradients are temporaries, so a kernel may write over them; each call gets
-a fresh copy, made before its timer starts); the median over --steps timed calls (after warm-up,
-each ended by block_until_ready) is reported. --profile also prints each optimizer's top GPU
-kernels (device time per step) and counts the copies in its compiled HLO.
+a fresh copy, made before its timer starts); "wall ms" is the median over --steps timed calls
+(after warm-up, each ended by block_until_ready), so it includes the host's dispatch of the call
+(~4 us per buffer: 62 leaves x 8 buffers for coat). "pipelined ms" is the mean per call of --steps
+back-to-back calls of the same step without donated gradients (the gradients are reused, so no
+copies; one block at the end), as a training loop that does not wait for each step sees it: the
+host's dispatch of a call overlaps the previous call's GPU work. --profile also prints each
+optimizer's top GPU kernels (device time per step) and counts the copies in its compiled HLO.
+
+Rows (--rows picks some; the default leaves out the per-leaf chains and the jnp reference):
+optax.adamw; coat_adamw (writes the update, optax.apply_updates adds it); optax.adamw and
+coat_adamw after clip_by_global_norm in an optax chain (the README's first example);
+coat_adamw_apply (one pass writing the params). "per leaf": one kernel launch per parameter
+(kernel family adam_tree=reference); "tree": the tree kernel (pallas_kernels/adam_tree_triton.py,
+a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again).
 
 The byte floor is the bytes a step must move per param (read param, grad and state; write param
-and state) divided by the copy bandwidth measured here (a jitted x + 1 over a large array, read +
-write counted).
+and state; a chain also reads the gradient for its norm and writes and reads the clipped gradient,
+and coat_adamw's update is written, then read with the param by apply_updates) divided by the copy
+bandwidth measured here (a jitted x + 1 over a large array, read + write counted).
 
-  python benchmarks/bench_optimizer.py                       # GPU, full size
+  python benchmarks/bench_optimizer.py --profile              # GPU, full size
   JAX_PLATFORMS=cpu python benchmarks/bench_optimizer.py --scale 0.001 --steps 3   # smoke check
 """
 from __future__ import annotations
@@ -22,6 +34,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 import optax
+
+import time
 
 from _common import kernel_times, time_calls
 from coat_jax import kernels
@@ -44,8 +58,21 @@ def copy_bandwidth(n_bytes: int, steps: int) -> float:
   return 2 * (n_bytes // 4) * 4 / (ms * 1e-3)
 
 
+def pipelined_ms(step, args, steps: int) -> tuple[float, tuple]:
+  """Mean ms per call of `steps` back-to-back step(params, state, grads) calls (params and state
+  chained, grads reused), one block at the end; returns it and the last (params, state)."""
+  params, state, grads = args
+  params, state = jax.block_until_ready(step(params, state, grads))   # warm-up (and compile)
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    params, state = step(params, state, grads)
+  jax.block_until_ready((params, state))
+  return (time.perf_counter() - t0) * 1e3 / steps, (params, state)
+
+
 def bench_optimizer(name, opt, params_fn, grads, steps, profile=False):
-  """Returns (ms per step, state bytes per param) for one optimizer; frees its buffers."""
+  """Returns (wall ms, pipelined ms, state bytes per param, GPU kernel ms or None) for one
+  optimizer; frees its buffers."""
   params = params_fn()
   n = sum(p.size for p in jax.tree.leaves(params))
   state = jax.jit(opt.init if hasattr(opt, "init") else coat_adamw(1e-3).init)(params)
@@ -83,12 +110,42 @@ def bench_optimizer(name, opt, params_fn, grads, steps, profile=False):
       times = kernel_times(trace_dir)
     next_args(out)
     device_ms = sum(times.values()) / 1e3
-    print(f"  {name}: GPU kernel time {device_ms:.2f} ms/step; top kernels (ms):")
+    print(f"  {name}: GPU kernel time {device_ms:.2f} ms/step, {len(times)} kernels; "
+          f"top kernels (ms):")
     for kname, us in sorted(times.items(), key=lambda kv: -kv[1])[:5]:
       print(f"    {us / 1e3:8.3f}  {kname[:90]}")
-  del carry, params, state
-  print(f"  {name}: {ms:.2f} ms/step", flush=True)
-  return ms, state_bytes / n, device_ms
+  params, state, _ = next_args(None)
+  carry.clear()
+  piped, _ = pipelined_ms(jax.jit(_step, donate_argnums=(0, 1)), (params, state, grads), steps)
+  del params, state
+  print(f"  {name}: {ms:.2f} ms/step wall, {piped:.2f} ms pipelined", flush=True)
+  return ms, piped, state_bytes / n, device_ms
+
+
+def _chain(tx):
+  return optax.chain(optax.clip_by_global_norm(1.0), tx)
+
+
+# --rows key -> (label, make optimizer, kernel backend, bytes per param beyond the one-pass step's)
+CONFIGS = {
+    "optax": ("optax.adamw", lambda: optax.adamw(1e-3, weight_decay=1e-4), "reference", 0),
+    "optax_chain": ("chain(clip, optax.adamw)",
+                    lambda: _chain(optax.adamw(1e-3, weight_decay=1e-4)), "reference", 4),
+    "coat_leaf": ("coat_adamw + apply_updates, per leaf", lambda: coat_adamw(1e-3),
+                  "adam=pallas,adam_tree=reference", 12),
+    "coat_tree": ("coat_adamw + apply_updates, tree", lambda: coat_adamw(1e-3), "adam=pallas",
+                  12),
+    "chain_leaf": ("chain(clip, coat_adamw), per leaf", lambda: _chain(coat_adamw(1e-3)),
+                   "adam=pallas,adam_tree=reference", 4 + 8 + 12),
+    "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3)),
+                   "adam=pallas", 4 + 8 + 12),
+    "apply_leaf": ("coat_adamw_apply, per leaf", lambda: coat_adamw_apply(1e-3),
+                   "adam=pallas,adam_tree=reference", 0),
+    "apply_tree": ("coat_adamw_apply, tree", lambda: coat_adamw_apply(1e-3), "adam=pallas", 0),
+    "apply_jnp": ("coat_adamw_apply, jnp reference", lambda: coat_adamw_apply(1e-3),
+                  "reference", 0),
+}
+DEFAULT_ROWS = ["optax", "optax_chain", "coat_tree", "chain_tree", "apply_leaf", "apply_tree"]
 
 
 def main():
@@ -98,7 +155,13 @@ def main():
   parser.add_argument("--steps", type=int, default=10, help="timed steps per optimizer")
   parser.add_argument("--profile", action="store_true",
                       help="also print top GPU kernels per step and HLO copy counts")
+  parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                      help=f"comma-separated optimizers, of {list(CONFIGS)}")
   args = parser.parse_args()
+  names = [r.strip() for r in args.rows.split(",") if r.strip()]
+  bad = [r for r in names if r not in CONFIGS]
+  if bad:
+    parser.error(f"unknown --rows {bad}; choose from {list(CONFIGS)}")
 
   rows = lambda r: max(1, round(r * args.scale))
   shapes = [(rows(r), c) for r, c in SHAPES]
@@ -106,6 +169,8 @@ def main():
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind} ({dev.platform}); params: {n:.4g} float32 "
         f"({len(shapes)} matrices); steps: {args.steps}", flush=True)
+  from pallas_kernels import adam_tree_triton
+  print(f"tree kernel (jax-triton) available: {adam_tree_triton.available()}", flush=True)
   key_p, key_g = jax.random.split(jax.random.key(0))
   params_fn = lambda: make_tree(shapes, key_p, 0.02)
   grads = make_tree(shapes, key_g, 1e-3)
@@ -113,34 +178,28 @@ def main():
   bw = copy_bandwidth(min(1 << 30, n * 4), args.steps)
   print(f"copy bandwidth (x + 1, read + write): {bw / 1e12:.3f} TB/s", flush=True)
 
-  configs = [("optax.adamw", lambda: optax.adamw(1e-3, weight_decay=1e-4), "reference"),
-             ("coat_adamw (jnp)", lambda: coat_adamw(1e-3), "reference")]
-  if kernels.use_pallas("adam") or jax.default_backend() != "gpu":
-    configs += [("coat_adamw (pallas)", lambda: coat_adamw(1e-3), "pallas"),
-                ("coat_adamw_apply (pallas, one pass)", lambda: coat_adamw_apply(1e-3), "pallas")]
   rows_out = []
-  for name, make, backend in configs:
+  for key in names:
+    name, make, backend, extra = CONFIGS[key]
     with kernels.backend(backend):
-      ms, bpp, device_ms = bench_optimizer(name, make(), params_fn, grads, args.steps,
-                                           args.profile)
-    # read param + grad + state, write param + state (float32 params and grads)
-    moved = 4 + 4 + 4 + 2 * bpp
-    if name.startswith("coat_adamw (pallas"):  # the kernel writes the update; apply_updates reads it
-      moved += 4 + 4 + 4
+      ms, piped, bpp, device_ms = bench_optimizer(name, make(), params_fn, grads, args.steps,
+                                                  args.profile)
+    moved = 4 + 4 + 4 + 2 * bpp + extra  # read param + grad + state, write param + state
     floor_ms = moved * n / bw * 1e3
-    rows_out.append((name, ms, bpp, moved, floor_ms, device_ms))
+    rows_out.append((name, ms, piped, bpp, moved, floor_ms, device_ms))
 
-  base, base_dev = rows_out[0][1], rows_out[0][5]
+  base = next((r for r in rows_out if r[0] == "optax.adamw"), rows_out[0])
   print()
-  dev_cols = " | GPU kernel ms | kernel ms vs optax.adamw" if args.profile else ""
-  print(f"| optimizer | ms / step | state bytes / param | bytes moved / param | byte floor ms "
-        f"| x floor | speed vs optax.adamw{dev_cols} |")
-  print("|---|---|---|---|---|---|---|" + ("---|---|" if args.profile else ""))
-  for name, ms, bpp, moved, floor_ms, device_ms in rows_out:
-    dev = (f" {device_ms:.2f} | {device_ms / base_dev:.2f}x |" if args.profile and device_ms
-           and base_dev else (" - | - |" if args.profile else ""))
-    print(f"| {name} | {ms:.2f} | {bpp:.3f} | {moved:.2f} | {floor_ms:.2f} | "
-          f"{ms / floor_ms:.2f} | {base / ms:.2f}x |{dev}")
+  print(f"| optimizer | wall ms | pipelined ms | GPU kernel ms | wall vs {base[0]} | "
+        f"kernel vs {base[0]} | state B / param | bytes moved / param | byte floor ms |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  fmt = lambda x, spec: "-" if x is None else format(x, spec)
+  for name, ms, piped, bpp, moved, floor_ms, device_ms in rows_out:
+    kernel_ratio = device_ms / base[6] if device_ms and base[6] else None
+    print(f"| {name} | {ms:.2f} | {piped:.2f} | {fmt(device_ms, '.2f')} | {ms / base[1]:.2f}x | "
+          f"{fmt(kernel_ratio, '.2f')}{'' if kernel_ratio is None else 'x'} | {bpp:.3f} | "
+          f"{moved:.2f} | {floor_ms:.2f} |")
+
 
 if __name__ == "__main__":
   main()

@@ -3,7 +3,8 @@
 # section's log to $OUT/<section>.log (the device tool brings $OUT back).
 #   bash benchmarks/run_gpu.sh tests kernels layer optimizer     # one call
 #   bash benchmarks/run_gpu.sh train1b e2e
-# Sections: tests (GPU-marked tests), tests_all (kernel/ops/quantize test files compiled for the GPU), kernels (quantize bandwidth,
+# Sections: tests (GPU-marked tests), tests_all (kernel/ops/quantize test files compiled for the GPU), adam_tree (the
+# optimizer kernels' tests, tree kernel included: carry .whl), kernels (quantize bandwidth,
 # fused Adam step, FP8 GEMM), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params),
 # train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e (benchmarks/bench_e2e.py).
 set -uo pipefail
@@ -12,6 +13,9 @@ OUT=${OUT:-/tmp/coat_gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 PY=${PY:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (jax-triton: the optimizer's tree kernel)
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$name.log"
@@ -25,6 +29,8 @@ for s in "$@"; do
     tests) section tests 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -v -rf --tb=short -p no:cacheprovider -m gpu --durations=10 tests ;;
     tests_all) section tests_all 420 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -v -rf --tb=line -p no:cacheprovider -m "not slow" -k "not interpret" --timeout 90 --durations=15 \
              tests/test_kernels_quantize.py tests/test_kernels_matmul.py tests/test_kernels_adam.py tests/test_ops.py tests/test_quantize.py ;;
+    adam_tree) section adam_tree 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -q -rf --tb=short -p no:cacheprovider -m "not slow" -k "not interpret" --durations=10 \
+             tests/test_kernels_adam_tree.py tests/test_kernels_adam_triton.py tests/test_kernels_adam.py ;;
     kernels) section kernels 420 $PY benchmarks/bench_kernels.py ${KERNEL_ARGS:-} ;;
     ops) section ops 240 $PY benchmarks/bench_ops.py ;;
     profile) section profile 200 $PY benchmarks/profile_layer.py ;;

@@ -43,12 +43,14 @@ from coat_jax.expansion import ExpandedMoment
 from coat_jax.quantize import QuantizedArray
 
 _CHOICES = ("auto", "pallas", "reference")
-FAMILIES = ("gemm", "quantize", "dequantize", "adam")
+FAMILIES = ("gemm", "quantize", "dequantize", "adam", "adam_tree")
 # What `auto` picks per kernel family on a Hopper GPU (measured: benchmarks/bench_ops.py).
 # Dequantize feeds elementwise backward math, which XLA fuses it into: a standalone kernel that
-# writes the float32 tensor costs more than it saves.
+# writes the float32 tensor costs more than it saves. adam_tree: the optimizer step over a whole
+# tree in a few launches (jax-triton, `coat_adam_tree_step`); "reference" there keeps the
+# per-leaf dispatch of the "adam" family.
 AUTO_ON_HOPPER = {"gemm": "pallas", "quantize": "pallas", "dequantize": "reference",
-                  "adam": "pallas"}
+                  "adam": "pallas", "adam_tree": "pallas"}
 
 
 def _parse(spec: str) -> tuple[tuple[str, str], ...]:
@@ -269,3 +271,67 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
       return out, ExpandedMoment(*mv[:3]), ExpandedMoment(*mv[3:])
   return adam_math.adam_step_reference(param, grad, m, v, m_format=m_format, v_format=v_format,
                                        **kwargs)
+
+
+def _tree_kernel_leaves(params, grads, ms, vs, group_size) -> list[int]:
+  """Indices of the leaves the tree kernel takes now (empty when it is not in use)."""
+  if not (use_pallas("adam") and use_pallas("adam_tree") and jax.device_count() == 1
+          and not interpret_mode()):
+    return []
+  from pallas_kernels import adam_tree_triton as tk  # GPU only: needs triton + jax-triton
+  if not tk.available():
+    return []
+  out = []
+  for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs)):
+    like = g if p is None else p
+    if (isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
+        and tk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size)):
+      out.append(i)
+  return out
+
+
+def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight_decay, count,
+                        m_format, v_format, group_size, expand, expand_min, output="param"):
+  """Every leaf's step: [(new_param or update, new_m, new_v)] as `coat_adam_step` per leaf with
+  weight decay `weight_decay` where decay[i] (0 elsewhere); float32 moments (not ExpandedMoment)
+  take `adam_math.adam_step_reference`.
+
+  params, grads, ms, vs: equal-length lists (params entries None only with output="update").
+  On one Hopper GPU with jax-triton installed, the quantized FP8 leaves whose last axis divides
+  by group_size go through pallas_kernels/adam_tree_triton.py: one launch per up to
+  adam_tree_triton.MAX_LEAVES leaves, fast math and in-place outputs as `coat_adam_step`. The
+  other leaves, and every leaf elsewhere (CPU, meshes: there `coat_adam_step` runs per shard),
+  go leaf by leaf.
+  """
+  n = len(grads)
+  if not (len(params) == len(ms) == len(vs) == len(decay) == n):
+    raise ValueError(f"coat_adam_tree_step: {len(params)} params, {n} grads, {len(ms)} / "
+                     f"{len(vs)} moments and {len(decay)} decay flags: lengths must agree")
+  common = dict(lr=lr, b1=b1, b2=b2, eps=eps, count=count, m_format=m_format,
+                v_format=v_format, group_size=group_size, expand=expand, expand_min=expand_min,
+                output=output)
+  results = [None] * n
+  tree = _tree_kernel_leaves(params, grads, ms, vs, group_size)
+  if tree:
+    from pallas_kernels import adam_tree_triton as tk
+    mf, vf = formats.get_format(m_format), formats.get_format(v_format)
+    limits = adam_kernel_limits(m_format, v_format)
+    outs = tk.tree_step(
+        [params[i] for i in tree], [grads[i] for i in tree], [tuple(ms[i]) for i in tree],
+        [tuple(vs[i]) for i in tree], [bool(decay[i]) for i in tree], lr=lr, b1=b1, b2=b2,
+        eps=eps, weight_decay=weight_decay, count=count, m_fmax=float(mf.max),
+        v_fmax=float(vf.max), m_log2_range=limits["m_log2_range"],
+        v_log2_range=limits["v_log2_range"], group_size=group_size, expand=expand,
+        expand_min=expand_min, max_k_code=limits["max_code"], amax_floor=limits["floor"],
+        grad_clamp=limits["grad_clamp"], output=output, fast_math=True, alias=True)
+    for i, (out, m3, v3) in zip(tree, outs):
+      results[i] = (out, ExpandedMoment(*m3), ExpandedMoment(*v3))
+  for i in range(n):
+    if results[i] is None:
+      wd = weight_decay if decay[i] else 0.0
+      if isinstance(ms[i], ExpandedMoment) and isinstance(vs[i], ExpandedMoment):
+        results[i] = coat_adam_step(params[i], grads[i], ms[i], vs[i], weight_decay=wd, **common)
+      else:
+        results[i] = adam_math.adam_step_reference(params[i], grads[i], ms[i], vs[i],
+                                                   weight_decay=wd, **common)
+  return results

@@ -33,9 +33,11 @@ the Adam math above in float32, then requantize each with a fresh per-group mx a
 expansion: q = sign(x) fmt.max (|x|/mx)^k, k the largest multiple of 1/expand_min with
 (max/min)^k <= R of the format). `adam_step_reference` (coat_jax.adam_math) is that step for one param (returning
 the new param, or with output="update" optax's update): the jnp reference for the fused kernel.
-ExpandedMoment leaves go through `kernels.coat_adam_step`, i.e. the fused Pallas kernel
-(pallas_kernels/adam_step.py, writing the update) where `kernels.use_pallas("adam")` and the
-shape allows (last axis divisible by G), the reference otherwise; the choice is made at trace time.
+All leaves go through `kernels.coat_adam_tree_step` in one call: on a Hopper GPU with jax-triton
+the quantized leaves share a few launches of one kernel (pallas_kernels/adam_tree_triton.py),
+otherwise ExpandedMoment leaves take `kernels.coat_adam_step` (the fused Pallas kernel where
+`kernels.use_pallas("adam")` and the last axis divides by G, the reference otherwise) and float32
+moments the reference; the choice is made at trace time.
 `coat_adamw_apply` is the same step writing the new params directly (one pass over memory).
 
 Hyperparameters are plain arguments, so `optax.inject_hyperparams(coat_adamw)` works for the
@@ -71,18 +73,6 @@ class CoatAdamWState(NamedTuple):
 
 def _is_moment_leaf(x) -> bool:
   return isinstance(x, ExpandedMoment)
-
-
-def _leaf_update(g, p, m, v, *, output, **kwargs):
-  """One leaf's step: (update in g.dtype or new param in p.dtype, as `output`; new m, new v).
-
-  ExpandedMoment moments go through `kernels.coat_adam_step` (the fused Pallas kernel when
-  `kernels.use_pallas("adam")` and the shape is supported, else `adam_step_reference`); float32
-  moments use `adam_step_reference` directly. kwargs: adam_step_reference's keyword arguments.
-  """
-  if isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment):
-    return kernels.coat_adam_step(p, g, m, v, output=output, **kwargs)
-  return adam_step_reference(p, g, m, v, output=output, **kwargs)
 
 
 def _zero_moment(shape, fmt, *, group_size, expand_min, expand) -> ExpandedMoment:
@@ -237,24 +227,23 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       if decay is None:
         decay = jax.tree.map(lambda _: True, params)
 
-    def leaf(g, p, m, v, use_decay, index):
-      stochastic = (master_rounding == "stochastic" and p is not None
-                    and p.dtype == jnp.dtype(jnp.bfloat16))
-      out = _leaf_update(g, p.astype(jnp.float32) if stochastic else p, m, v, output=output,
-                         lr=lr, b1=b1, b2=b2, eps=eps,
-                         weight_decay=weight_decay if use_decay else 0.0, count=count,
-                         m_format=m_fmt, v_format=v_fmt, expand=expand, **qargs)
-      if stochastic:
-        out = (round_to(out[0], p.dtype, "stochastic", step=count, seed=index),) + tuple(out[1:])
-      return out
+    def stochastic(p):
+      return (master_rounding == "stochastic" and p is not None
+              and p.dtype == jnp.dtype(jnp.bfloat16))
 
     g_leaves, treedef = jax.tree.flatten(updates)
     p_leaves = treedef.flatten_up_to(params_or_none)
     m_leaves = treedef.flatten_up_to(state.mu)
     v_leaves = treedef.flatten_up_to(state.nu)
     d_leaves = treedef.flatten_up_to(decay)
-    out = [leaf(*args, i) for i, args in enumerate(zip(g_leaves, p_leaves, m_leaves, v_leaves,
-                                                       d_leaves))]
+    # All leaves in one dispatch call: on a Hopper GPU the quantized ones share a few launches.
+    out = kernels.coat_adam_tree_step(
+        [p.astype(jnp.float32) if stochastic(p) else p for p in p_leaves], g_leaves, m_leaves,
+        v_leaves, d_leaves, output=output, lr=lr, b1=b1, b2=b2, eps=eps,
+        weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt, expand=expand,
+        **qargs)
+    out = [(round_to(o[0], p.dtype, "stochastic", step=count, seed=i),) + tuple(o[1:])
+           if stochastic(p) else o for i, (o, p) in enumerate(zip(out, p_leaves))]
     new_updates = treedef.unflatten([o[0] for o in out])
     mu = treedef.unflatten([o[1] for o in out])
     nu = treedef.unflatten([o[2] for o in out])

@@ -27,20 +27,23 @@ import numpy as np
 
 from pallas_kernels.adam_operands import OUTPUTS, check_operands
 
-try:  # GPU machines only
-  import jax_triton as jt
+try:  # the kernels need triton only (they compile without a GPU); calling them needs jax-triton
   import triton
   import triton.language as tl
   from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - CPU machines
-  jt = triton = tl = libdevice = None
+  triton = tl = libdevice = None
+try:  # GPU machines only
+  import jax_triton as jt
+except ImportError:  # pragma: no cover - CPU machines
+  jt = None
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def available() -> bool:
   """True when triton and jax-triton import (GPU machines)."""
-  return triton is not None
+  return triton is not None and jt is not None
 
 
 def problem(shape, dtype, m_dtype, v_dtype, group_size: int) -> str | None:
@@ -63,14 +66,49 @@ def supported(shape, dtype, m_dtype, v_dtype, group_size: int) -> bool:
 if triton is not None:
 
   @triton.jit
+  def _log2(x, FAST: tl.constexpr):
+    """Per-element math: libdevice / IEEE (precise, as XLA) or FAST: one MUFU instruction
+    (lg2 / ex2 / sqrt / rcp .approx.ftz, relative error ~2^-22, as the Pallas kernel's
+    fast_math)."""
+    if FAST:
+      return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+    else:
+      return libdevice.log2(x)
+
+  @triton.jit
+  def _exp2(x, FAST: tl.constexpr):
+    if FAST:
+      return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+    else:
+      return libdevice.exp2(x)
+
+  @triton.jit
+  def _sqrt(x, FAST: tl.constexpr):
+    if FAST:
+      return tl.inline_asm_elementwise("sqrt.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+    else:
+      return tl.sqrt_rn(x)
+
+  @triton.jit
+  def _div(x, y, FAST: tl.constexpr):
+    if FAST:
+      return x * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [y],
+                                           dtype=tl.float32, is_pure=True, pack=1)
+    else:
+      return x / y
+
+  @triton.jit
   def _dequant(q_ptr, a_ptr, k_ptr, offs, rows_idx, mask, rmask, FMAX: tl.constexpr,
-               EM: tl.constexpr):
+               EM: tl.constexpr, FAST: tl.constexpr = False):
     q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mx = tl.load(a_ptr + rows_idx, mask=rmask, other=1.0)[:, None]
     code = tl.load(k_ptr + rows_idx, mask=rmask, other=1).to(tl.float32)[:, None]
     qa = tl.abs(q)
     inv_fmax = 1.0 / FMAX
-    powered = mx * libdevice.exp2((EM / code) * libdevice.log2(qa * inv_fmax))
+    powered = mx * _exp2((EM / code) * _log2(qa * inv_fmax, FAST), FAST)
     linear = qa * (mx * inv_fmax)
     mag = tl.where(code == EM, linear, powered)
     return tl.where(q < 0, -mag, mag)
@@ -78,7 +116,8 @@ if triton is not None:
   @triton.jit
   def _requant(x, q_ptr, a_ptr, k_ptr, offs, rows_idx, mask, rmask, FMAX: tl.constexpr,
                LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-               MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr):
+               MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
+               FAST: tl.constexpr = False):
     a = tl.abs(x)
     mx = tl.max(a, axis=1) + FLOOR
     if EXPAND:
@@ -90,7 +129,7 @@ if triton is not None:
       steps = tl.where(ok, steps, EM)
       steps = tl.minimum(tl.maximum(steps, 1.0), MAX_K)
       k = (steps * (1.0 / EM))[:, None]
-      mag = FMAX * libdevice.exp2(k * (libdevice.log2(a) - libdevice.log2(mx)[:, None]))
+      mag = FMAX * _exp2(k * (_log2(a, FAST) - libdevice.log2(mx)[:, None]), FAST)
       y = tl.where(x < 0, -mag, mag)
     else:
       steps = tl.zeros_like(mx) + NOEXP_K
@@ -101,15 +140,19 @@ if triton is not None:
     tl.store(k_ptr + rows_idx, steps.to(tl.uint8), mask=rmask)
 
   @triton.jit
-  def _adam_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
-                   o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
-                   ROWS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
-                   M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
-                   V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-                   MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr):
-    rows_idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    rmask = rows_idx < ROWS
+  def adam_rows(blk, rows, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr,
+                vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+                G: tl.constexpr, BLOCK: tl.constexpr,
+                HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr, M_FMAX: tl.constexpr,
+                V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr,
+                EXPAND: tl.constexpr, EM: tl.constexpr, MAX_K: tl.constexpr,
+                FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr,
+                GCLAMP: tl.constexpr):
+    """The step on row block `blk` (BLOCK rows of G) of a leaf of `rows` rows, weight decay `wd`:
+    the body of both the one-leaf kernel and adam_tree_triton's. Finite gradients are clamped to
+    +-GCLAMP (NaN and inf pass), as coat_jax.adam_math.clamp_gradient."""
+    rows_idx = blk * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows_idx < rows
     offs = rows_idx[:, None].to(tl.int64) * G + tl.arange(0, G)[None, :]
     mask = rmask[:, None]
     lr = tl.load(s_ptr + 0)
@@ -118,15 +161,15 @@ if triton is not None:
     b2 = tl.load(s_ptr + 3)
     omb2 = tl.load(s_ptr + 4)
     eps = tl.load(s_ptr + 5)
-    wd = tl.load(s_ptr + 6)
     inv_sqrt_bc2 = tl.load(s_ptr + 7)
     bc1 = tl.load(s_ptr + 8)
-    m = _dequant(mq_ptr, ma_ptr, mk_ptr, offs, rows_idx, mask, rmask, M_FMAX, EM)
-    v = _dequant(vq_ptr, va_ptr, vk_ptr, offs, rows_idx, mask, rmask, V_FMAX, EM)
+    m = _dequant(mq_ptr, ma_ptr, mk_ptr, offs, rows_idx, mask, rmask, M_FMAX, EM, FAST)
+    v = _dequant(vq_ptr, va_ptr, vk_ptr, offs, rows_idx, mask, rmask, V_FMAX, EM, FAST)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -GCLAMP), GCLAMP), g)
     m = b1 * m + omb1 * g
     v = b2 * v + omb2 * (g * g)
-    direction = m / ((tl.sqrt_rn(v) * inv_sqrt_bc2 + eps) * bc1)
+    direction = _div(m, (_sqrt(v, FAST) * inv_sqrt_bc2 + eps) * bc1, FAST)
     if HAS_PARAM:
       p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
       direction = direction + wd * p
@@ -138,9 +181,23 @@ if triton is not None:
       out = -(lr * direction)
     tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
     _requant(m, mqo_ptr, mao_ptr, mko_ptr, offs, rows_idx, mask, rmask, M_FMAX, M_LOG2R,
-             EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
+             EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST)
     _requant(v, vqo_ptr, vao_ptr, vko_ptr, offs, rows_idx, mask, rmask, V_FMAX, V_LOG2R,
-             EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
+             EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST)
+
+  @triton.jit
+  def _adam_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
+                   o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+                   ROWS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
+                   M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
+                   V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
+                   MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
+                   FAST: tl.constexpr, GCLAMP: tl.constexpr):
+    adam_rows(tl.program_id(0), ROWS, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+              mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
+              vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
+              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
 
 def step_scalars(lr, b1, b2, eps, weight_decay, count) -> jax.Array:
@@ -155,16 +212,20 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=(
     "m_fmax", "v_fmax", "m_log2_range", "v_log2_range", "group_size", "expand", "expand_min",
-    "max_k_code", "amax_floor", "output", "block", "num_warps", "alias"))
+    "max_k_code", "amax_floor", "output", "block", "num_warps", "alias", "fast_math",
+    "grad_clamp"))
 def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, b2, eps,
               weight_decay, count, m_fmax: float, v_fmax: float, m_log2_range: float,
               v_log2_range: float, group_size: int, expand: bool, expand_min: int,
               max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
-              block: int = 16, num_warps: int = 4, alias: bool = False):
+              block: int = 16, num_warps: int = 4, alias: bool = False,
+              fast_math: bool = False, grad_clamp: float = float("inf")):
   """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
 
   block: rows of G per program (power of two); alias: write the new param and moments into the
-  old ones' buffers (pays off when the caller donates them).
+  old ones' buffers (pays off when the caller donates them); fast_math: MUFU approximations for
+  the per-element log2 / exp2 / sqrt / division (see `_log2`); grad_clamp: finite gradients are
+  clamped to +-grad_clamp first (the dispatch passes the reference's 2^63; inf: none).
   """
   if not available():
     raise ValueError("adam_step_triton: triton / jax-triton are not installed (GPU only)")
@@ -195,5 +256,6 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
       OUT_PARAM=output == "param", M_FMAX=float(m_fmax), V_FMAX=float(v_fmax),
       M_LOG2R=float(np.float32(m_log2_range)), V_LOG2R=float(np.float32(v_log2_range)),
       EXPAND=bool(expand), EM=float(expand_min), MAX_K=float(max_k_code),
-      FLOOR=float(np.float32(amax_floor)), NOEXP_K=float(min(expand_min, max_k_code)))
+      FLOOR=float(np.float32(amax_floor)), NOEXP_K=float(min(expand_min, max_k_code)),
+      FAST=bool(fast_math), GCLAMP=float(grad_clamp))
   return tuple(outs)

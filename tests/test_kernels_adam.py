@@ -228,11 +228,12 @@ def test_gpu_adam_step_compiled(rng, fast_math, alias):
 
 
 def _compiled(backend, fn, *args):
-  """(fn jitted and compiled under `backend`, its number of pallas_calls); the kernel choice is
-  made at trace time, so the compiled function keeps it."""
+  """(fn jitted and compiled under `backend`, its number of kernel launches: pallas_calls and
+  jax-triton calls); the kernel choice is made at trace time, so the compiled function keeps it."""
   with kernels.backend(backend):
     traced = jax.jit(fn).trace(*args)
-    return traced.lower().compile(), str(traced.jaxpr).count("pallas_call")
+    jaxpr = str(traced.jaxpr)
+    return traced.lower().compile(), jaxpr.count("pallas_call") + jaxpr.count("triton_kernel_call")
 
 
 _dequantize = jax.jit(expansion.dequantize_expanded, static_argnums=(1, 2, 3))
@@ -283,7 +284,8 @@ def test_coat_adamw_pallas_matches_reference_backend(rng):
   ref, n_ref = _compiled("reference", opt.update, g, state, params)
   pal, n_pal = _compiled("pallas", optim.coat_adamw(sched, **kw).update, g, state, params)
   apply, n_apply = _compiled("pallas", optim.coat_adamw_apply(sched, **kw), g, state, params)
-  assert (n_ref, n_pal, n_apply) == (0, 2, 2)   # the kernel for "w" and "u"
+  # The kernel for "w" and "u": one launch each, or one for both (the tree kernel on a GPU).
+  assert (n_ref, n_pal, n_apply) in ((0, 2, 2), (0, 1, 1))
   with pytest.raises(ValueError, match="params are required"):
     optim.coat_adamw_apply(sched, **kw)(g, state)
   for step in range(3):
