@@ -107,7 +107,8 @@ if triton is not None:
                    HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
                    M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                    V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-                   MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr):
+                   MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
+                   GRAD_CLAMP: tl.constexpr):
     rows_idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rmask = rows_idx < ROWS
     offs = rows_idx[:, None].to(tl.int64) * G + tl.arange(0, G)[None, :]
@@ -124,6 +125,7 @@ if triton is not None:
     m = _dequant(mq_ptr, ma_ptr, mk_ptr, offs, rows_idx, mask, rmask, M_FMAX, EM)
     v = _dequant(vq_ptr, va_ptr, vk_ptr, offs, rows_idx, mask, rmask, V_FMAX, EM)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -GRAD_CLAMP), GRAD_CLAMP), g)
     m = b1 * m + omb1 * g
     v = b2 * v + omb2 * (g * g)
     direction = m / ((tl.sqrt_rn(v) * inv_sqrt_bc2 + eps) * bc1)
@@ -155,15 +157,16 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=(
     "m_fmax", "v_fmax", "m_log2_range", "v_log2_range", "group_size", "expand", "expand_min",
-    "max_k_code", "amax_floor", "output", "block", "num_warps", "alias"))
+    "max_k_code", "amax_floor", "grad_clamp", "output", "block", "num_warps", "alias"))
 def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, b2, eps,
               weight_decay, count, m_fmax: float, v_fmax: float, m_log2_range: float,
               v_log2_range: float, group_size: int, expand: bool, expand_min: int,
-              max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
-              block: int = 16, num_warps: int = 4, alias: bool = False):
+              max_k_code: int = 255, amax_floor: float = 1e-30, grad_clamp: float = 2.0**63,
+              output: str = "param", block: int = 16, num_warps: int = 4, alias: bool = False):
   """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
 
-  block: rows of G per program (power of two); alias: write the new param and moments into the
+  grad_clamp: finite gradients are clamped to +-grad_clamp (2^63: g^2 stays finite, as in the
+  reference); block: rows of G per program (power of two); alias: write the new param and moments into the
   old ones' buffers (pays off when the caller donates them).
   """
   if not available():
@@ -195,5 +198,6 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
       OUT_PARAM=output == "param", M_FMAX=float(m_fmax), V_FMAX=float(v_fmax),
       M_LOG2R=float(np.float32(m_log2_range)), V_LOG2R=float(np.float32(v_log2_range)),
       EXPAND=bool(expand), EM=float(expand_min), MAX_K=float(max_k_code),
-      FLOOR=float(np.float32(amax_floor)), NOEXP_K=float(min(expand_min, max_k_code)))
+      FLOOR=float(np.float32(amax_floor)), NOEXP_K=float(min(expand_min, max_k_code)),
+      GRAD_CLAMP=float(grad_clamp))
   return tuple(outs)
