@@ -1,7 +1,8 @@
 """Quantize / group-scaling / dequantize kernels on Pallas Mosaic GPU (Hopper).
 
-The same semantics as the Triton-backend kernels in pallas_kernels/quantize.py, written against the
-Mosaic GPU backend (which replaces the deprecated Pallas Triton backend):
+The quantize kernels `coat_jax.kernels` dispatches to (the semantics of coat_jax.quantize), written
+against the Mosaic GPU backend (which replaces the deprecated Pallas Triton backend, whose kernels
+these replaced):
 
   per group (1 x G along the last axis):   amax = max|x|,  scale = max(amax * (1/fmax), floor),
                                            NaN where the group holds NaN/inf,
