@@ -27,10 +27,7 @@ Which kernel (`implementation(family)`; `pallas`, and `auto` where AUTO_ON_HOPPE
               import (`pip install coat-jax[gpu]`) and not in interpret mode; otherwise
               pallas_triton (adam_step.py, the deprecated Pallas Triton backend; on a GPU with one
               warning naming what to install). Moments FP8 or INT8 (pallas_triton only), N % G == 0.
-Measured (H100, % of a device copy's bandwidth; docs/benchmarks.md): Mosaic per-group quantize
-82-88%, per tensor 87-91%, both faster than XLA's references (the per-group one about 2x); the
-jax-triton Adam step 56-61% vs 50-55% (Pallas Triton). The old Pallas Triton quantize kernels
-(faster per group, 101-114%) are gone: their backend is deprecated.
+Why these (measured speeds): docs/benchmarks.md, "New kernels off the Triton backend".
 
 Meshes: with more than one device, every Pallas call is wrapped by `coat_jax.sharded`
 (custom_partitioning): inside a sharded jax.jit each device runs the kernel on its local shard.
@@ -43,9 +40,10 @@ a shard boundary (a last axis whose shards would split groups is gathered for th
 the optimizer step runs per shard on the local moments. The FP8 GEMM gathers its contracting
 axis (FSDP weights are all-gathered for the product) and keeps M and N sharded (tensor
 parallelism: column-parallel outputs stay sharded; a row-parallel product gathers K); that path
-has not run on a GPU mesh yet, so `auto` keeps the GEMM on XLA with several devices. In interpret
-mode (CPU) the GEMM kernel is not wrapped (its ordered callbacks cannot pass custom_partitioning):
-XLA partitions its interpreted ops like any others.
+has not run on a GPU mesh yet, so `auto` keeps the GEMM on XLA with several devices. A shard
+that a Mosaic GPU quantize kernel does not take goes to the reference on that shard. In interpret
+mode (CPU) the Mosaic GPU kernels (GEMM, quantize) are not wrapped (their ordered callbacks cannot
+pass custom_partitioning): XLA partitions their interpreted ops like any others.
 """
 from __future__ import annotations
 
