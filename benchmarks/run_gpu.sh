@@ -9,9 +9,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coat_gpu_out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+# Wheels carried to the GPU machine (.whl/, git-ignored; the `gpu` extra: jax-triton), e.g. here:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl jax-triton==0.3.1
+# and the device call names .whl in carry. Installed into /tmp/site, ahead on PYTHONPATH.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
-PY=${PY:-python3}
 # A test that lowers a kernel on the deprecated Pallas Triton backend fails (issue 14: none may).
 NO_PT=(-W "error:The Pallas Triton backend is deprecated:DeprecationWarning")
 section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
@@ -22,6 +29,7 @@ section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/N
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+$PY -c "from pallas_kernels import adam_step_triton as t; print('jax-triton available:', t.available())" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 for s in "$@"; do
   case $s in
     tests) section tests 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -v -rf --tb=short -p no:cacheprovider -m gpu --durations=10 tests ;;
