@@ -196,10 +196,11 @@ def test_supported_and_clear_errors():
                             group_size=16, interpret=True)
 
 
-def test_benchmark_script_parses_its_arguments():
+def test_benchmark_script_parses_its_arguments(monkeypatch):
   import importlib.util
   from pathlib import Path
   path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels_mgpu.py"
+  monkeypatch.syspath_prepend(str(path.parent))   # its `from _common import ...`
   spec = importlib.util.spec_from_file_location("bench_kernels_mgpu", path)
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
