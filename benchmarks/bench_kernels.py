@@ -1,7 +1,8 @@
 """All kernel benchmarks in one run (GPU): quantize bandwidth, FP8 GEMM, fused Adam step.
 
 Runs, one after another, each printing its table:
-  1. benchmarks/bench_kernels_memory.py   quantize / dequantize kernels vs a measured device copy
+  1. benchmarks/bench_kernels_mgpu.py     Mosaic GPU quantize / dequantize kernels and the Adam
+                                          steps vs baselines and a measured device copy
   2. benchmarks/bench_kernels_gemm.py     Pallas FP8 GEMM vs XLA FP8 (cuBLASLt) and XLA bf16,
                                           M=N=K in {4096, 8192} and the 7B layer's GEMM shapes
   3. benchmarks/sweep_adam_kernel.py      fused COAT Adam step vs optax.adamw on 1.21e9 params
@@ -19,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PARTS = {
-    "memory": ["bench_kernels_memory.py"],
+    "memory": ["bench_kernels_mgpu.py"],
     "gemm": ["bench_kernels_gemm.py", "--shapes", "all"],
     "adam": ["sweep_adam_kernel.py", "--quick"],
 }

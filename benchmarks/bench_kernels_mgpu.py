@@ -1,13 +1,19 @@
-"""Mosaic GPU kernels (pallas_kernels/*_mgpu.py) vs the Triton-backend kernels vs a device copy.
+"""Mosaic GPU quantize kernels and the jax-triton / Mosaic Adam steps vs baselines vs a device copy.
 
-Prints one table: per kernel, GB/s (bytes the kernel must move / median time) of the new Mosaic
-GPU kernel (for "adam_jaxtriton": the jax-triton kernel, pallas_kernels/adam_step_triton.py, when
-triton and jax-triton are installed) and of the current Triton-backend kernel, and each as % of a copy's GB/s (a jitted
+Prints one table: per kernel, GB/s (bytes the kernel must move / median time) of the new kernel
+(Mosaic GPU, pallas_kernels/quantize_mgpu.py; for "adam" adam_step_mgpu.py, for "adam_jaxtriton"
+the jax-triton kernel, pallas_kernels/adam_step_triton.py, when triton and jax-triton import) and
+of a baseline (the quantize kernels: XLA's jitted jnp reference; the Adam steps: the deprecated
+Pallas Triton kernel, pallas_kernels/adam_step.py), each also as % of a copy's GB/s (a jitted
 x + 1 over the same number of bytes read + written). With --check, the new kernels' outputs are
 also compared with the jnp references on the device (FP8 codes / scales: count of differences).
+With --sweep, the Mosaic GPU quantize kernels' tunables (rows per block, CTA cap, pipeline
+stages; block_rows x block_cols for per tensor) are swept instead: one line per setting and the
+best per kernel.
 
   python3 benchmarks/bench_kernels_mgpu.py                       # all, 8192 x 8192
   python3 benchmarks/bench_kernels_mgpu.py --only adam --adam-rows 4096 --check
+  python3 benchmarks/bench_kernels_mgpu.py --sweep --only per_group,dequantize   # ~1 min
 """
 from __future__ import annotations
 
@@ -36,14 +42,13 @@ def _copy_gbs(nbytes: int, reps: int) -> float:
 
 
 def _cases(n: int, adam_rows: int, check: bool):
-  """(name, bytes moved, new kernel thunk, triton kernel thunk or None, check thunk or None)."""
+  """(name, bytes moved, new kernel thunk, baseline thunk or None, check thunk or None)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from coat_jax import expansion, optim, quantize as Q
   from pallas_kernels import adam_step as adam_triton
   from pallas_kernels import adam_step_mgpu as adam_mgpu
-  from pallas_kernels import quantize as q_triton
   from pallas_kernels import quantize_mgpu as q_mgpu
 
   e4 = jnp.float8_e4m3fn
@@ -53,19 +58,21 @@ def _cases(n: int, adam_rows: int, check: bool):
                                                              & np.isnan(codes(b))))))
   qk = dict(out_dtype=e4, fmax=448.0, floor=1e-10)
   ref_g = Q.quantize_per_group(x, 16, "e4m3")
+  xla_g = jax.jit(lambda a: Q.quantize_per_group(a, 16, "e4m3"))
   yield ("per_group", n * n * (2 + 1) + n * n // 16 * 4,
-         lambda: q_mgpu.quantize_per_group(x, group_size=16, **qk),
-         lambda: q_triton.quantize_per_group(x, 16, "e4m3"),
+         lambda: q_mgpu.quantize_per_group(x, group_size=16, **qk), lambda: xla_g(x),
          (lambda: (lambda q, s: f"code diffs {ndiff(q, ref_g.data)}, scale diffs "
                    f"{ndiff(s, ref_g.scale)}")(*q_mgpu.quantize_per_group(x, group_size=16, **qk)))
          if check else None)
+  xla_amax = jax.jit(lambda a: Q.group_amax(a, 16))
   yield ("tile_amax", n * n * 2 + n * n // 16 * 4, lambda: q_mgpu.tile_amax(x),
-         lambda: q_triton.tile_amax(x),
+         lambda: xla_amax(x),
          (lambda: f"diffs {ndiff(q_mgpu.tile_amax(x), Q.group_amax(x, 16))}") if check else None)
+  xla_deq = jax.jit(lambda q: Q.dequantize(q, jnp.bfloat16))
   yield ("dequantize", n * n * (1 + 2) + n * n // 16 * 4,
          lambda: q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16,
                                              dtype=jnp.bfloat16),
-         lambda: q_triton.dequantize_per_group(ref_g, jnp.bfloat16),
+         lambda: xla_deq(ref_g),
          (lambda: f"diffs {ndiff(q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16), Q.dequantize(ref_g, jnp.bfloat16))}")
          if check else None)
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
@@ -73,7 +80,8 @@ def _cases(n: int, adam_rows: int, check: bool):
     ref_t = Q.quantize_per_tensor(x, "e4m3", amax=amax, with_transpose=tr)
     run = lambda tr=tr: q_mgpu.quantize_per_tensor(x, amax=amax, with_transpose=tr, **qk)
     yield (name, n * n * (2 + (2 if tr else 1)), run,
-           lambda tr=tr: q_triton.quantize_per_tensor(x, "e4m3", amax=amax, with_transpose=tr),
+           lambda tr=tr, f=jax.jit(lambda a, m, tr=tr: Q.quantize_per_tensor(
+               a, "e4m3", amax=m, with_transpose=tr)): f(x, amax),
            (lambda tr=tr, ref_t=ref_t, run=run: (lambda q, s, qt: f"code diffs "
              f"{ndiff(q, ref_t.data)}" + (f", transposed {ndiff(qt, ref_t.data_t)}" if tr else ""))
             (*run())) if check else None)
@@ -119,6 +127,62 @@ def _cases(n: int, adam_rows: int, check: bool):
            lambda: adam_triton.adam_step(p, gr, m, v, **fmt), triton_check if check else None)
 
 
+# The sweep's grid per kernel: (tunable name, values), all combinations; the defaults are in it.
+SWEEP = {
+    "per_group": (("block", (64, 128, 256, 512)), ("max_ctas", (132, 264, 528)),
+                  ("stages", (2, 3, 4))),
+    "tile_amax": (("block", (128, 256, 512)), ("max_ctas", (264, 528)), ("stages", (2, 3))),
+    "dequantize": (("block", (64, 128, 256, 512)), ("max_ctas", (132, 264, 528)),
+                   ("stages", (2, 3, 4))),
+    "per_tensor": (("block_rows", (64, 128)), ("block_cols", (128, 256)),
+                   ("max_ctas", (264, 528)), ("stages", (2, 3))),
+    "per_tensor_t": (("block_rows", (64, 128)), ("block_cols", (64, 128)), ("stages", (2, 3))),
+}
+
+
+def _sweep(n: int, names, reps: int) -> None:
+  """GB/s of each Mosaic GPU quantize kernel per setting of SWEEP (8192^2 bf16 by default)."""
+  import itertools
+  import jax
+  import jax.numpy as jnp
+  from coat_jax import quantize as Q
+  from pallas_kernels import quantize_mgpu as q_mgpu
+
+  x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  ref_g = Q.quantize_per_group(x, 16, "e4m3")
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  qk = dict(out_dtype=jnp.float8_e4m3fn, fmax=448.0, floor=1e-10)
+  calls = {
+      "per_group": (n * n * 3 + n * n // 16 * 4,
+                    lambda **t: q_mgpu.quantize_per_group(x, group_size=16, **qk, **t)),
+      "tile_amax": (n * n * 2 + n * n // 16 * 4, lambda **t: q_mgpu.tile_amax(x, **t)),
+      "dequantize": (n * n * 3 + n * n // 16 * 4, lambda **t: q_mgpu.dequantize_per_group(
+          ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16, **t)),
+      "per_tensor": (n * n * 3, lambda **t: q_mgpu.quantize_per_tensor(x, amax=amax, **qk, **t)),
+      "per_tensor_t": (n * n * 4, lambda **t: q_mgpu.quantize_per_tensor(
+          x, amax=amax, with_transpose=True, **qk, **t)),
+  }
+  for name in names:
+    if name not in SWEEP:
+      continue
+    nbytes, call = calls[name]
+    copy = _copy_gbs(nbytes, reps)
+    best = (0.0, None)
+    keys = [k for k, _ in SWEEP[name]]
+    for values in itertools.product(*(v for _, v in SWEEP[name])):
+      tun = dict(zip(keys, values))
+      try:
+        gbs = nbytes / _median_seconds(lambda: call(**tun), reps) / 1e9
+      except Exception as e:   # e.g. shared memory exceeded: report and go on
+        print(f"sweep {name:<13} {tun}  FAIL {type(e).__name__}: {str(e)[:160]}", flush=True)
+        continue
+      best = max(best, (gbs, tun), key=lambda b: b[0])
+      print(f"sweep {name:<13} {tun}  {gbs:6.0f} GB/s {100 * gbs / copy:5.1f}% of copy "
+            f"({copy:.0f})", flush=True)
+    print(f"best  {name:<13} {best[1]}  {best[0]:6.0f} GB/s {100 * best[0] / copy:5.1f}%",
+          flush=True)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", default=",".join(KERNELS),
@@ -129,7 +193,9 @@ def main(argv=None) -> int:
   parser.add_argument("--reps", type=int, default=20)
   parser.add_argument("--check", action="store_true",
                       help="also compare the new kernels with the jnp references")
-  parser.add_argument("--no-triton", action="store_true", help="skip the Triton-backend kernels")
+  parser.add_argument("--no-baseline", action="store_true", help="skip the baselines")
+  parser.add_argument("--sweep", action="store_true",
+                      help="sweep the Mosaic GPU quantize kernels' tunables (see SWEEP)")
   args = parser.parse_args(argv)
   names = [s for s in args.only.split(",") if s]
   bad = sorted(set(names) - set(KERNELS))
@@ -138,8 +204,11 @@ def main(argv=None) -> int:
 
   import jax
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-  header = f"{'kernel':<14}{'MB moved':>10}{'copy GB/s':>11}{'mgpu GB/s':>11}{'% copy':>8}" \
-           f"{'triton GB/s':>13}{'% copy':>8}  check"
+  if args.sweep:
+    _sweep(args.n, names, args.reps)
+    return 0
+  header = f"{'kernel':<14}{'MB moved':>10}{'copy GB/s':>11}{'new GB/s':>11}{'% copy':>8}" \
+           f"{'base GB/s':>13}{'% copy':>8}  check   (base: XLA reference; adam*: Pallas Triton)"
   print(header)
   for name, nbytes, new, old, check in _cases(args.n, args.adam_rows, args.check):
     if name not in names:
@@ -151,14 +220,14 @@ def main(argv=None) -> int:
       row += f"{gbs:>11.0f}{100 * gbs / copy:>7.0f}%"
     except Exception as e:   # report and go on: one table for the lead
       row += f"{'FAIL':>11}{'':>8}"
-      print(f"  {name} mgpu failed: {type(e).__name__}: {str(e)[:400]}")
-    if old is not None and not args.no_triton:
+      print(f"  {name} new kernel failed: {type(e).__name__}: {str(e)[:400]}")
+    if old is not None and not args.no_baseline:
       try:
         gbs = nbytes / _median_seconds(old, args.reps) / 1e9
         row += f"{gbs:>13.0f}{100 * gbs / copy:>7.0f}%"
       except Exception as e:
         row += f"{'FAIL':>13}{'':>8}"
-        print(f"  {name} triton failed: {type(e).__name__}: {str(e)[:400]}")
+        print(f"  {name} baseline failed: {type(e).__name__}: {str(e)[:400]}")
     else:
       row += f"{'-':>13}{'':>8}"
     if check is not None:

@@ -5,17 +5,23 @@
 #   bash benchmarks/run_gpu.sh train1b e2e
 # Sections: tests (GPU-marked tests), tests_all (kernel/ops/quantize test files compiled for the GPU), adam_tree (the
 # optimizer kernels' tests, tree kernel included: carry .whl), kernels (quantize bandwidth,
-# fused Adam step, FP8 GEMM), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params),
+# fused Adam step, FP8 GEMM), quant_sweep (the Mosaic GPU quantize kernels' tunables), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params),
 # train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e (benchmarks/bench_e2e.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coat_gpu_out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+# Wheels carried to the GPU machine (.whl/, git-ignored; the `gpu` extra: jax-triton), e.g. here:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl jax-triton==0.3.1
+# and the device call names .whl in carry. Installed into /tmp/site, ahead on PYTHONPATH.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
-PY=${PY:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (jax-triton: the optimizer's tree kernel)
-  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+# A test that lowers a kernel on the deprecated Pallas Triton backend fails (issue 14: none may).
+NO_PT=(-W "error:The Pallas Triton backend is deprecated:DeprecationWarning")
 section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$name.log"
@@ -24,14 +30,16 @@ section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/N
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+$PY -c "from pallas_kernels import adam_step_triton as t; print('jax-triton available:', t.available())" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 for s in "$@"; do
   case $s in
-    tests) section tests 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -v -rf --tb=short -p no:cacheprovider -m gpu --durations=10 tests ;;
-    tests_all) section tests_all 420 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -v -rf --tb=line -p no:cacheprovider -m "not slow" -k "not interpret" --timeout 90 --durations=15 \
-             tests/test_kernels_quantize.py tests/test_kernels_matmul.py tests/test_kernels_adam.py tests/test_ops.py tests/test_quantize.py ;;
-    adam_tree) section adam_tree 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest -q -rf --tb=short -p no:cacheprovider -m "not slow" -k "not interpret" --durations=10 \
+    tests) section tests 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -v -rf --tb=short -p no:cacheprovider -m gpu --durations=10 tests ;;
+    tests_all) section tests_all 420 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -v -rf --tb=line -p no:cacheprovider -m "not slow" -k "not interpret" --timeout 90 --durations=15 \
+             tests/test_kernels_dispatch.py tests/test_kernels_matmul.py tests/test_kernels_adam.py tests/test_ops.py tests/test_quantize.py ;;
+    adam_tree) section adam_tree 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -q -rf --tb=short -p no:cacheprovider -m "not slow" -k "not interpret" --durations=10 \
              tests/test_kernels_adam_tree.py tests/test_kernels_adam_triton.py tests/test_kernels_adam.py ;;
     kernels) section kernels 420 $PY benchmarks/bench_kernels.py ${KERNEL_ARGS:-} ;;
+    quant_sweep) section quant_sweep 300 $PY benchmarks/bench_kernels_mgpu.py --sweep ${SWEEP_ARGS:-} ;;
     ops) section ops 240 $PY benchmarks/bench_ops.py ;;
     profile) section profile 200 $PY benchmarks/profile_layer.py ;;
     layer) section layer 420 $PY benchmarks/bench_layer.py --json "$OUT/layer.json" ;;

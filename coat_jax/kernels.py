@@ -6,13 +6,28 @@ never falls back: this module checks its `supported*` and otherwise calls the re
 wraps kernel results in QuantizedArray / ExpandedMoment. Every function here has the signature
 and semantics of its reference.
 
-Backend choice: `auto` (default) uses the Pallas kernels on Hopper GPUs (compute capability
-9.x), on one device or a mesh of them, and the jnp references everywhere else. Force a choice with the environment variable
-COAT_JAX_KERNELS (read at import), `set_backend(...)` (process default) or the
+Backend choice: `auto` (default) uses kernels on Hopper GPUs (compute capability 9.x), on one
+device or a mesh of them, and the jnp references everywhere else. Force a choice with the
+environment variable COAT_JAX_KERNELS (read at import), `set_backend(...)` (process default) or the
 `backend(...)` context manager: `auto` | `pallas` | `reference`, or per kernel family, e.g.
-`gemm=pallas,quantize=reference` (families: FAMILIES; the rest stay auto). The choice lives in a
-JAX user context (`jax.make_user_context`), which is part of jit's cache key: the same jitted
-function called under two backends is traced twice, once for each.
+`gemm=pallas,quantize=reference` (families: FAMILIES; the rest stay auto), where a family may also
+name one of its IMPLEMENTATIONS (`adam=triton`, `quantize=mosaic`). The choice lives in a JAX user
+context (`jax.make_user_context`), which is part of jit's cache key: the same jitted function
+called under two backends is traced twice, once for each.
+
+Which kernel (`implementation(family)`; `pallas`, and `auto` where AUTO_ON_HOPPER says so):
+  gemm        mosaic: Mosaic GPU wgmma TN kernel (fp8_matmul.py) where `tn_operands` maps the
+              product; `auto` on one device only
+  quantize    mosaic: quantize_mgpu.py. Per group: G a multiple of 16 up to 256, N % G == 0 and
+              size / G a multiple of 64. Per tensor: size / 64 a multiple of 64 and N % 64 == 0;
+              with the transposed copy ndim >= 2, N and M multiples of 64 and a 16-bit input.
+              Other shapes: the reference (XLA). FP8 storage only.
+  dequantize  mosaic (per-group arrays, the per-group quantize's shapes); `auto` keeps XLA's
+  adam        triton: the jax-triton kernel (adam_step_triton.py) when triton and jax-triton
+              import (`pip install coat-jax[gpu]`) and not in interpret mode; otherwise
+              pallas_triton (adam_step.py, the deprecated Pallas Triton backend; on a GPU with one
+              warning naming what to install). Moments FP8 or INT8 (pallas_triton only), N % G == 0.
+Why these (measured speeds): docs/benchmarks.md, "New kernels off the Triton backend".
 
 Meshes: with more than one device, every Pallas call is wrapped by `coat_jax.sharded`
 (custom_partitioning): inside a sharded jax.jit each device runs the kernel on its local shard.
@@ -25,15 +40,17 @@ a shard boundary (a last axis whose shards would split groups is gathered for th
 the optimizer step runs per shard on the local moments. The FP8 GEMM gathers its contracting
 axis (FSDP weights are all-gathered for the product) and keeps M and N sharded (tensor
 parallelism: column-parallel outputs stay sharded; a row-parallel product gathers K); that path
-has not run on a GPU mesh yet, so `auto` keeps the GEMM on XLA with several devices. In interpret
-mode (CPU) the GEMM kernel is not wrapped (its ordered callbacks cannot pass custom_partitioning):
-XLA partitions its interpreted ops like any others.
+has not run on a GPU mesh yet, so `auto` keeps the GEMM on XLA with several devices. A shard
+that a Mosaic GPU quantize kernel does not take goes to the reference on that shard. In interpret
+mode (CPU) the Mosaic GPU kernels (GEMM, quantize) are not wrapped (their ordered callbacks cannot
+pass custom_partitioning): XLA partitions their interpreted ops like any others.
 """
 from __future__ import annotations
 
-import math
 import functools
+import math
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +61,10 @@ from coat_jax.quantize import QuantizedArray
 
 _CHOICES = ("auto", "pallas", "reference")
 FAMILIES = ("gemm", "quantize", "dequantize", "adam", "adam_tree")
+# The kernels a family can name, best first (`pallas` / `auto` take the first that can run here).
+IMPLEMENTATIONS = {"gemm": ("mosaic",), "quantize": ("mosaic",), "dequantize": ("mosaic",),
+                   "adam": ("triton", "pallas_triton"), "adam_tree": ("triton",)}
+INSTALL_HINT = "pip install coat-jax[gpu]"
 # What `auto` picks per kernel family on a Hopper GPU (measured: benchmarks/bench_ops.py).
 # Dequantize feeds elementwise backward math, which XLA fuses it into: a standalone kernel that
 # writes the float32 tensor costs more than it saves. adam_tree: the optimizer step over a whole
@@ -54,8 +75,9 @@ AUTO_ON_HOPPER = {"gemm": "pallas", "quantize": "pallas", "dequantize": "referen
 
 
 def _parse(spec: str) -> tuple[tuple[str, str], ...]:
-  """'auto' | 'pallas' | 'reference', or per family: 'gemm=pallas,quantize=reference' (rest
-  auto) -> ((family, choice), ...) in FAMILIES order (hashable: it keys jit's cache)."""
+  """'auto' | 'pallas' | 'reference', or per family: 'gemm=pallas,adam=triton' (rest auto; a
+  family takes _CHOICES or one of its IMPLEMENTATIONS) -> ((family, choice), ...) in FAMILIES
+  order (hashable: it keys jit's cache)."""
   if not isinstance(spec, str):
     raise ValueError(f"kernel backend must be a string, got {spec!r}")
   spec = spec.strip()
@@ -65,9 +87,10 @@ def _parse(spec: str) -> tuple[tuple[str, str], ...]:
   for item in spec.split(","):
     fam, _, choice = item.partition("=")
     fam, choice = fam.strip(), choice.strip()
-    if fam not in FAMILIES or choice not in _CHOICES:
+    if fam not in FAMILIES or choice not in _CHOICES + IMPLEMENTATIONS[fam]:
       raise ValueError(f"unknown kernel backend {spec!r}: expected one of {_CHOICES} or "
-                       f"'family=choice,...' with families {FAMILIES} and choices {_CHOICES}")
+                       f"'family=choice,...' with families {FAMILIES} and choices {_CHOICES} "
+                       f"or the family's kernel {IMPLEMENTATIONS}")
     out[fam] = choice
   return tuple((fam, out[fam]) for fam in FAMILIES)
 
@@ -108,16 +131,49 @@ def _on_hopper() -> bool:
   return str(cc).startswith("9")
 
 
-def use_pallas(family: str = "gemm") -> bool:
-  """True when calls of this kernel family (one of FAMILIES) go to Pallas."""
+@functools.cache
+def _triton_available() -> bool:
+  """triton and jax-triton import (GPU machines with the `gpu` extra)."""
+  from pallas_kernels import adam_step_triton
+  return adam_step_triton.available()
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+  if key not in _warned:
+    _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def implementation(family: str) -> str | None:
+  """The kernel (one of IMPLEMENTATIONS[family]) this family's calls use now, or None: the
+  reference. Shapes a kernel does not take still go to the reference (see the functions)."""
   if family not in FAMILIES:
     raise ValueError(f"unknown kernel family {family!r}; expected one of {FAMILIES}")
   choice = dict(_BACKEND.value)[family]
-  if choice == "auto":  # on meshes too (`sharded` runs the kernels per shard), but the GEMM:
-    # its partitioned path (sharded.matmul_tn) has not run on a GPU mesh yet.
-    return (_on_hopper() and AUTO_ON_HOPPER[family] == "pallas"
-            and (family != "gemm" or jax.device_count() == 1))
-  return choice == "pallas"
+  if choice == "reference":
+    return None
+  if choice == "auto" and not (  # on meshes too (`sharded` runs the kernels per shard), but the
+      _on_hopper() and AUTO_ON_HOPPER[family] == "pallas"   # GEMM: its partitioned path
+      and (family != "gemm" or jax.device_count() == 1)):   # has not run on a GPU mesh yet.
+    return None
+  if choice in IMPLEMENTATIONS[family]:
+    return choice
+  if family == "adam":
+    if _triton_available() and not interpret_mode():
+      return "triton"
+    if not interpret_mode():
+      _warn_once("adam", "coat_jax: jax-triton is not installed, so the fused Adam step uses the "
+                 f"deprecated Pallas Triton backend; install it: {INSTALL_HINT}")
+    return "pallas_triton"
+  return IMPLEMENTATIONS[family][0]
+
+
+def use_pallas(family: str = "gemm") -> bool:
+  """True when calls of this kernel family (one of FAMILIES) go to a kernel."""
+  return implementation(family) is not None
 
 
 def interpret_mode() -> bool:
@@ -132,31 +188,47 @@ def _rows(kernel, args, kinds_in, kinds_out, group_size):
   return sharded.rowwise(kernel, args, kinds_in, kinds_out, group_size)
 
 
+def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
+  """A Mosaic GPU kernel per shard (`_rows`); in interpret mode unwrapped (its ordered callbacks
+  cannot pass custom_partitioning: XLA partitions the interpreted ops like any others)."""
+  if interpret_mode():
+    return tuple(kernel(*args))
+  return _rows(kernel, args, kinds_in, kinds_out, group_size)
+
+
 def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
                         floor=formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
   """See `coat_jax.quantize.quantize_per_tensor`.
 
-  Pallas: stage-1 tile maxima, stage 2 and the scale here (`quantize.scale_from_amax`), then the
-  quantize(+transpose) pass (pallas_kernels/quantize.py) when the last axis is a multiple of 16
-  and the format is FP8; other cases use the reference.
+  Kernel (mosaic, the shapes in the module docstring): stage-1 tile maxima, stage 2 and the scale
+  here (`quantize.scale_from_amax`), then the quantize(+transpose) pass; else the reference.
   """
   f = formats.get_format(fmt)
-  if use_pallas("quantize"):
-    from pallas_kernels import quantize as pk  # local: keeps Pallas out of reference-only imports.
-    if pk.supported_per_tensor(x, with_transpose, f.dtype):
-      tile, interp = pk.STAGE1_TILE, interpret_mode()
+  if implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes():
+    from pallas_kernels import quantize_mgpu as qm  # local: keeps Pallas out of reference-only imports.
+    if qm.supported_per_tensor(x.shape, x.dtype, with_transpose):
+      tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max, interpret=interpret_mode())
+
+      def stage1(a):   # per shard; a shard the kernel does not take: the reference's maxima
+        if qm.supported_per_group(a.shape, a.dtype, tile):
+          return (qm.tile_amax(a, interpret=kw["interpret"]),)
+        return (quantize.group_amax(a, tile),)
+
       if amax is None:   # stage 1 per shard; stage 2 (jnp.max, global, propagates NaN) by XLA
-        (tiles,) = _rows(lambda a: (pk.tile_amax(a, interpret=interp),), [x], ["data"], ["meta"],
-                         tile)
+        (tiles,) = _mosaic(stage1, [x], ["data"], ["meta"], tile)
         amax = jnp.max(tiles)
+      amax = jnp.asarray(amax, jnp.float32)
       scale = quantize.scale_from_amax(amax, f, floor)
-      if jax.device_count() == 1:
-        data, data_t = pk.quantize_per_tensor(x, scale, dtype=f.dtype,
-                                              with_transpose=with_transpose, interpret=interp)
+      if jax.device_count() == 1 or interpret_mode():
+        data, _, data_t = qm.quantize_per_tensor(x, scale=scale, floor=floor,
+                                                 with_transpose=with_transpose, **kw)
       else:   # per shard; the transposed copy by XLA (a shard's transpose is not local)
-        (data,) = _rows(lambda a, s: (pk.quantize_per_tensor(a, s, dtype=f.dtype,
-                                                             interpret=interp)[0],),
-                        [x, scale], ["data", "scalar"], ["data"], tile)
+        def quant(a, am, s):
+          if qm.supported_per_tensor(a.shape, a.dtype, False):
+            return (qm.quantize_per_tensor(a, scale=s, floor=floor, **kw)[0],)
+          return (quantize.quantize_per_tensor(a, f, amax=am, floor=floor).data,)
+
+        (data,) = _rows(quant, [x, amax, scale], ["data", "scalar", "scalar"], ["data"], tile)
         data_t = jnp.swapaxes(data, -1, -2) if with_transpose else None
       return QuantizedArray(data, scale, f.name, 0, data_t)
   return quantize.quantize_per_tensor(x, f, amax=amax, with_transpose=with_transpose, floor=floor)
@@ -164,28 +236,42 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
 
 def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", *,
                        floor=formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
-  """See `coat_jax.quantize.quantize_per_group` (Pallas when the last axis divides by G, FP8)."""
+  """See `coat_jax.quantize.quantize_per_group` (mosaic on the shapes in the module docstring)."""
   f = formats.get_format(fmt)
-  if use_pallas("quantize"):
-    from pallas_kernels import quantize as pk
-    if pk.supported_per_group(x, group_size, f.dtype):
+  if implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes():
+    from pallas_kernels import quantize_mgpu as qm
+    if qm.supported_per_group(x.shape, x.dtype, group_size):
       interp = interpret_mode()
-      data, scale = _rows(lambda a: pk.quantize_per_group(a, group_size, dtype=f.dtype,
-                                                          floor=floor, interpret=interp),
-                          [x], ["data"], ["data", "meta"], group_size)
+
+      def kernel(a):   # per shard; a shard the kernel does not take: the reference
+        if qm.supported_per_group(a.shape, a.dtype, group_size):
+          return qm.quantize_per_group(a, group_size=group_size, out_dtype=f.dtype, fmax=f.max,
+                                       floor=floor, interpret=interp)
+        ref = quantize.quantize_per_group(a, group_size, f, floor=floor)
+        return ref.data, ref.scale
+
+      data, scale = _mosaic(kernel, [x], ["data"], ["data", "meta"], group_size)
       return QuantizedArray(data, scale, f.name, group_size)
   return quantize.quantize_per_group(x, group_size, f, floor=floor)
 
 
 def dequantize(q: QuantizedArray, dtype):
-  """See `coat_jax.quantize.dequantize` (Pallas for per-group arrays; per-tensor is XLA's)."""
-  if use_pallas("dequantize") and q.group_size > 0:
-    from pallas_kernels import quantize as pk
-    if pk.supported_per_group(q.data, q.group_size, q.data.dtype):
-      interp, g, out_dtype = interpret_mode(), q.group_size, jnp.dtype(dtype)
-      (out,) = _rows(lambda d, sc: (pk.dequantize_per_group(d, sc, g, out_dtype,
-                                                            interpret=interp),),
-                     [q.data, q.scale], ["data", "meta"], ["data"], g)
+  """See `coat_jax.quantize.dequantize` (mosaic for per-group FP8 arrays of the per-group
+  quantize's shapes; per-tensor is XLA's)."""
+  out_dtype = jnp.dtype(dtype)
+  if (q.group_size > 0 and implementation("dequantize") == "mosaic"
+      and jnp.issubdtype(out_dtype, jnp.floating)):
+    from pallas_kernels import quantize_mgpu as qm
+    if qm.supported_per_group(q.data.shape, q.data.dtype, q.group_size):
+      interp, g = interpret_mode(), q.group_size
+
+      def kernel(d, sc):
+        if qm.supported_per_group(d.shape, d.dtype, g):
+          return (qm.dequantize_per_group(d, sc, group_size=g, dtype=out_dtype,
+                                          interpret=interp),)
+        return (quantize.dequantize(QuantizedArray(d, sc, q.fmt, g), out_dtype),)
+
+      (out,) = _mosaic(kernel, [q.data, q.scale], ["data", "meta"], ["data"], g)
       return out
   return quantize.dequantize(q, dtype)
 
@@ -235,40 +321,61 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
 
   output: "param" (new param, param.dtype) or "update" (optax's u = -lr * (m/denom + wd*p), in
   grad.dtype; param may then be None: no decay term).
-  Pallas: the fused one-pass step (pallas_kernels/adam_step.py) when the last axis is divisible by
-  group_size and both moments are ExpandedMoment; otherwise the reference.
+  Kernel (`implementation("adam")`, both moments ExpandedMoment): triton (jax-triton, FP8
+  moments, G a power of two >= 16) or pallas_triton (adam_step.py); N % G == 0. Shapes the chosen
+  kernel does not take: the reference.
   """
   kwargs = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
                 group_size=group_size, expand=expand, expand_min=expand_min, output=output)
   like = grad if param is None else param
-  if (use_pallas("adam") and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)):
+  impl = (implementation("adam") if isinstance(m, ExpandedMoment)
+          and isinstance(v, ExpandedMoment) else None)
+  if impl == "triton":
+    from pallas_kernels import adam_step_triton as pk
+    if not pk.available():
+      raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({INSTALL_HINT})")
+    ok = pk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size)
+  elif impl == "pallas_triton":
     from pallas_kernels import adam_step as pk
-    if pk.supported(like, group_size):
-      # fast_math: MUFU approximations (errors ~2^-22, far below FP8 rounding); alias: new param
-      # and moments written over the old ones, in place when the caller donates them (a jitted
-      # train step with donated state does). On the H100 (one 1.21e9 leaf) the pair took the
-      # step from 17.4 to 7.1 ms (benchmarks/sweep_adam_kernel.py).
+    ok = pk.supported(like, group_size)
+  if impl is not None and ok:
+    limits = adam_kernel_limits(m_format, v_format)
+    # alias: new param and moments written over the old ones, in place when the caller donates
+    # them (a jitted train step with donated state does).
+    if impl == "triton":
+      static = dict(m_fmax=formats.get_format(m_format).max,
+                    v_fmax=formats.get_format(v_format).max,
+                    m_log2_range=limits["m_log2_range"], v_log2_range=limits["v_log2_range"],
+                    max_k_code=limits["max_code"], amax_floor=limits["floor"],
+                    grad_clamp=limits["grad_clamp"], group_size=group_size, expand=expand,
+                    expand_min=expand_min, output=output, alias=True, fast_math=True)
+      step = lambda p, g, m3, v3, **h: pk.adam_step(p, g, *m3, *v3, **static, **h)
+    else:
+      # fast_math: MUFU approximations (errors ~2^-22, far below FP8 rounding). On the H100
+      # (one 1.21e9 leaf) fast_math + alias took the step from 17.4 to 7.1 ms
+      # (benchmarks/sweep_adam_kernel.py).
       static = dict(group_size=group_size, expand=expand, expand_min=expand_min, output=output,
-                    interpret=interpret_mode(), fast_math=True, alias=True,
-                    **adam_kernel_limits(m_format, v_format))
-      # Python numbers stay static (as in the reference, 1 - b1 is then exact in float64 before
-      # rounding); arrays (schedules, inject_hyperparams, count) are replicated scalar operands.
-      hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count)
-      traced = [k for k, x in hyper.items() if not isinstance(x, (int, float))]
-      static.update({k: x for k, x in hyper.items() if k not in traced})
-      p_in = [] if param is None else [param]
+                    interpret=interpret_mode(), fast_math=True, alias=True, **limits)
 
-      def kernel(*a):
-        p = a[0] if param is not None else None
-        g, md, ma, mk, vd, va, vk, *hv = a[len(p_in):]
-        out, m3, v3 = pk.adam_step(p, g, (md, ma, mk), (vd, va, vk), **static,
-                                   **dict(zip(traced, hv)))
+      def step(p, g, m3, v3, **h):
+        out, m3, v3 = pk.adam_step(p, g, m3, v3, **static, **h)
         return (out, *m3, *v3)
+    # Python numbers stay Python numbers; arrays (schedules, inject_hyperparams, count) are
+    # replicated scalar operands.
+    hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count)
+    traced = [k for k, x in hyper.items() if not isinstance(x, (int, float))]
+    fixed = {k: x for k, x in hyper.items() if k not in traced}
+    p_in = [] if param is None else [param]
 
-      args = p_in + [grad, *m, *v] + [jnp.asarray(hyper[k]) for k in traced]
-      kinds = ["data"] * (len(p_in) + 1) + ["data", "meta", "meta"] * 2 + ["scalar"] * len(traced)
-      out, *mv = _rows(kernel, args, kinds, ["data"] + ["data", "meta", "meta"] * 2, group_size)
-      return out, ExpandedMoment(*mv[:3]), ExpandedMoment(*mv[3:])
+    def kernel(*a):
+      p = a[0] if param is not None else None
+      g, md, ma, mk, vd, va, vk, *hv = a[len(p_in):]
+      return tuple(step(p, g, (md, ma, mk), (vd, va, vk), **fixed, **dict(zip(traced, hv))))
+
+    args = p_in + [grad, *m, *v] + [jnp.asarray(hyper[k]) for k in traced]
+    kinds = ["data"] * (len(p_in) + 1) + ["data", "meta", "meta"] * 2 + ["scalar"] * len(traced)
+    out, *mv = _rows(kernel, args, kinds, ["data"] + ["data", "meta", "meta"] * 2, group_size)
+    return out, ExpandedMoment(*mv[:3]), ExpandedMoment(*mv[3:])
   return adam_math.adam_step_reference(param, grad, m, v, m_format=m_format, v_format=v_format,
                                        **kwargs)
 

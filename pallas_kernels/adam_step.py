@@ -27,9 +27,20 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.quantize import _pow2_divisor, _saturate
-
 OUTPUTS = ("param", "update")
+
+
+def _saturate(y: jax.Array, fmax: float) -> jax.Array:
+  """Clamp to +-fmax keeping NaN (Triton's min/max would turn NaN into a bound)."""
+  return jnp.where(y != y, y, jnp.minimum(jnp.maximum(y, -fmax), fmax))
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  """Largest power of two <= cap dividing n."""
+  b = 1
+  while b < cap and n % (2 * b) == 0:
+    b *= 2
+  return b
 
 
 STORAGE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.int8))
@@ -54,8 +65,9 @@ def storage_max(dtype) -> float:
 
 
 def _div(x, y, interpret):
-  # See pallas_kernels/quantize.py: the barrier keeps XLA:CPU's true division in interpret mode;
-  # on the GPU Triton's `/` and XLA's are both div.full.f32.
+  # The barrier keeps XLA:CPU's true division in interpret mode (XLA:CPU would rewrite
+  # x / broadcast(s) into x * (1 / s) in a fused body); on the GPU Triton's `/` and XLA's are
+  # both div.full.f32.
   return x / jax.lax.optimization_barrier(y) if interpret else x / y
 
 
@@ -231,7 +243,9 @@ def adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, group_
                      f"v {v[0].shape} must match param {like.shape}")
   m_fmax, v_fmax = storage_max(m[0].dtype), storage_max(v[0].dtype)
   rows = like.size // group_size
-  r = _pow2_divisor(rows, block)   # whole blocks only (see pallas_kernels/quantize.py)
+  # Whole blocks only: on the H100 the Triton backend's masked stores of partial blocks wrote out
+  # of bounds (a neighbouring buffer was overwritten), so no partial blocks are ever used.
+  r = _pow2_divisor(rows, block)
   scalars = _step_scalars(lr, b1, b2, eps, weight_decay, count)
   big = pl.BlockSpec((r, group_size), lambda i: (i, 0))
   small = pl.BlockSpec((r,), lambda i: (i,))

@@ -14,8 +14,9 @@ Written with the official Triton language and called with `jax_triton.triton_cal
 not use the deprecated Pallas Triton backend. Precise math: libdevice exp2 / log2 (as XLA), IEEE
 sqrt (`sqrt_rn`), Triton's `/` (div.full.f32, what XLA:GPU emits). A program takes BLOCK rows; the
 last program's rows are masked (Triton's masked loads/stores, no partial blocks of Pallas).
-Needs triton >= 3.6 and jax-triton 0.3.1 (`pip install .[gpu]`); it cannot run on CPU, so
-`available()` says whether it can be called. Imports jax, numpy and (optionally) triton only.
+Needs triton >= 3.6 and jax-triton 0.3.1 (`pip install .[gpu]`); jax-triton cannot run on CPU,
+so `available()` says whether `adam_step` can be called. With triton alone, Triton's interpreter
+(TRITON_INTERPRET=1) runs the kernel on host buffers (tests/test_kernels_adam_triton.py). Imports jax, numpy and (optionally) triton only.
 """
 from __future__ import annotations
 
@@ -210,6 +211,19 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count) -> jax.Array:
   return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
 
 
+def kernel_constants(rows: int, group_size: int, block: int, *, has_param: bool, output: str,
+                     m_fmax: float, v_fmax: float, m_log2_range: float, v_log2_range: float,
+                     expand: bool, expand_min: int, max_k_code: int, amax_floor: float,
+                     grad_clamp: float, fast_math: bool = False) -> dict:
+  """The kernel's constexpr arguments (also for running it in Triton's interpreter, tests)."""
+  return dict(
+      ROWS=rows, G=group_size, BLOCK=block, HAS_PARAM=has_param, OUT_PARAM=output == "param",
+      M_FMAX=float(m_fmax), V_FMAX=float(v_fmax), M_LOG2R=float(np.float32(m_log2_range)),
+      V_LOG2R=float(np.float32(v_log2_range)), EXPAND=bool(expand), EM=float(expand_min),
+      MAX_K=float(max_k_code), FLOOR=float(np.float32(amax_floor)),
+      NOEXP_K=float(min(expand_min, max_k_code)), FAST=bool(fast_math), GCLAMP=float(grad_clamp))
+
+
 @functools.partial(jax.jit, static_argnames=(
     "m_fmax", "v_fmax", "m_log2_range", "v_log2_range", "group_size", "expand", "expand_min",
     "max_k_code", "amax_floor", "output", "block", "num_warps", "alias", "fast_math",
@@ -219,13 +233,13 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
               v_log2_range: float, group_size: int, expand: bool, expand_min: int,
               max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
               block: int = 16, num_warps: int = 4, alias: bool = False,
-              fast_math: bool = False, grad_clamp: float = float("inf")):
+              fast_math: bool = False, grad_clamp: float = 2.0**63):
   """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
 
   block: rows of G per program (power of two); alias: write the new param and moments into the
   old ones' buffers (pays off when the caller donates them); fast_math: MUFU approximations for
   the per-element log2 / exp2 / sqrt / division (see `_log2`); grad_clamp: finite gradients are
-  clamped to +-grad_clamp first (the dispatch passes the reference's 2^63; inf: none).
+  clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays finite; inf: none).
   """
   if not available():
     raise ValueError("adam_step_triton: triton / jax-triton are not installed (GPU only)")
@@ -252,10 +266,9 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
                  jax.ShapeDtypeStruct(meta_shape, jnp.float32),
                  jax.ShapeDtypeStruct(meta_shape, jnp.uint8)],
       grid=(-(-rows // block),), input_output_aliases=aliases, num_warps=num_warps,
-      num_stages=1, ROWS=rows, G=group_size, BLOCK=block, HAS_PARAM=param is not None,
-      OUT_PARAM=output == "param", M_FMAX=float(m_fmax), V_FMAX=float(v_fmax),
-      M_LOG2R=float(np.float32(m_log2_range)), V_LOG2R=float(np.float32(v_log2_range)),
-      EXPAND=bool(expand), EM=float(expand_min), MAX_K=float(max_k_code),
-      FLOOR=float(np.float32(amax_floor)), NOEXP_K=float(min(expand_min, max_k_code)),
-      FAST=bool(fast_math), GCLAMP=float(grad_clamp))
+      num_stages=1, **kernel_constants(
+          rows, group_size, block, has_param=param is not None, output=output, m_fmax=m_fmax,
+          v_fmax=v_fmax, m_log2_range=m_log2_range, v_log2_range=v_log2_range, expand=expand,
+          expand_min=expand_min, max_k_code=max_k_code, amax_floor=amax_floor,
+          grad_clamp=grad_clamp, fast_math=fast_math))
   return tuple(outs)

@@ -1,7 +1,8 @@
 """Quantize / group-scaling / dequantize kernels on Pallas Mosaic GPU (Hopper).
 
-The same semantics as the Triton-backend kernels in pallas_kernels/quantize.py, written against the
-Mosaic GPU backend (which replaces the deprecated Pallas Triton backend):
+The quantize kernels `coat_jax.kernels` dispatches to (the semantics of coat_jax.quantize), written
+against the Mosaic GPU backend (which replaces the deprecated Pallas Triton backend, whose kernels
+these replaced):
 
   per group (1 x G along the last axis):   amax = max|x|,  scale = max(amax * (1/fmax), floor),
                                            NaN where the group holds NaN/inf,
@@ -37,7 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.rows_mgpu import ROW_QUANTUM, launch, pad_scalars
+from pallas_kernels.rows_mgpu import MAX_CTAS, ROW_QUANTUM, launch, pad_scalars
 
 STAGE1_TILE = 16
 BLOCK_ROWS = (1024, 512, 256, 128, 64)
@@ -136,9 +137,10 @@ def _per_group_kernel(x_ref, q_ref, s_ref, *, fmax, floor, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "out_dtype", "fmax", "floor",
-                                             "interpret", "block"))
+                                             "interpret", "block", "max_ctas", "stages"))
 def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float, floor: float,
-                       interpret: bool = False, block: int = 128) -> tuple[jax.Array, jax.Array]:
+                       interpret: bool = False, block: int = 128, max_ctas: int = MAX_CTAS,
+                       stages: int = 2) -> tuple[jax.Array, jax.Array]:
   """Per-group (1 x G) quantize.
 
   Args:
@@ -146,6 +148,9 @@ def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float,
     out_dtype: the FP8 storage dtype; fmax its largest finite value; floor the scale's floor.
     block: at most this many groups (rows) per pipeline step (64..1024; 128 measured best on the
       H100: 2.27 TB/s for 8192^2 bf16 with G = 16, 84% of a copy).
+    max_ctas, stages: the pipeline's CTA cap and shared-memory slots (rows_mgpu.launch); tunables
+      swept by benchmarks/bench_kernels_mgpu.py --sweep (block, max_ctas, stages likewise for the
+      other kernels here).
   Returns:
     (q: out_dtype x.shape, scale: float32 (..., N / G)).
   """
@@ -159,8 +164,8 @@ def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float,
       inputs=[x.reshape(rows, group_size)], in_blocks=[big],
       out_shapes=[jax.ShapeDtypeStruct((rows, group_size), jnp.dtype(out_dtype)),
                   jax.ShapeDtypeStruct((rows,), jnp.float32)],
-      out_blocks=[big, small], num_blocks=rows // r, interpret=interpret,
-      name="coat_quantize_per_group_mgpu")
+      out_blocks=[big, small], num_blocks=rows // r, interpret=interpret, max_ctas=max_ctas,
+      stages=stages, name="coat_quantize_per_group_mgpu")
   return q.reshape(x.shape), s.reshape(*x.shape[:-1], x.shape[-1] // group_size)
 
 
@@ -170,9 +175,11 @@ def _dequant_kernel(q_ref, s_ref, o_ref):
   o_ref[...] = (q * jnp.broadcast_to(s[:, None], q.shape)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "dtype", "interpret", "block"))
+@functools.partial(jax.jit, static_argnames=("group_size", "dtype", "interpret", "block",
+                                             "max_ctas", "stages"))
 def dequantize_per_group(q: jax.Array, scale: jax.Array, *, group_size: int, dtype=jnp.float32,
-                         interpret: bool = False, block: int = 128) -> jax.Array:
+                         interpret: bool = False, block: int = 128, max_ctas: int = MAX_CTAS,
+                         stages: int = 2) -> jax.Array:
   """x = q * scale per group: q (..., N) FP8, scale float32 (..., N / G); returns `dtype`."""
   _check(_rows_problem(q.shape, q.dtype, group_size), "dequantize_per_group")
   rows = q.size // group_size
@@ -186,8 +193,8 @@ def dequantize_per_group(q: jax.Array, scale: jax.Array, *, group_size: int, dty
       inputs=[q.reshape(rows, group_size), scale.astype(jnp.float32).reshape(rows)],
       in_blocks=[big, small],
       out_shapes=[jax.ShapeDtypeStruct((rows, group_size), jnp.dtype(dtype))],
-      out_blocks=[big], num_blocks=rows // r, interpret=interpret,
-      name="coat_dequantize_per_group_mgpu")
+      out_blocks=[big], num_blocks=rows // r, interpret=interpret, max_ctas=max_ctas,
+      stages=stages, name="coat_dequantize_per_group_mgpu")
   return out.reshape(q.shape)
 
 
@@ -195,8 +202,9 @@ def _tile_amax_kernel(x_ref, p_ref):
   p_ref[...] = jnp.max(jnp.abs(_load_f32(x_ref)), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block"))
-def tile_amax(x: jax.Array, *, interpret: bool = False, block: int = 128) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("interpret", "block", "max_ctas", "stages"))
+def tile_amax(x: jax.Array, *, interpret: bool = False, block: int = 128,
+              max_ctas: int = MAX_CTAS, stages: int = 2) -> jax.Array:
   """Stage 1 of the two-stage amax: max|x| per 1 x 16 tile, float32 (..., N / 16).
 
   A tile holding NaN gives NaN, one holding inf (and no NaN) gives inf: the stage-2 max then
@@ -210,7 +218,8 @@ def tile_amax(x: jax.Array, *, interpret: bool = False, block: int = 128) -> jax
   [p] = launch(
       _tile_amax_kernel, inputs=[x.reshape(rows, STAGE1_TILE)], in_blocks=[big],
       out_shapes=[jax.ShapeDtypeStruct((rows,), jnp.float32)], out_blocks=[small],
-      num_blocks=rows // r, interpret=interpret, name="coat_tile_amax_mgpu")
+      num_blocks=rows // r, interpret=interpret, max_ctas=max_ctas, stages=stages,
+      name="coat_tile_amax_mgpu")
   return p.reshape(*x.shape[:-1], x.shape[-1] // STAGE1_TILE)
 
 
@@ -245,12 +254,16 @@ def _tensor_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "fmax", "floor", "with_transpose",
-                                             "interpret", "block_rows", "block_cols"))
+                                             "interpret", "block_rows", "block_cols", "max_ctas",
+                                             "stages"))
 def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
-                        amax: jax.Array | None = None, with_transpose: bool = False,
+                        amax: jax.Array | None = None, scale: jax.Array | None = None,
+                        with_transpose: bool = False,
                         interpret: bool = False, block_rows: int | None = None,
-                        block_cols: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-  """Per-tensor quantize with the two-stage amax (stage 1 skipped when `amax` is given).
+                        block_cols: int | None = None, max_ctas: int = MAX_CTAS,
+                        stages: int = 2) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Per-tensor quantize with the two-stage amax (stage 1 skipped when `amax` is given; with
+  `scale` given, float32 (), that scale is used as it is and `amax` is ignored).
 
   Blocks (block_rows x block_cols) default to 64 x 128 without the transposed copy and 128 x 128
   with it (H100, 8192^2 bf16: 2.40 / 2.34 TB/s, 89% / 87% of a copy; larger transposing blocks
@@ -264,9 +277,12 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
     need = ("ndim >= 2, the last two axes multiples of 64 and a 16-bit dtype" if with_transpose else
             "the last axis a multiple of 64 and size / 64 a positive multiple of 64")
     raise ValueError(f"quantize_per_tensor: shape {x.shape} unsupported (needs {need})")
-  if amax is None:
-    amax = jnp.max(tile_amax(x, interpret=interpret))   # stage 2 (jnp.max propagates NaN)
-  scale = scale_from_amax(amax, fmax=fmax, floor=floor)
+  if scale is None:
+    if amax is None:
+      amax = jnp.max(tile_amax(x, interpret=interpret, max_ctas=max_ctas,   # + stage 2 (jnp.max
+                               stages=stages))                            # propagates NaN)
+    scale = scale_from_amax(amax, fmax=fmax, floor=floor)
+  scale = jnp.asarray(scale, jnp.float32).reshape(())
   if with_transpose:
     x3 = x.reshape(-1, *x.shape[-2:])
   else:
@@ -291,7 +307,8 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
                         transpose=with_transpose),
       scalars=[pad_scalars([scale])], inputs=[x3], in_blocks=[((None, bm, bn), where)],
       out_shapes=out_shapes, out_blocks=out_blocks, num_blocks=b * gi * gj,
-      interpret=interpret, name="coat_quantize_per_tensor_mgpu")
+      interpret=interpret, max_ctas=max_ctas, stages=stages,
+      name="coat_quantize_per_tensor_mgpu")
   q = outs[0].reshape(x.shape)
   q_t = (outs[1].reshape(*x.shape[:-2], x.shape[-1], x.shape[-2]) if with_transpose else None)
   return q, scale, q_t

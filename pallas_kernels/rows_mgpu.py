@@ -3,7 +3,7 @@
 `launch` runs `body` once per block of a list of blocks: `plgpu.kernel` starts `ctas` CTAs (one
 warpgroup each, operands left in GMEM); each takes a contiguous run of num_blocks / ctas blocks and
 streams them through two shared-memory slots with TMA copies (the next block's loads overlap this
-block's math and the previous block's stores). `body(*scalar_refs, *in_smem, *out_smem,
+block's math and the previous block's stores; `stages` slots, 2 by default). `body(*scalar_refs, *in_smem, *out_smem,
 *scratch)` sees the scalar operands as GMEM refs (read with ref[i]) and the blocks as SMEM refs.
 
 Pallas GPU interpret mode (`interpret=True` here: `plgpu.InterpretGPUParams()`) runs the same
@@ -41,7 +41,7 @@ def num_ctas(num_blocks: int, max_ctas: int = MAX_CTAS) -> int:
 def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Array],
            in_blocks: Sequence[Block], out_shapes: Sequence[jax.ShapeDtypeStruct],
            out_blocks: Sequence[Block], num_blocks: int, name: str, interpret: bool = False,
-           max_ctas: int = MAX_CTAS,
+           max_ctas: int = MAX_CTAS, stages: int = 2,
            out_in_place: dict[int, int] | None = None, body_scratch: Sequence = ()) -> list[jax.Array]:
   """Runs `body` over `num_blocks` blocks; returns the outputs (a list, as out_shapes).
 
@@ -51,9 +51,13 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
   body_scratch: extra shared-memory buffers (plgpu.SMEM(...)) passed to `body` after the
     outputs, allocated once per CTA.
 
-  Each CTA double-buffers: block s+1 is loaded while block s is computed, and block s's stores
-  drain while block s+1 is computed (`wait_smem_to_gmem(1)` before a slot's buffers are reused).
+  Each CTA cycles through `stages` shared-memory slots (2: double buffering): blocks s+1 ..
+  s+stages-1 are loaded while block s is computed, and up to stages-1 steps' stores drain while
+  later blocks are computed (`wait_smem_to_gmem(stages - 1)` before a slot's buffers are reused).
+  max_ctas caps the CTAs (the grid); both are tunables (benchmarks/bench_kernels_mgpu.py --sweep).
   """
+  if stages < 2:
+    raise ValueError(f"launch: stages must be >= 2, got {stages}")
   ctas = num_ctas(num_blocks, max_ctas)
   steps = num_blocks // ctas
   n_scalars = len(scalars)
@@ -78,7 +82,7 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
     own_out = iter(refs[n_scalars + 2 * n_in + n_out:n_scalars + 2 * n_in + n_out + n_own])
     out_smem = [in_smem[in_place[j]] if j in in_place else next(own_out) for j in range(n_out)]
     extra = refs[n_scalars + 2 * n_in + n_out + n_own:-1]
-    barriers = refs[-1]                                   # (2, n_in): slot x input
+    barriers = refs[-1]                                   # (stages, n_in): slot x input
     first = lax.axis_index("cta") * steps
 
     def fetch(step, slot):
@@ -86,22 +90,23 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
       for g, buf, (_, index), i in zip(in_gmem, in_smem, in_blocks, range(n_in)):
         plgpu.copy_gmem_to_smem(g.at[index(blk)], in_views[i](buf, slot), barriers.at[slot, i])
 
-    fetch(0, 0)
+    for ahead in range(min(stages - 1, steps)):
+      fetch(ahead, ahead)
 
     @pl.loop(0, steps)
     def _(step):
-      slot = step % 2
+      slot = step % stages
       if in_place:   # the previous block's in-place stores read the slot about to be refilled
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      @pl.when(step + 1 < steps)
+      @pl.when(step + stages - 1 < steps)
       def _():
-        fetch(step + 1, 1 - slot)
+        fetch(step + stages - 1, (step + stages - 1) % stages)
 
       for i in range(n_in):
         plgpu.barrier_wait(barriers.at[slot, i])
-      # The stores issued two steps ago read this slot's output buffers: let them finish.
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      # The stores issued `stages` steps ago read this slot's output buffers: let them finish.
+      plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
       body(*scalar_refs, *[v(b, slot) for v, b in zip(in_views, in_smem)],
            *[v(b, slot) for v, b in zip(out_views, out_smem)], *extra)
       plgpu.commit_smem()
@@ -116,21 +121,22 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
     return tuple(d for d in shape if d is not None)
 
   def slot_buffer(shape, dtype):
-    """SMEM (2, *block) buffer whose slots start 128-byte aligned (TMA wants aligned shared
+    """SMEM (stages, *block) buffer whose slots start 128-byte aligned (TMA wants aligned shared
     memory: 64-byte uint8 slots gave CUDA_ERROR_MISALIGNED_ADDRESS on the H100), and a view of
     one slot's block."""
     shape = squeeze(shape)
     nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
     if len(shape) == 1 and nbytes % 128:
       padded = shape[0] * (128 // math.gcd(nbytes, 128))
-      return plgpu.SMEM((2, padded), dtype), lambda buf, slot: buf.at[slot, pl.ds(0, shape[0])]
-    return plgpu.SMEM((2, *shape), dtype), lambda buf, slot: buf.at[slot]
+      return (plgpu.SMEM((stages, padded), dtype),
+              lambda buf, slot: buf.at[slot, pl.ds(0, shape[0])])
+    return plgpu.SMEM((stages, *shape), dtype), lambda buf, slot: buf.at[slot]
 
   in_bufs = [slot_buffer(sh, x.dtype) for (sh, _), x in zip(in_blocks, inputs)]
   out_bufs = [slot_buffer(sh, o.dtype) for j, ((sh, _), o) in enumerate(zip(out_blocks, out_shapes))
               if j not in in_place]
   scratch = [b for b, _ in in_bufs] + [b for b, _ in out_bufs] + list(body_scratch) + [
-      plgpu.Barrier(num_barriers=(2, max(n_in, 1)))]
+      plgpu.Barrier(num_barriers=(stages, max(n_in, 1)))]
   in_views = [v for _, v in in_bufs]
   own_views = iter([v for _, v in out_bufs])
   out_views = [in_views[in_place[j]] if j in in_place else next(own_views) for j in range(n_out)]

@@ -14,6 +14,23 @@ from coat_jax import adam_math, expansion, kernels, optim
 from pallas_kernels import adam_step as pk
 
 INTERPRET = jax.default_backend() != "gpu"
+# pallas_kernels/adam_step.py runs on the deprecated Pallas Triton backend: its direct tests run in
+# interpret mode (CPU) only; on a GPU the dispatch tests below run the kernel `implementation`
+# picks (the jax-triton one, with `pip install coat-jax[gpu]`).
+old_backend_cpu_only = pytest.mark.skipif(
+    not INTERPRET, reason="the Pallas Triton backend is deprecated: CPU interpret mode only")
+# A kernel in a jaxpr: a pallas_call (Pallas, Mosaic GPU) or a jax-triton call.
+KERNEL_PRIMITIVES = ("pallas_call", "triton_kernel_call")
+
+
+def n_kernels(jaxpr) -> int:
+  """Kernel calls in a (closed) jaxpr and its sub-jaxprs."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name in KERNEL_PRIMITIVES
+    n += sum(n_kernels(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+  return n
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 NP_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -129,6 +146,7 @@ def _compare(got, want, p0, min_equal=0.999):
     assert np.abs(qa - qb).max() <= 1   # off by one code at most (same sign)
 
 
+@old_backend_cpu_only
 @pytest.mark.parametrize("shape,m_format,v_format,expand", [
     ((3, 256), "e4m3", "e4m3", True),
     ((37, 128), "e4m3", "e5m2", True),    # 37 groups: one group per program
@@ -146,6 +164,7 @@ def test_adam_step_matches_reference(rng, shape, m_format, v_format, expand):
   assert not np.allclose(np.asarray(got[0]), np.asarray(p))   # the step moved the params
 
 
+@old_backend_cpu_only
 @pytest.mark.parametrize("output", ["param", "update"])
 def test_adam_step_aliased_equals_unaliased(rng, output):
   """Writing over the donated inputs (alias=True) gives the same results as fresh outputs."""
@@ -178,8 +197,8 @@ def test_adam_step_zero_group_and_dispatch(rng):
   want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(p, g, m, v)
   with kernels.backend("pallas"):
     got = jax.jit(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v)
-    jaxpr = str(jax.make_jaxpr(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v))
-  assert "pallas_call" in jaxpr
+    jaxpr = jax.make_jaxpr(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v)
+  assert n_kernels(jaxpr) == 1
   _compare(got, want, p)
   assert_step_matches_spec(got, p, g, m, v, args)
   assert int(got[1].k_code[1, 0]) == 16 and np.isfinite(np.asarray(got[1].amax)).all()
@@ -212,6 +231,8 @@ def test_unsupported_shape_raises_and_dispatch_matches_spec(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(kernels._triton_available(),
+                    reason="with jax-triton the deprecated Pallas Triton kernel is not used")
 @pytest.mark.parametrize("fast_math,alias", [(False, False), (True, False), (True, True)])
 def test_gpu_adam_step_compiled(rng, fast_math, alias):
   for fmts in (("e4m3", "e4m3"), ("e4m3", "e5m2")):
@@ -228,12 +249,11 @@ def test_gpu_adam_step_compiled(rng, fast_math, alias):
 
 
 def _compiled(backend, fn, *args):
-  """(fn jitted and compiled under `backend`, its number of kernel launches: pallas_calls and
-  jax-triton calls); the kernel choice is made at trace time, so the compiled function keeps it."""
+  """(fn jitted and compiled under `backend`, its number of kernels); the kernel choice is
+  made at trace time, so the compiled function keeps it."""
   with kernels.backend(backend):
     traced = jax.jit(fn).trace(*args)
-    jaxpr = str(traced.jaxpr)
-    return traced.lower().compile(), jaxpr.count("pallas_call") + jaxpr.count("triton_kernel_call")
+    return traced.lower().compile(), n_kernels(traced.jaxpr)
 
 
 _dequantize = jax.jit(expansion.dequantize_expanded, static_argnums=(1, 2, 3))
@@ -306,6 +326,7 @@ def test_coat_adamw_pallas_matches_reference_backend(rng):
     params, state, g = want_p, want_s, grads()
 
 
+@old_backend_cpu_only
 def test_adam_step_update_output(rng):
   """output="update" without a param (no decay term) writes optax's update in grad.dtype (bf16)
   (with a param, through coat_adamw: test_coat_adamw_pallas_matches_reference_backend)."""

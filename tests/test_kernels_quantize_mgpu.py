@@ -83,6 +83,22 @@ def test_quantize_per_group_matches_numpy(shape, g, fmt):
   assert np.all(err <= s_ref[..., None].astype(np.float64) * fmt[1] * 2.0**-(mant + 1) + 1e-30)
 
 
+def test_pipeline_tunables_keep_the_results(stages=3, max_ctas=1):
+  """More shared-memory slots and fewer CTAs (several blocks per CTA, so slots are reused):
+  the same codes and scales (the benchmark's --sweep varies these on the GPU)."""
+  x = _inputs((4, 1024), seed=16)            # 256 groups of 16: 4 blocks of 64, one CTA
+  q, s = qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
+                               floor=FLOOR, interpret=True, block=64, max_ctas=max_ctas,
+                               stages=stages)
+  q_ref, s_ref = _np_per_group(x, 16, *E4M3)
+  np.testing.assert_array_equal(np.asarray(s), s_ref)
+  assert _same_codes(q, q_ref)
+  out = qm.dequantize_per_group(q, s, group_size=16, dtype=jnp.float32, interpret=True,
+                                block=64, max_ctas=max_ctas, stages=stages)
+  want = (_codes(q).reshape(4, 64, 16) * s_ref[..., None]).reshape(4, 1024)
+  np.testing.assert_array_equal(np.asarray(out), want)
+
+
 def test_quantize_per_group_bfloat16_input():
   x = _inputs((4, 256), seed=12).astype(ml_dtypes.bfloat16)
   q, s = qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
@@ -180,10 +196,11 @@ def test_supported_and_clear_errors():
                             group_size=16, interpret=True)
 
 
-def test_benchmark_script_parses_its_arguments():
+def test_benchmark_script_parses_its_arguments(monkeypatch):
   import importlib.util
   from pathlib import Path
   path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels_mgpu.py"
+  monkeypatch.syspath_prepend(str(path.parent))   # its `from _common import ...`
   spec = importlib.util.spec_from_file_location("bench_kernels_mgpu", path)
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)

@@ -1,0 +1,196 @@
+"""The dispatch (coat_jax/kernels.py): which implementation each family picks for which device and
+shape (simulated: `_on_hopper`, `interpret_mode`, `_triton_available` monkeypatched; nothing runs),
+and, in interpret mode on CPU, that the picked Mosaic GPU quantize kernels give the jitted jnp
+references' results bit for bit while the shapes they do not take go to the reference."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax import expansion, kernels, quantize
+
+ref_per_group = jax.jit(quantize.quantize_per_group, static_argnums=(1, 2))
+ref_per_tensor = jax.jit(quantize.quantize_per_tensor, static_argnums=(1,),
+                         static_argnames=("with_transpose",))
+ref_dequantize = jax.jit(quantize.dequantize, static_argnums=(1,))
+
+
+def _inputs(rng, shape, dtype):
+  """Random values spanning many binades."""
+  return jnp.asarray(rng.standard_normal(shape) * np.exp2(rng.integers(-12, 12, shape)), dtype)
+
+
+def _bits(a):
+  a = jnp.asarray(a)
+  return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)) if a.dtype.itemsize == 1 \
+      else np.asarray(a)
+
+
+def _assert_same(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def _uses_kernel(fn, *args):
+  """A Mosaic GPU kernel in the jaxpr: a pallas_call (GPU), or in interpret mode its inlined
+  body, which names the kernel (coat_*_mgpu)."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  return "_mgpu" in text or "pallas_call" in text
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+  """A simulated Hopper GPU (compiled kernels, no interpret mode); returns a setter for whether
+  jax-triton imports. Resets the one-time warnings."""
+  monkeypatch.setattr(kernels, "_on_hopper", lambda: True)
+  monkeypatch.setattr(kernels, "interpret_mode", lambda: False)
+  monkeypatch.setattr(kernels, "_warned", set())
+  return lambda ok: monkeypatch.setattr(kernels, "_triton_available", lambda: ok)
+
+
+def test_auto_on_hopper_with_jax_triton_uses_no_deprecated_kernel(gpu):
+  gpu(True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = {fam: kernels.implementation(fam) for fam in kernels.FAMILIES}
+  # `auto` keeps the GEMM on XLA on meshes (8 simulated devices on CPU); dequantize stays XLA's.
+  gemm = "mosaic" if jax.device_count() == 1 else None
+  assert got == {"gemm": gemm, "quantize": "mosaic", "dequantize": None, "adam": "triton"}
+  with kernels.backend("pallas"):
+    assert kernels.implementation("dequantize") == "mosaic"
+    assert kernels.implementation("gemm") == "mosaic"
+
+
+def test_auto_without_jax_triton_falls_back_and_warns_once(gpu):
+  gpu(False)
+  with pytest.warns(RuntimeWarning, match=r"pip install coat-jax\[gpu\]") as rec:
+    assert kernels.implementation("adam") == "pallas_triton"
+  assert len(rec) == 1 and "\n" not in str(rec[0].message)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # once: the second call is silent
+    assert kernels.implementation("adam") == "pallas_triton"
+    assert kernels.implementation("quantize") == "mosaic"
+
+
+def test_off_hopper_auto_is_the_reference_and_pallas_interprets(monkeypatch):
+  monkeypatch.setattr(kernels, "_on_hopper", lambda: False)
+  monkeypatch.setattr(kernels, "interpret_mode", lambda: True)
+  monkeypatch.setattr(kernels, "_triton_available", lambda: True)
+  assert all(kernels.implementation(f) is None for f in kernels.FAMILIES)
+  assert not kernels.use_pallas("quantize")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with kernels.backend("pallas"):   # CPU: interpret mode, where Triton cannot run
+      assert kernels.implementation("adam") == "pallas_triton"
+      assert kernels.implementation("quantize") == "mosaic" and kernels.use_pallas("quantize")
+
+
+def test_named_implementations_and_bad_names(gpu):
+  gpu(False)
+  with kernels.backend("adam=triton,quantize=mosaic,dequantize=mosaic"):
+    assert kernels.implementation("adam") == "triton"
+    assert kernels.current_backend()["quantize"] == "mosaic"
+    assert kernels.implementation("dequantize") == "mosaic"
+  with kernels.backend("adam=pallas_triton"):
+    assert kernels.implementation("adam") == "pallas_triton"
+  with kernels.backend("quantize=reference"):
+    assert kernels.implementation("quantize") is None
+  for bad in ("quantize=triton", "adam=mosaic", "quantize=fast", "mosaic"):
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+      kernels.backend(bad)
+  with pytest.raises(ValueError, match="unknown kernel family"):
+    kernels.implementation("gemv")
+
+
+def test_adam_triton_without_triton_names_the_install():
+  if kernels._triton_available():
+    pytest.skip("triton and jax-triton are installed here")
+  shape = (4, 128)
+  p = jnp.ones(shape)
+  m = expansion.quantize_expanded(jnp.full(shape, 1e-3), "e4m3", 128, 16)
+  with kernels.backend("adam=triton"), pytest.raises(ValueError, match=r"coat-jax\[gpu\]"):
+    kernels.coat_adam_step(p, p, m, m, lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0,
+                           count=jnp.int32(1), m_format="e4m3", v_format="e4m3", group_size=128,
+                           expand=True, expand_min=16)
+
+
+@pytest.mark.parametrize("shape,dtype,g", [((64, 64), jnp.bfloat16, 16),
+                                           ((2, 16, 256), jnp.float32, 128)])
+def test_mosaic_quantize_equals_the_reference(rng, shape, dtype, g):
+  x = _inputs(rng, shape, dtype)
+  group = jax.jit(lambda a: kernels.quantize_per_group(a, g, "e4m3"))
+  tensor = jax.jit(lambda a: kernels.quantize_per_tensor(a, "e5m2", with_transpose=True))
+  with kernels.backend("pallas"):
+    assert _uses_kernel(group, x)
+    assert _uses_kernel(tensor, x) == (jnp.dtype(dtype).itemsize == 2)   # f32: no transpose
+    qg, qt = group(x), tensor(x)
+    deq = kernels.dequantize(qg, jnp.float32)
+  _assert_same(qg, ref_per_group(x, g, "e4m3"))
+  _assert_same(qt, ref_per_tensor(x, "e5m2", with_transpose=True))
+  _assert_same(deq, ref_dequantize(qg, jnp.float32))
+
+
+def test_per_tensor_given_amax_and_plain(rng):
+  x = _inputs(rng, (64, 128), jnp.float32)
+  amax = jnp.float32(3.0)
+  with kernels.backend("quantize=mosaic"):
+    plain = jax.jit(lambda a: kernels.quantize_per_tensor(a, "e4m3"))
+    assert _uses_kernel(plain, x)
+    _assert_same(plain(x), ref_per_tensor(x, "e4m3"))
+    _assert_same(jax.jit(lambda a, m: kernels.quantize_per_tensor(a, amax=m))(x, amax),
+                 jax.jit(lambda a, m: quantize.quantize_per_tensor(a, amax=m))(x, amax))
+
+
+@pytest.mark.parametrize("shape,g,transpose", [
+    ((4, 48), 16, False),     # 12 groups (not a multiple of 64) and N % 64 != 0
+    ((32, 64), 16, True),     # 128 groups, but M = 32: no transposed kernel
+    ((64, 40), 8, False)])    # G < 16
+def test_shapes_the_kernels_do_not_take_go_to_the_reference(rng, shape, g, transpose):
+  x = _inputs(rng, shape, jnp.float32)
+  group = jax.jit(lambda a: kernels.quantize_per_group(a, g, "e4m3"))
+  tensor = jax.jit(lambda a: kernels.quantize_per_tensor(a, "e4m3", with_transpose=transpose))
+  with kernels.backend("pallas"):
+    assert _uses_kernel(group, x) == (shape == (32, 64))   # 128 groups of 16: the kernel
+    assert not _uses_kernel(tensor, x)
+    _assert_same(group(x), ref_per_group(x, g, "e4m3"))
+    _assert_same(tensor(x), ref_per_tensor(x, "e4m3", with_transpose=transpose))
+
+
+def test_backend_context_keys_jit_cache(rng):
+  """The same jitted function traces once per backend, in one process."""
+  x = _inputs(rng, (64, 32), jnp.float32)
+  traces = []
+
+  @jax.jit
+  def f(a):
+    traces.append(kernels.current_backend()["quantize"])
+    return kernels.quantize_per_group(a, 16).data
+
+  with kernels.backend("pallas"):
+    assert _uses_kernel(f, x)
+  with kernels.backend("reference"):
+    assert not _uses_kernel(f, x)
+  with kernels.backend("quantize=mosaic"):
+    f(x)
+  assert traces == ["pallas", "reference", "mosaic"]
+  before = kernels.current_backend()
+  try:   # the process-wide form keys the cache too
+    g_traces = []
+
+    @jax.jit
+    def g(a):
+      g_traces.append(kernels.current_backend()["quantize"])
+      return kernels.quantize_per_group(a, 16).data
+
+    kernels.set_backend("reference")
+    g(x)
+    kernels.set_backend("pallas")
+    g(x)
+    g(x)
+    assert g_traces == ["reference", "pallas"]
+  finally:
+    kernels.set_backend(",".join(f"{k}={v}" for k, v in before.items()))
+  assert kernels.current_backend() == before
