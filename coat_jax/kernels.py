@@ -23,9 +23,9 @@ the mesh: a per-tensor scale is the amax of the whole logical tensor (the stage-
 local, their max is XLA's global reduction), per-group scales are local and groups never straddle
 a shard boundary (a last axis whose shards would split groups is gathered for the kernel), and
 the optimizer step runs per shard on the local moments. The FP8 GEMM (`sharded.matmul_tn`)
-gathers its contracting axis (FSDP weights are all-gathered for the product) and keeps M and N
-sharded (tensor parallelism: column-parallel outputs stay sharded; a row-parallel product
-gathers K). In interpret mode (CPU) the GEMM kernel is not wrapped (its ordered callbacks cannot
+keeps M and N sharded (column-parallel outputs stay sharded) and all-gathers an FSDP weight's
+rows as FP8 codes; a contracting axis split over other mesh axes (a row-parallel product, a
+weight gradient over the batch shards) stays split: float32 partial products, summed (psum). In interpret mode (CPU) the GEMM kernel is not wrapped (its ordered callbacks cannot
 pass custom_partitioning): XLA partitions its interpreted ops like any others.
 
 Partitioning switch: `auto` (default) wraps the kernels only when jax.device_count() > 1;
@@ -255,7 +255,8 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
       if not wrap:
         out = kernel(a2, b2, scale)
       else:
-        out = sharded.matmul_tn(kernel, a2, b2, scale)
+        partial = lambda x, y, s: pk.fp8_matmul_tn(x, y, s, jnp.float32, interpret=interp)
+        out = sharded.matmul_tn(kernel, a2, b2, scale, partial_kernel=partial)
       return out.reshape(out_shape)
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
 
