@@ -19,6 +19,8 @@ the sharded slice into a reduce-scatter).
 
 CPU (8 simulated devices, ~1 min):
   JAX_PLATFORMS=cpu python benchmarks/mesh_collectives.py
+CPU, the Hopper GEMM path (sharded.matmul_tn) with an XLA stand-in for the kernel (~1 min):
+  JAX_PLATFORMS=cpu python benchmarks/mesh_collectives.py --xla-gemm --modes fp8_linear,coat
 GPU (8 H200s; --backend pallas: the per-shard Pallas kernels and the partitioned GEMM):
   python benchmarks/mesh_collectives.py --backend pallas --tokens 16384 --hidden 4096 --ffn 11008
 """
@@ -157,6 +159,19 @@ def block_hlo(mode: str, mesh, args) -> str:
   return f.lower(params, x, x).compile().as_text()
 
 
+def _use_xla_gemm_standin() -> None:
+  """Routes kernels.fp8_dot_general to its compiled-kernel path (wrapped by sharded.matmul_tn)
+  with the Mosaic kernel replaced by its contract in XLA: (s * a @ b.T).astype(out_dtype)."""
+  from pallas_kernels import fp8_matmul
+
+  def tn(a, b, s, out_dtype=jnp.bfloat16, **_):
+    out = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * s).astype(out_dtype)
+
+  fp8_matmul.fp8_matmul_tn = tn
+  kernels.interpret_mode = lambda: False   # only the GEMM family is Pallas under this switch
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +185,9 @@ def parse_args(argv=None):
   p.add_argument("--ffn", type=int, default=1024)
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--group-size", type=int, default=128, help="coat_adamw's (parameter rules)")
+  p.add_argument("--xla-gemm", action="store_true",
+                 help="CPU: the partitioned GEMM path (sharded.matmul_tn, as on Hopper) with an "
+                      "XLA stand-in for the Mosaic kernel, which interpret mode cannot wrap")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   for name, known in (("modes", MODES), ("meshes", tuple(MESHES)), ("what", ("linear", "block"))):
@@ -187,6 +205,9 @@ def main(argv=None) -> list[dict]:
     raise SystemExit(f"needs 8 devices, found {jax.device_count()} (on CPU: XLA_FLAGS="
                      "--xla_force_host_platform_device_count=8 before jax is imported)")
   rows = []
+  if args.xla_gemm:
+    _use_xla_gemm_standin()
+    args.backend = "gemm=pallas"   # the rest on the references (the stand-in is not interpreted)
   with kernels.backend(args.backend):
     for what in args.what:
       for mesh_name in args.meshes:

@@ -202,6 +202,9 @@ def test_gpu_sharded_gemm_and_linear_equal_unsharded(rng):
       mesh = _mesh({"fsdp": n})
       put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
       loss, grads = jax.jit(step)(put(x, P("fsdp")), put(w, P("fsdp")))
-      for a, b in zip((loss, *grads), want[1][:1] + tuple(want[1][1])):
+      # the loss: a sum of 4e5 terms of both signs in another order (1e-3 relative); the
+      # gradients: FP8 products summed over the batch shards (float32 partials, psum)
+      np.testing.assert_allclose(float(loss), float(want[1][0]), rtol=1e-3)
+      for a, b in zip(grads, want[1][1]):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
