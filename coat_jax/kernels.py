@@ -30,8 +30,8 @@ pass custom_partitioning): XLA partitions its interpreted ops like any others.
 
 Partitioning switch: `auto` (default) wraps the kernels only when jax.device_count() > 1;
 `always` takes the sharded path on one device too (the code path of a mesh run: per-tensor
-quantize without the fused transpose, the GEMM through `sharded.matmul_tn`), to measure its
-cost on one GPU. On one device custom_partitioning lowers its function inline, so `always`
+quantize without the fused transpose, the GEMM through `sharded.matmul_tn`, the optimizer step
+per leaf instead of the tree kernel), to measure its cost on one GPU. On one device custom_partitioning lowers its function inline, so `always`
 costs only what the sharded path computes differently. Set it with COAT_JAX_PARTITIONING
 (read at import), `set_partitioning(...)` or the `partitioning(...)` context manager; like the
 backend it is a JAX user context, part of jit's cache key.
@@ -318,7 +318,8 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
 
 def _tree_kernel_leaves(params, grads, ms, vs, group_size) -> list[int]:
   """Indices of the leaves the tree kernel takes now (empty when it is not in use)."""
-  if not (use_pallas("adam") and use_pallas("adam_tree") and jax.device_count() == 1
+  # not on the mesh path (partitioning `always` too): the tree kernel has no per-shard wrapper
+  if not (use_pallas("adam") and use_pallas("adam_tree") and not per_shard()
           and not interpret_mode()):
     return []
   from pallas_kernels import adam_tree_triton as tk  # GPU only: needs triton + jax-triton
