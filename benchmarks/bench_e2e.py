@@ -23,6 +23,8 @@ GPU (H100; children get XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 unless it is set):
   python benchmarks/bench_e2e.py --preset llama2-7b --remat full --batch 2 --steps 5 \
       --json $OUT/e2e_7b.json --seconds-budget 450
       # which modes fit on one 80 GB H100 (bf16/fp8_linear fail the static check in ~20 s each)
+  python benchmarks/bench_e2e.py --modes coat+coat_adamw --partitioning always --seconds-budget 200
+      # the mesh (custom_partitioning) code path on one GPU: compare with the same without the flag
 CPU smoke (~45 s on 2 cores):
   JAX_PLATFORMS=cpu python benchmarks/bench_e2e.py --preset tiny --set model.num_layers=1 \
       --seq-len 32 --batch 2 --steps 2 --warmup 1 --find-max-batch --max-batch 4 \
@@ -72,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seconds-budget", type=float, default=None,
                  help="stop launching (and kill a running child) so the whole script ends in time")
   p.add_argument("--json", default=None, help="write the results here")
+  p.add_argument("--partitioning", default=None, choices=("auto", "always"),
+                 help="kernel partitioning for the children (COAT_JAX_PARTITIONING): 'always' "
+                      "takes the mesh (custom_partitioning) path on one device too")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: measure one mode
   p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -230,6 +235,8 @@ def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget) -
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   env.setdefault("PYTHONUNBUFFERED", "1")
+  if args.partitioning:
+    env["COAT_JAX_PARTITIONING"] = args.partitioning
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
   say(f"[e2e] {mode} batch {batch}: starting child ({budget.left():.0f} s of budget left)")
   t0 = time.time()

@@ -37,13 +37,21 @@ NamedSharding on a mesh with Auto axes, as coat_jax.training.mesh builds). Seman
 the mesh: a per-tensor scale is the amax of the whole logical tensor (the stage-1 tile maxima are
 local, their max is XLA's global reduction), per-group scales are local and groups never straddle
 a shard boundary (a last axis whose shards would split groups is gathered for the kernel), and
-the optimizer step runs per shard on the local moments. The FP8 GEMM gathers its contracting
-axis (FSDP weights are all-gathered for the product) and keeps M and N sharded (tensor
-parallelism: column-parallel outputs stay sharded; a row-parallel product gathers K); that path
-has not run on a GPU mesh yet, so `auto` keeps the GEMM on XLA with several devices. A shard
-that a Mosaic GPU quantize kernel does not take goes to the reference on that shard. In interpret
-mode (CPU) the Mosaic GPU kernels (GEMM, quantize) are not wrapped (their ordered callbacks cannot
-pass custom_partitioning): XLA partitions their interpreted ops like any others.
+the optimizer step runs per shard on the local moments. The FP8 GEMM (`sharded.matmul_tn`)
+keeps M and N sharded (column-parallel outputs stay sharded) and all-gathers an FSDP weight's
+rows as FP8 codes; a contracting axis split over other mesh axes (a row-parallel product, a
+weight gradient over the batch shards) stays split: float32 partial products, summed (psum). A shard that a Mosaic GPU quantize kernel does not take goes to the reference
+on that shard. In interpret mode (CPU) the Mosaic GPU kernels (GEMM, quantize) are not wrapped
+(their ordered callbacks cannot pass custom_partitioning): XLA partitions their interpreted ops
+like any others.
+
+Partitioning switch: `auto` (default) wraps the kernels only when jax.device_count() > 1;
+`always` takes the sharded path on one device too (the code path of a mesh run: per-tensor
+quantize without the fused transpose, the GEMM through `sharded.matmul_tn`, the optimizer step
+per leaf instead of the tree kernel), to measure its cost on one GPU. On one device custom_partitioning lowers its function inline, so `always`
+costs only what the sharded path computes differently. Set it with COAT_JAX_PARTITIONING
+(read at import), `set_partitioning(...)` or the `partitioning(...)` context manager; like the
+backend it is a JAX user context, part of jit's cache key.
 """
 from __future__ import annotations
 
@@ -103,6 +111,23 @@ except ValueError as e:
 # The current choice, part of jit's cache key (a change re-traces instead of reusing a trace).
 _BACKEND = jax.make_user_context(default_value=_ENV_BACKEND)
 
+PARTITIONINGS = ("auto", "always")
+
+
+def _parse_partitioning(name: str) -> str:
+  if name not in PARTITIONINGS:
+    raise ValueError(f"unknown kernel partitioning {name!r}: expected one of {PARTITIONINGS}")
+  return name
+
+
+try:
+  _ENV_PARTITIONING = _parse_partitioning(os.environ.get("COAT_JAX_PARTITIONING", "auto").strip())
+except ValueError as e:
+  raise ValueError(f"COAT_JAX_PARTITIONING: {e}") from None
+
+# `auto` | `always` (see the module docstring), also part of jit's cache key.
+_PARTITIONING = jax.make_user_context(default_value=_ENV_PARTITIONING)
+
 
 def set_backend(name: str) -> None:
   """Sets the process-wide backend (see the module docstring for the forms)."""
@@ -117,6 +142,26 @@ def backend(name: str):
 def current_backend() -> dict[str, str]:
   """{family: choice} in effect now."""
   return dict(_BACKEND.value)
+
+
+def set_partitioning(name: str) -> None:
+  """Sets the process-wide partitioning: `auto` (wrap on several devices) or `always`."""
+  _PARTITIONING.set_global(_parse_partitioning(name))
+
+
+def partitioning(name: str):
+  """Context manager: calls (and traces) inside take the sharded path per `name`."""
+  return _PARTITIONING(_parse_partitioning(name))
+
+
+def current_partitioning() -> str:
+  return _PARTITIONING.value
+
+
+def per_shard() -> bool:
+  """True when Pallas calls are wrapped for meshes (coat_jax.sharded): several devices, or
+  partitioning `always`."""
+  return _PARTITIONING.value == "always" or jax.device_count() > 1
 
 
 @functools.cache
@@ -155,9 +200,8 @@ def implementation(family: str) -> str | None:
   choice = dict(_BACKEND.value)[family]
   if choice == "reference":
     return None
-  if choice == "auto" and not (  # on meshes too (`sharded` runs the kernels per shard), but the
-      _on_hopper() and AUTO_ON_HOPPER[family] == "pallas"   # GEMM: its partitioned path
-      and (family != "gemm" or jax.device_count() == 1)):   # has not run on a GPU mesh yet.
+  if choice == "auto" and not (  # on meshes too: `sharded` runs the kernels per shard
+      _on_hopper() and AUTO_ON_HOPPER[family] == "pallas"):
     return None
   if choice in IMPLEMENTATIONS[family]:
     return choice
@@ -183,7 +227,7 @@ def interpret_mode() -> bool:
 
 def _rows(kernel, args, kinds_in, kinds_out, group_size):
   """kernel(*args) on one device; per shard (coat_jax.sharded.rowwise) with several."""
-  if jax.device_count() == 1:
+  if not per_shard():
     return tuple(kernel(*args))
   return sharded.rowwise(kernel, args, kinds_in, kinds_out, group_size)
 
@@ -219,7 +263,7 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
         amax = jnp.max(tiles)
       amax = jnp.asarray(amax, jnp.float32)
       scale = quantize.scale_from_amax(amax, f, floor)
-      if jax.device_count() == 1 or interpret_mode():
+      if not per_shard() or interpret_mode():
         data, _, data_t = qm.quantize_per_tensor(x, scale=scale, floor=floor,
                                                  with_transpose=with_transpose, **kw)
       else:   # per shard; the transposed copy by XLA (a shard's transpose is not local)
@@ -288,7 +332,7 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
                      f"(got group sizes {a.group_size} and {b.group_size})")
   # Mosaic GPU's interpret mode uses ordered callbacks, which custom_partitioning cannot carry:
   # there (CPU tests) the kernel's interpreted ops are partitioned by XLA like any other ops.
-  per_shard = jax.device_count() > 1 and not interpret_mode()
+  wrap = per_shard() and not interpret_mode()
   if use_pallas("gemm"):
     from pallas_kernels import fp8_matmul as pk  # local: keeps Pallas out of reference-only imports.
     a2, b2, out_shape, _ = pk.tn_operands(a.data, a.data_t, b.data, b.data_t, dimension_numbers)
@@ -296,10 +340,11 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
       scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
       interp = pk.interpret_params(interpret_mode())
       kernel = lambda x, y, s: pk.fp8_matmul_tn(x, y, s, out_dtype, interpret=interp)
-      if not per_shard:
+      if not wrap:
         out = kernel(a2, b2, scale)
       else:
-        out = sharded.matmul_tn(kernel, a2, b2, scale)
+        partial = lambda x, y, s: pk.fp8_matmul_tn(x, y, s, jnp.float32, interpret=interp)
+        out = sharded.matmul_tn(kernel, a2, b2, scale, partial_kernel=partial)
       return out.reshape(out_shape)
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
 
@@ -382,7 +427,8 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
 
 def _tree_kernel_leaves(params, grads, ms, vs, group_size) -> list[int]:
   """Indices of the leaves the tree kernel takes now (empty when it is not in use)."""
-  if not (use_pallas("adam") and use_pallas("adam_tree") and jax.device_count() == 1
+  # not on the mesh path (partitioning `always` too): the tree kernel has no per-shard wrapper
+  if not (use_pallas("adam") and use_pallas("adam_tree") and not per_shard()
           and not interpret_mode()):
     return []
   from pallas_kernels import adam_tree_triton as tk  # GPU only: needs triton + jax-triton

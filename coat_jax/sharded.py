@@ -140,36 +140,57 @@ def _names(entry) -> tuple:
   return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
-def matmul_tn(kernel: Callable, a: jax.Array, b: jax.Array, scale: jax.Array):
+def matmul_tn(kernel: Callable, a: jax.Array, b: jax.Array, scale: jax.Array, *,
+              partial_kernel: Callable | None = None):
   """kernel(a (M, K), b (N, K), scale ()) -> (M, N), run per shard.
 
-  M keeps a's sharding and N b's (minus mesh axes M already uses); K is gathered (the kernel
-  needs whole rows to contract), so an FSDP-sharded weight is all-gathered for the product and
-  the result is exact on every shard; the scale is replicated.
+  M keeps a's sharding and N b's (minus mesh axes M already uses). K: without `partial_kernel`
+  it is gathered (the kernel contracts whole rows; an FSDP-sharded weight is all-gathered for
+  the product, as FP8 codes). With `partial_kernel` (the same product in float32), a K split
+  over mesh axes that M and N leave free stays split: each device multiplies its K block and
+  the float32 partial products are summed over those axes (psum: a row-parallel product's
+  all-reduce, an FSDP weight gradient's reduction over the batch shards) and cast to the
+  kernel's output dtype. That sum's order differs from one device's (float32 rounding).
+  The scale is replicated.
   """
-  out_shape = jax.eval_shape(kernel, a, b, scale)
+  out_dtype = jax.eval_shape(kernel, a, b, scale).dtype
 
   def specs(mesh, a_sharding, b_sharding):
     sa = tuple(a_sharding.spec) + (None,) * (2 - len(a_sharding.spec))
     sb = tuple(b_sharding.spec) + (None,) * (2 - len(b_sharding.spec))
-    m = None if sa[0] is PartitionSpec.UNCONSTRAINED else sa[0]
-    n = None if sb[0] is PartitionSpec.UNCONSTRAINED else _drop_axes(sb[0], _names(m))
+    sa = tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in sa)
+    sb = tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in sb)
+    m = sa[0]
+    n = _drop_axes(sb[0], _names(m))
     if m is not None and a.shape[0] % _axis_size(mesh, m):
       m = None
     if n is not None and b.shape[0] % _axis_size(mesh, n):
       n = None
-    return (NamedSharding(mesh, PartitionSpec(m, None)), NamedSharding(mesh, PartitionSpec(n, None)),
-            NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(m, n)))
+    k = None
+    if partial_kernel is not None:
+      k = _drop_axes(sa[1] if sa[1] is not None else sb[1], _names(m) + _names(n))
+      if k is not None and a.shape[1] % _axis_size(mesh, k):
+        k = None
+    return (NamedSharding(mesh, PartitionSpec(m, k)), NamedSharding(mesh, PartitionSpec(n, k)),
+            NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(m, n)), k)
 
   def infer(mesh, arg_shapes, result_shape):
     return specs(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)[3]
 
   def partition(mesh, arg_shapes, result_shape):
-    sa, sb, ss, so = specs(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
-    return mesh, kernel, so, (sa, sb, ss)
+    sa, sb, ss, so, k = specs(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding)
+    if k is None:
+      return mesh, kernel, so, (sa, sb, ss)
+
+    def summed(x, y, s):
+      return jax.lax.psum(partial_kernel(x, y, s), _names(k)).astype(out_dtype)
+    return mesh, summed, so, (sa, sb, ss)
 
   fn = custom_partitioning(kernel)
-  fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule="m k, n k, -> m n", need_replication_factors=("k",))
-  del out_shape
+  if partial_kernel is None:
+    fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule="m k, n k, -> m n", need_replication_factors=("k",))
+  else:
+    fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule="m k, n k, -> m n", reduction_factors=("k",))
   return fn(a, b, scale)

@@ -173,15 +173,17 @@ class ModelParts:
     return nnx.merge(self.graphdef, p, r)
 
 
-def model_parts(llama_cfg, seed: int, mesh) -> tuple[ModelParts, Callable[..., tuple[Any, Any]]]:
+def model_parts(llama_cfg, seed: int, mesh, group_size: int | None = None
+                ) -> tuple[ModelParts, Callable[..., tuple[Any, Any]]]:
   """Takes the model apart abstractly (nothing allocated) and returns it with an init function
-  init(seed=seed) -> (params, rest) (compiled once for every seed)."""
+  init(seed=seed) -> (params, rest) (compiled once for every seed). group_size: coat_adamw's
+  (parameter splits keep its groups whole per shard), None for other optimizers."""
   from coat_jax.models.llama import Llama
 
   abstract = nnx.eval_shape(lambda: Llama(llama_cfg, rngs=nnx.Rngs(seed)))
   graphdef, params_state, rest_state = nnx.split(abstract, nnx.Param, ...)
   params_abstract, rest_abstract = nnx.to_pure_dict(params_state), nnx.to_pure_dict(rest_state)
-  params_sh = mesh_lib.param_shardings(params_abstract, mesh)
+  params_sh = mesh_lib.param_shardings(params_abstract, mesh, group_size=group_size)
   rest_sh = jax.tree.map(lambda _: mesh_lib.replicated(mesh), rest_abstract)
   parts = ModelParts(graphdef, params_state, rest_state, params_abstract, rest_abstract,
                      params_sh, rest_sh)
@@ -277,7 +279,8 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
                      f"optimizer.accumulate={micro} microbatches x {shards} batch shards")
   seed = cfg.run.seed if seed is None else seed
   llama_cfg = model_config(cfg, vocab_size)
-  parts, init_params = model_parts(llama_cfg, seed, mesh)
+  group = cfg.optimizer.group_size if cfg.optimizer.name == "coat_adamw" else None
+  parts, init_params = model_parts(llama_cfg, seed, mesh, group)
   base_tx, schedule = build_optimizer(cfg.optimizer, total_steps or cfg.run.steps)
   base_abstract = jax.eval_shape(base_tx.init, parts.params_abstract)
   opt_sh = mesh_lib.optimizer_state_shardings(base_tx, base_abstract, parts.params_shardings, mesh,

@@ -80,8 +80,23 @@ def path_str(path) -> str:
   return "/".join(parts)
 
 
-def _fit(spec: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
-  """Right-aligns `spec` to `shape`, dropping axes that are absent, size 1 or do not divide the dim."""
+def _cuts_groups(dim: int, shards: int, group_size: int | None) -> bool:
+  """True when splitting a last axis of `dim` into `shards` would cut the optimizer's groups of
+  `group_size` (the fused step needs whole groups per shard; the same condition as
+  coat_jax.optim.check_group_split: a dim that is not a multiple of the group takes any split)."""
+  if not group_size or dim % group_size:
+    return False
+  return dim % shards != 0 or (dim // shards) % group_size != 0
+
+
+def _fit(spec: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+         group_size: int | None = None) -> P:
+  """Right-aligns `spec` to `shape`, dropping axes that are absent, size 1 or do not divide the dim.
+
+  With `group_size`, a mesh axis on the last dim that would cut the optimizer's groups moves to
+  the nearest other dim of the rule (not a stacked layer axis) that it divides (added to that
+  dim's axes, minor), else it is dropped.
+  """
   spec = list(spec)[-len(shape):] if shape else []
   full = [None] * (len(shape) - len(spec)) + spec
   used = set()
@@ -93,26 +108,37 @@ def _fit(spec: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
     else:
       out.append(axis)
       used.add(axis)
+  if out and out[-1] is not None and _cuts_groups(shape[-1], mesh.shape[out[-1]], group_size):
+    axis, out[-1] = out[-1], None
+    for i in range(len(out) - 2, len(out) - len(spec) - 1, -1):
+      names = () if out[i] is None else out[i] if isinstance(out[i], tuple) else (out[i],)
+      if shape[i] % (math.prod(mesh.shape[n] for n in names) * mesh.shape[axis]) == 0:
+        out[i] = axis if not names else names + (axis,)
+        break
   while out and out[-1] is None:  # P("fsdp", None) == P("fsdp"); P(None) == P()
     out.pop()
   return P(*out)
 
 
 def spec_for(path: str, shape: Sequence[int], mesh: Mesh,
-             rules: Sequence[tuple[str, tuple]] = LLAMA_RULES) -> P:
-  """The PartitionSpec of one parameter: first matching rule; unmatched matrices get (fsdp, tensor)."""
+             rules: Sequence[tuple[str, tuple]] = LLAMA_RULES, group_size: int | None = None) -> P:
+  """The PartitionSpec of one parameter: first matching rule; unmatched matrices get (fsdp, tensor).
+  group_size: the optimizer's group along the last axis (coat_adamw), kept whole per shard."""
   for pattern, spec in rules:
     if re.search(pattern, path):
-      return _fit(spec, shape, mesh)
+      return _fit(spec, shape, mesh, group_size)
   if len(shape) >= 2:
-    return _fit(("fsdp", "tensor"), shape, mesh)
+    return _fit(("fsdp", "tensor"), shape, mesh, group_size)
   return P()
 
 
-def param_shardings(params: Any, mesh: Mesh, rules: Sequence[tuple[str, tuple]] = LLAMA_RULES) -> Any:
-  """A NamedSharding per leaf of `params` (arrays or ShapeDtypeStructs), same tree structure."""
+def param_shardings(params: Any, mesh: Mesh, rules: Sequence[tuple[str, tuple]] = LLAMA_RULES,
+                    group_size: int | None = None) -> Any:
+  """A NamedSharding per leaf of `params` (arrays or ShapeDtypeStructs), same tree structure.
+  group_size: coat_adamw's group size (last-axis splits keep whole groups per shard), or None."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, spec_for(path_str(path), np.shape(x), mesh, rules)), params)
+      lambda path, x: NamedSharding(
+          mesh, spec_for(path_str(path), np.shape(x), mesh, rules, group_size)), params)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
