@@ -56,9 +56,9 @@ def test_auto_on_hopper_with_jax_triton_uses_no_deprecated_kernel(gpu):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     got = {fam: kernels.implementation(fam) for fam in kernels.FAMILIES}
-  # `auto` keeps the GEMM on XLA on meshes (8 simulated devices on CPU); dequantize stays XLA's.
-  gemm = "mosaic" if jax.device_count() == 1 else None
-  assert got == {"gemm": gemm, "quantize": "mosaic", "dequantize": None, "adam": "triton"}
+  # the GEMM too, on meshes as on one device (8 simulated devices on CPU); dequantize stays XLA's.
+  assert got == {"gemm": "mosaic", "quantize": "mosaic", "dequantize": None, "adam": "triton",
+                 "adam_tree": "triton"}
   with kernels.backend("pallas"):
     assert kernels.implementation("dequantize") == "mosaic"
     assert kernels.implementation("gemm") == "mosaic"

@@ -84,8 +84,11 @@ def test_always_wraps_row_kernels_on_one_device_bit_exactly(rng, monkeypatch):
     for mode in ("auto", "always"):
       with kernels.partitioning(mode):
         results[mode] = (jax.jit(quant)(x), jax.jit(adam)(params))
-      # wrapped: 2 per-tensor (tile maxima, quantize), 1 per-group, 1 dequantize, 1 Adam step
-      assert len(calls) == (5 if mode == "always" else 0)
+      # wrapped: 2 per-tensor (tile maxima, quantize), 1 per-group, 1 dequantize, 1 Adam step;
+      # in interpret mode (CPU) the Mosaic GPU quantize kernels are not wrapped (kernels._mosaic):
+      # only the Adam step is.
+      wrapped = 1 if kernels.interpret_mode() else 5
+      assert len(calls) == (wrapped if mode == "always" else 0)
   _assert_same(results["always"], results["auto"])
   assert np.isfinite(np.asarray(results["always"][1][0]["w"])).all()
 
