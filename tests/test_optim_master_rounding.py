@@ -154,3 +154,16 @@ def test_kahan_needs_the_apply_path_and_its_state():
   apply = coat_adamw_apply(KAHAN_LR, master_rounding="kahan")
   with pytest.raises(ValueError, match="compensation"):
     apply(grads, coat_adamw(KAHAN_LR).init(params), params)
+
+
+def test_kahan_state_shardings_follow_the_params():
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from coat_jax.optim import state_shardings
+  params, _ = _kahan_setup()
+  mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+  shard = {"w": NamedSharding(mesh, P("fsdp", None)), "b": NamedSharding(mesh, P())}
+  state = coat_adamw(KAHAN_LR, master_rounding="kahan").init(params)
+  sh = state_shardings(shard, state)
+  assert sh.comp["w"] == shard["w"] and sh.comp["b"] is None
+  placed = jax.device_put(state, sh)
+  assert placed.comp["w"].sharding == shard["w"]
