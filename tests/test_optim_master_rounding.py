@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax.optim import coat_adamw, coat_adamw_apply
+from coat_jax.optim import ExpandedMoment, coat_adamw, coat_adamw_apply
 
 SEED = 4242
 LR = 1e-3  # below half a bfloat16 ulp of 1.0 (2^-8 = 0.0039): lost by nearest rounding
@@ -167,3 +167,21 @@ def test_kahan_state_shardings_follow_the_params():
   assert sh.comp["w"] == shard["w"] and sh.comp["b"] is None
   placed = jax.device_put(state, sh)
   assert placed.comp["w"].sharding == shard["w"]
+
+
+def test_fused_kernel_takes_bf16_grads_and_kahan_params():
+  """The Pallas step (interpret mode here) on bfloat16 gradients and on Kahan's float32 copy of
+  bfloat16 params gives the reference step's result."""
+  from coat_jax import kernels
+  params, grads = _kahan_setup()
+  grads16 = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+  kw = dict(min_quantized_size=1024, group_size=32)
+  out = {}
+  for name in ("reference", "adam=pallas"):
+    with kernels.backend(name):
+      out[name] = _run("kahan", params, grads16, 1, **kw)
+  (a, sa), (b, sb) = out["reference"], out["adam=pallas"]
+  assert isinstance(sb.mu["w"], ExpandedMoment) and sb.comp["w"].dtype == jnp.bfloat16
+  for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                               rtol=1e-5, atol=1e-7)
