@@ -115,3 +115,27 @@ def test_config_checks():
     schema.load(None, ["optimizer.master_rounding=kahan"])  # adamw
   assert schema.load(None, ["optimizer.name=coat_adamw",
                             "optimizer.master_rounding=kahan"]).optimizer.master_rounding == "kahan"
+
+
+def test_bf16_copy_replaces_the_saved_bf16_weights_without_remat():
+  """Without remat the backward keeps every layer's bfloat16 weights as residuals; from the
+  bfloat16 copy those residuals are the copy itself, so gradients + copy + residuals shrink by
+  about 2 B/param (with remat the copy is an extra 2 B/param: training.build.memory_budget)."""
+  from coat_jax.memory import saved_residual_bytes
+  from coat_jax.training.accumulate import grad_params
+  cfg = schema.load(None, ["model.hidden_size=64", "model.intermediate_size=128",
+                           "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=4",
+                           "model.vocab_size=256", "model.dtype=bfloat16", "model.remat=none",
+                           "data.seq_len=8", "data.batch_size=2"])
+  parts, init = build_lib.model_parts(build_lib.model_config(cfg, 256), 0, _mesh())
+  params, rest = init()
+  tokens = jnp.asarray(_tokens((2, 9)))
+
+  def loss(p):
+    return build_lib.cross_entropy(parts.merge(p, rest)(tokens[:, :-1]), tokens[:, 1:])
+
+  n = sum(x.size for x in jax.tree.leaves(params))
+  copy = grad_params(params, "bfloat16")
+  f32 = 4 * n + saved_residual_bytes(loss, params)  # float32 grads + residuals
+  bf16 = 2 * n + 2 * n + saved_residual_bytes(loss, copy)  # bf16 grads + the copy + residuals
+  assert bf16 < f32 - 1.5 * n, (f32 / n, bf16 / n)

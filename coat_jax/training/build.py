@@ -153,7 +153,8 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
 
   params: the master weights; grads: the gradient tree the optimizer reads (bfloat16 for
   `grad_dtype: bfloat16` or bfloat16 params); weight_copy: the bfloat16 copy the backward runs at
-  (grad_dtype bfloat16 over non-bfloat16 params), alive during forward and backward;
+  (grad_dtype bfloat16 over non-bfloat16 params), alive during forward and backward (without
+  remat it stands in for the bfloat16 weights the backward would save as residuals anyway);
   accumulator: the running gradient sum in `accumulate_dtype` (accumulate > 1); optimizer_state:
   every optimizer-state leaf (moments, their scales, Kahan compensation). total: their sum, an
   upper bound on the state part of the peak (the copy is dead when the optimizer runs). The
