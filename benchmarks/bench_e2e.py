@@ -161,7 +161,8 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   say(f"[child {args.one} b={args.batch}] {out['num_params'] / 1e6:.0f}M params; budget: params "
       f"{params_bytes / GB:.2f} GB, grads {budget['grads'] / GB:.2f} GB, bf16 weight copy "
       f"{budget['weight_copy'] / GB:.2f} GB, accumulator {budget['accumulator'] / GB:.2f} GB, "
-      f"optimizer state {opt_bytes / GB:.2f} GB, total {budget['total'] / GB:.2f} GB; device "
+      f"optimizer state {opt_bytes / GB:.2f} GB, SR/Kahan step workspace "
+      f"{budget['step_workspace'] / GB:.2f} GB, total {budget['total'] / GB:.2f} GB; device "
       f"limit {'n/a' if limit is None else f'{limit / GB:.2f} GB'}")
   if limit is not None and bound > limit:  # the mesh is data-parallel: every device holds all of it
     out["status"] = "oom (state)"
@@ -324,7 +325,8 @@ def print_table(title: str, rows: list[dict]) -> None:
         f"{_fmt(r.get('mfu') and 100 * r['mfu'] if ok else None, '5.1f') + ('%' if mfu_ok else ''):>6} "
         f"{_fmt(r.get('compile_s'), '9.1f'):>9} {_fmt(pred and pred / GB, '11.2f'):>11}")
   say("  params / grads / opt st / budget: GB of master weights, gradients, optimizer state and "
-      "their sum\n  with the bf16 weight copy and accumulator (training.build.memory_budget); "
+      "their sum\n  with the accumulator and the larger of the bf16 weight copy and the SR/Kahan "
+      "step workspace\n  (training.build.memory_budget); "
       "peak: measured")
   kinds = {r.get("peak_kind") for r in rows if r.get("status") == "ok"}
   if kinds - {"device peak"}:

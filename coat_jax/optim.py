@@ -280,7 +280,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       if decay is None:
         decay = jax.tree.map(lambda _: True, params)
 
-    def leaf(g, p, m, v, use_decay, c, index):
+    def step(g, p, m, v, use_decay, c, index, offset=0):
       rounded = master_rounding != "nearest" and _is_bf16(p)
       if rounded and kahan:
         p32 = p.astype(jnp.float32) + c.astype(jnp.float32)  # the master value p + c
@@ -294,8 +294,19 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
         hi = new_p.astype(_BF16)
         return hi, new_m, new_v, (new_p - hi.astype(jnp.float32)).astype(_BF16)
       if rounded:
-        new_p = round_to(new_p, p.dtype, "stochastic", step=count, seed=index)
+        new_p = round_to(new_p, p.dtype, "stochastic", step=count, seed=index, offset=offset)
       return new_p, new_m, new_v, c
+
+    def leaf(g, p, m, v, use_decay, c, index):
+      if master_rounding == "nearest" or not _is_bf16(p) or p.ndim < 3:
+        return step(g, p, m, v, use_decay, c, index)
+      # A stacked (layers, ...) leaf: one layer at a time (lax.map), so that the float32 working
+      # copy is one layer's, not the whole stack's (22.6 GB for Llama-2-13B's MLP stack). The
+      # rounding bits use the flat element index (offset), so the result is the whole leaf's.
+      rows = p.size // p.shape[0]
+      return jax.lax.map(
+          lambda a: step(a[1], a[2], a[3], a[4], use_decay, a[5], index, offset=a[0] * rows),
+          (jnp.arange(p.shape[0], dtype=jnp.uint32), g, p, m, v, c))
 
     g_leaves, treedef = jax.tree.flatten(updates)
     p_leaves = treedef.flatten_up_to(params_or_none)

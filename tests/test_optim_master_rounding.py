@@ -174,6 +174,8 @@ def test_fused_kernel_takes_bf16_grads_and_kahan_params():
   bfloat16 params gives the reference step's result."""
   from coat_jax import kernels
   params, grads = _kahan_setup()
+  stack = lambda t: dict(t, w=t["w"].reshape(2, 16, 128))  # a stacked leaf: the per-layer map
+  params, grads = stack(params), stack(grads)
   grads16 = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
   kw = dict(min_quantized_size=1024, group_size=32)
   out = {}
@@ -185,3 +187,23 @@ def test_fused_kernel_takes_bf16_grads_and_kahan_params():
   for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_stacked_leaves_step_one_layer_at_a_time_with_the_same_result(rounding):
+  """A (layers, ...) bfloat16 leaf runs the SR/Kahan step per layer (lax.map): bit-identical to
+  the same values as one 2-D leaf (the rounding bits follow the flat element index)."""
+  rng = np.random.default_rng(SEED + 2)
+  print(f"seed {SEED + 2}")
+  w = jnp.asarray(1.0 + 0.01 * rng.random((4, 16, 64)), jnp.bfloat16)
+  g = jnp.asarray(rng.normal(size=(4, 16, 64)), jnp.float32)
+  kw = dict(min_quantized_size=256, group_size=32)
+  stacked, s3 = _run(rounding, {"w": w}, {"w": g}, 2, **kw)
+  flat, s2 = _run(rounding, {"w": w.reshape(64, 64)}, {"w": g.reshape(64, 64)}, 2, **kw)
+  np.testing.assert_array_equal(np.asarray(stacked["w"], np.float32).reshape(64, 64),
+                                np.asarray(flat["w"], np.float32))
+  np.testing.assert_array_equal(np.asarray(s3.mu["w"].data, np.float32).reshape(64, 64),
+                                np.asarray(s2.mu["w"].data, np.float32))
+  if rounding == "kahan":
+    np.testing.assert_array_equal(np.asarray(s3.comp["w"], np.float32).reshape(64, 64),
+                                  np.asarray(s2.comp["w"], np.float32))

@@ -88,6 +88,8 @@ def test_bf16_master_kahan_bf16_grads_train_and_budget():
   n = sum(x.size for x in jax.tree.leaves(params))
   assert budget["params"] == budget["grads"] == budget["accumulator"] == 2 * n
   assert budget["weight_copy"] == 0  # the params are the bfloat16 weights
+  layer = lambda x: x.size // (x.shape[0] if x.ndim >= 3 else 1)  # stacked leaves: one layer
+  assert budget["step_workspace"] == 8 * max(layer(x) for x in jax.tree.leaves(params))
   assert budget["optimizer_state"] == _bytes(opt_state) and _bytes(core.comp) == 2 * n
   tokens = mesh_lib.put_batch(_tokens(), built.batch_sharding)
   losses = []

@@ -156,9 +156,12 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
   (grad_dtype bfloat16 over non-bfloat16 params), alive during forward and backward (without
   remat it stands in for the bfloat16 weights the backward would save as residuals anyway);
   accumulator: the running gradient sum in `accumulate_dtype` (accumulate > 1); optimizer_state:
-  every optimizer-state leaf (moments, their scales, Kahan compensation). total: their sum, an
-  upper bound on the state part of the peak (the copy is dead when the optimizer runs). The
-  schema's OptimizerConfig docstring has the per-param table.
+  every optimizer-state leaf (moments, their scales, Kahan compensation); step_workspace: the
+  float32 working copy (in and out, 8 B/element) that the stochastic/Kahan step makes of the
+  largest bfloat16 param, or of one layer of a stacked (layers, ...) param (that rounding is not
+  inside the fused kernel yet; coat_jax.optim), alive only in the optimizer step. total: params + grads + accumulator + optimizer state + the larger of
+  weight_copy and step_workspace (never alive together), an upper bound on the state part of
+  the peak. The schema's OptimizerConfig docstring has the per-param table.
   """
   def size(x):
     n = 1
@@ -179,7 +182,11 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
   out["accumulator"] = sum(size(x) * acc for x in leaves) if opt.accumulate > 1 else 0
   out["optimizer_state"] = sum(size(x) * jnp.dtype(x.dtype).itemsize
                                for x in jax.tree.leaves(opt_abstract) if hasattr(x, "shape"))
-  out["total"] = sum(out.values())
+  rounded = ([size(x) // (x.shape[0] if len(x.shape) >= 3 else 1) for x in leaves
+              if x.dtype == bf16] if opt.master_rounding != "nearest" else [])
+  out["step_workspace"] = 8 * max(rounded, default=0)
+  out["total"] = (out["params"] + out["grads"] + out["accumulator"] + out["optimizer_state"]
+                  + max(out["weight_copy"], out["step_workspace"]))
   return out
 
 
