@@ -30,11 +30,12 @@ GPU (H100; children get XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 unless it is set):
   python benchmarks/bench_e2e.py --preset llama2-7b --modes coat+coat_adamw --remat full \
       --batch 8 --steps 3 --warmup 1 --set model.param_dtype=bfloat16 \
       --set optimizer.master_rounding=stochastic --json $OUT/e2e_7b_bf16m.json --seconds-budget 450
-      # 7B, bfloat16 master weights + SR (bfloat16 grads by construction): budget 41.0 GB
+      # 7B, bfloat16 master weights + SR (bfloat16 grads by construction): budget 42.0 GB
   python benchmarks/bench_e2e.py --preset llama2-13b --modes coat+coat_adamw --remat full \
       --seq-len 4096 --batch 1 --steps 3 --warmup 1 --set model.param_dtype=bfloat16 \
       --set optimizer.master_rounding=stochastic --json $OUT/e2e_13b.json --seconds-budget 450
-      # 13B on one H200: budget 79.1 GB (26.0 master + 26.0 grads + 27.0 FP8 moments)
+      # 13B on one H200: budget 80.4 GB (26.0 master + 26.0 grads + 27.0 FP8 moments + 1.3
+      # SR step workspace)
 CPU smoke (~45 s on 2 cores):
   JAX_PLATFORMS=cpu python benchmarks/bench_e2e.py --preset tiny --set model.num_layers=1 \
       --seq-len 32 --batch 2 --steps 2 --warmup 1 --find-max-batch --max-batch 4 \
