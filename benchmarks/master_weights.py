@@ -286,6 +286,11 @@ def main(argv=None) -> dict:
   say(f"[master] {len(args.variants)} variants of {args.preset} ({args.precision}), {args.steps} "
       f"steps, {args.parallel} at once" + (f", budget {args.seconds_budget:.0f} s"
                                             if args.seconds_budget else ""))
+  # Tokenize (and cache) the corpus once here, not in every child at once (no device touched).
+  from coat_jax.training import corpus, schema
+  data = schema.load(None, config_overrides(args, REFERENCE)).data
+  if data.kind == "stdlib":
+    corpus.stdlib_tokens(data.vocab_size, data.corpus_max_bytes, data.cache_dir, say)
   results = run_children(args, budget, out)
   common, rows = compare(results)
   report = {"args": vars(args), "common_step": common, "rows": rows, "runs": results}
