@@ -6,10 +6,14 @@ measurement is a child process of this script (`--one MODE --batch B`), so every
 `coat_jax.training.build.build` (as train.py does), compiles the train step ahead
 of time (XLA's `memory_analysis` is recorded), runs --warmup steps and then --steps timed steps on
 synthetic random tokens (each ended by block_until_ready; the median is reported), and prints one
-`RESULT {json}` line. Before compiling it checks the bound params + grads + optimizer state
-(float32 master weights and gradients, all alive at the update) against the device's
+`RESULT {json}` line. The memory budget (`coat_jax.training.build.memory_budget`: master weights,
+gradients, the bfloat16 weight copy of `optimizer.grad_dtype=bfloat16`, the gradient accumulator,
+optimizer state) is printed and tabulated next to the measured peak. Before compiling the child
+checks params + grads + optimizer state (all alive at the update) against the device's
 `bytes_limit`: a mode that cannot fit even that is reported "oom (state)" without compiling.
-An XLA RESOURCE_EXHAUSTED error (compile or run) is reported "oom".
+An XLA RESOURCE_EXHAUSTED error (compile or run) is reported "oom". Memory options go through
+`--set` (e.g. `--set model.param_dtype=bfloat16 --set optimizer.master_rounding=stochastic
+--set optimizer.grad_dtype=bfloat16`; master_rounding needs `--modes coat+coat_adamw`).
 
 MFU = coat_jax.models.llama.flops_per_token x tokens/s / the devices' dense BF16 peak (the same
 denominator for every mode; coat_jax.training.metrics.mfu, n/a on CPU and unknown devices).
@@ -25,6 +29,15 @@ GPU (H100; children get XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 unless it is set):
       # which modes fit on one 80 GB H100 (bf16/fp8_linear fail the static check in ~20 s each)
   python benchmarks/bench_e2e.py --modes coat+coat_adamw --partitioning always --seconds-budget 200
       # the mesh (custom_partitioning) code path on one GPU: compare with the same without the flag
+  python benchmarks/bench_e2e.py --preset llama2-7b --modes coat+coat_adamw --remat full \
+      --batch 8 --steps 3 --warmup 1 --set model.param_dtype=bfloat16 \
+      --set optimizer.master_rounding=stochastic --json $OUT/e2e_7b_bf16m.json --seconds-budget 450
+      # 7B, bfloat16 master weights + SR (bfloat16 grads by construction): budget 42.0 GB
+  python benchmarks/bench_e2e.py --preset llama2-13b --modes coat+coat_adamw --remat full \
+      --seq-len 4096 --batch 1 --steps 3 --warmup 1 --set model.param_dtype=bfloat16 \
+      --set optimizer.master_rounding=stochastic --json $OUT/e2e_13b.json --seconds-budget 450
+      # 13B on one H200: budget 80.4 GB (26.0 master + 26.0 grads + 27.0 FP8 moments + 1.3
+      # SR step workspace)
 CPU smoke (~45 s on 2 cores):
   JAX_PLATFORMS=cpu python benchmarks/bench_e2e.py --preset tiny --set model.num_layers=1 \
       --seq-len 32 --batch 2 --steps 2 --warmup 1 --find-max-batch --max-batch 4 \
@@ -127,7 +140,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
 
   from coat_jax.models import llama as llama_lib
   from coat_jax.training import mesh as mesh_lib, metrics as metrics_lib, schema
-  from coat_jax.training.build import build
+  from coat_jax.training.build import build, memory_budget
 
   precision, opt_name = args.one.split("+")
   overrides = [f"model.preset={args.preset}", "model.dtype=auto", f"model.remat={args.remat}",
@@ -144,15 +157,19 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
              dtype=llama_cfg.dtype, num_params=llama_lib.num_params(llama_cfg),
              flops_per_token=float(llama_lib.flops_per_token(llama_cfg, args.seq_len)))
 
-  params_bytes, opt_bytes = _tree_bytes(parts.params_abstract), _tree_bytes(opt_abstract)
+  budget = memory_budget(cfg.optimizer, parts.params_abstract, opt_abstract)
+  params_bytes, opt_bytes = budget["params"], budget["optimizer_state"]
   stats = dev.memory_stats() or {}
   limit = stats.get("bytes_limit")
-  bound = 2 * params_bytes + opt_bytes  # params + grads (param dtype) + optimizer state
+  bound = params_bytes + budget["grads"] + opt_bytes  # all alive at the optimizer step
   out.update(params_bytes=params_bytes, opt_state_bytes=opt_bytes, bytes_limit=limit,
-             state_lower_bound_bytes=bound)
-  say(f"[child {args.one} b={args.batch}] {out['num_params'] / 1e6:.0f}M params, params "
-      f"{params_bytes / GB:.2f} GB, optimizer state {opt_bytes / GB:.2f} GB, device limit "
-      f"{'n/a' if limit is None else f'{limit / GB:.2f} GB'}")
+             state_lower_bound_bytes=bound, memory_budget=budget)
+  say(f"[child {args.one} b={args.batch}] {out['num_params'] / 1e6:.0f}M params; budget: params "
+      f"{params_bytes / GB:.2f} GB, grads {budget['grads'] / GB:.2f} GB, bf16 weight copy "
+      f"{budget['weight_copy'] / GB:.2f} GB, accumulator {budget['accumulator'] / GB:.2f} GB, "
+      f"optimizer state {opt_bytes / GB:.2f} GB, SR/Kahan step workspace "
+      f"{budget['step_workspace'] / GB:.2f} GB, total {budget['total'] / GB:.2f} GB; device "
+      f"limit {'n/a' if limit is None else f'{limit / GB:.2f} GB'}")
   if limit is not None and bound > limit:  # the mesh is data-parallel: every device holds all of it
     out["status"] = "oom (state)"
     out["error"] = (f"params + grads + optimizer state = {bound / GB:.2f} GB > device limit "
@@ -295,7 +312,8 @@ def ratio_rows(results: list[dict]) -> list[dict]:
 
 def print_table(title: str, rows: list[dict]) -> None:
   say(f"\n{title}")
-  head = (f"{'mode':18} {'batch':>5} {'status':>16} {'peak GB':>8} {'mem/bf16':>8} {'step ms':>8} "
+  head = (f"{'mode':18} {'batch':>5} {'status':>16} {'params':>6} {'grads':>6} {'opt st':>6} "
+          f"{'budget':>6} {'peak GB':>8} {'mem/bf16':>8} {'step ms':>8} "
           f"{'tokens/s':>10} {'tok/s vs bf16':>13} {'MFU':>6} {'compile s':>9} {'XLA pred GB':>11}")
   say(head)
   say("-" * len(head))
@@ -303,7 +321,10 @@ def print_table(title: str, rows: list[dict]) -> None:
     ok = r.get("status") == "ok"
     mfu_ok = ok and r.get("mfu") is not None
     pred = (r.get("memory_analysis") or {}).get("predicted_bytes")
+    b = r.get("memory_budget") or {}
+    gb = lambda k: _fmt(b.get(k) and b[k] / GB, '6.1f')
     say(f"{r['mode']:18} {r['batch']:>5} {r.get('status', '?')[:16]:>16} "
+        f"{gb('params'):>6} {gb('grads'):>6} {gb('optimizer_state'):>6} {gb('total'):>6} "
         f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GB if ok else None, '8.2f'):>8} "
         f"{_fmt(r.get('mem_ratio'), '7.2f') + ('x' if r.get('mem_ratio') else ''):>8} "
         f"{_fmt(r.get('step_s') and 1e3 * r['step_s'] if ok else None, '8.1f'):>8} "
@@ -311,6 +332,10 @@ def print_table(title: str, rows: list[dict]) -> None:
         f"{_fmt(r.get('tps_ratio'), '12.2f') + ('x' if r.get('tps_ratio') else ''):>13} "
         f"{_fmt(r.get('mfu') and 100 * r['mfu'] if ok else None, '5.1f') + ('%' if mfu_ok else ''):>6} "
         f"{_fmt(r.get('compile_s'), '9.1f'):>9} {_fmt(pred and pred / GB, '11.2f'):>11}")
+  say("  params / grads / opt st / budget: GB of master weights, gradients, optimizer state and "
+      "their sum\n  with the accumulator and the larger of the bf16 weight copy and the SR/Kahan "
+      "step workspace\n  (training.build.memory_budget); "
+      "peak: measured")
   kinds = {r.get("peak_kind") for r in rows if r.get("status") == "ok"}
   if kinds - {"device peak"}:
     say(f"  (peak memory here is {', '.join(sorted(k for k in kinds if k))}, not a device peak)")

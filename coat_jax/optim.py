@@ -19,7 +19,8 @@ elements of its group of G are stored relative to the huge amax (coarser) until 
 optax.adamw instead keeps v = inf for that element (its update there is 0 from then on).
 NaN/inf gradients still propagate (never hidden). See coat_jax.adam_math.
 
-State: `CoatAdamWState(count, mu, nu)`. A moment leaf is
+State: `CoatAdamWState(count, mu, nu, comp)` (comp: Kahan compensation buffers for bfloat16
+master weights with master_rounding="kahan", else None; see `coat_adamw_apply`). A moment leaf is
   - an `ExpandedMoment` (FP8/INT8 data of the param's shape + float32 amax and uint8 k_code per
     group of G along the last axis; see coat_jax.expansion) for floating params with at least
     `min_quantized_size` elements, when quantize=True: 1 + 5/G bytes per element per moment;
@@ -58,17 +59,20 @@ from coat_jax import expansion, formats, kernels
 from coat_jax.adam_math import adam_step_reference
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
-from coat_jax.rounding import ROUNDINGS, round_to
+from coat_jax.rounding import MASTER_ROUNDINGS, round_to
 
-__all__ = ["CoatAdamWState", "ExpandedMoment", "adam_step_reference", "coat_adamw",
+__all__ = ["CoatAdamWState", "ExpandedMoment", "MASTER_ROUNDINGS", "adam_step_reference", "coat_adamw",
            "coat_adamw_apply", "optimizer_state_bytes", "state_shardings"]
 
 
 class CoatAdamWState(NamedTuple):
-  """count: int32 () steps taken; mu, nu: pytrees like params of ExpandedMoment or float32 leaves."""
+  """count: int32 () steps taken; mu, nu: pytrees like params of ExpandedMoment or float32 leaves;
+  comp: None, or with master_rounding="kahan" a pytree like params of bfloat16 compensation
+  buffers (the low-order part of each bfloat16 master weight; None for other params)."""
   count: jax.Array
   mu: Any
   nu: Any
+  comp: Any = None
 
 
 def _is_moment_leaf(x) -> bool:
@@ -97,6 +101,13 @@ def _check_float_leaves(params):
                        f"{dtype}; only floating parameters can be optimized")
 
 
+_BF16 = jnp.dtype(jnp.bfloat16)
+
+
+def _is_bf16(p) -> bool:
+  return p is not None and jnp.dtype(p.dtype) == _BF16
+
+
 DEFAULT_GROUP_SIZE = formats.OPTIMIZER_GROUP_SIZE
 DEFAULT_EXPAND_MIN = 16
 DEFAULT_MIN_QUANTIZED_SIZE = 4096
@@ -123,7 +134,8 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
                mask: Any | Callable[[Any], Any] | None = None, *, m_format: str = "e4m3",
                v_format: str = "e4m3", group_size: int | None = None, expand: bool = True,
                expand_min: int | None = None, quantize: bool = True,
-               min_quantized_size: int | None = None) -> optax.GradientTransformation:
+               min_quantized_size: int | None = None,
+               master_rounding: str = "nearest") -> optax.GradientTransformation:
   """AdamW whose moments are stored in FP8 with per-group dynamic range expansion (COAT).
 
   Args:
@@ -137,6 +149,11 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
     expand_min: k is a multiple of 1/expand_min (None: 16).
     quantize: False keeps all moments float32 (then this is optax.adamw).
     min_quantized_size: params with fewer elements keep float32 moments (None: 4096).
+    master_rounding: "nearest" | "stochastic" | "kahan", how `coat_adamw_apply` stores bfloat16
+      master weights (see there). "kahan" adds a bfloat16 compensation buffer per bfloat16
+      param to the state (`CoatAdamWState.comp`, 2 bytes per param). This transformation's own
+      update (optax's update/apply_updates, which rounds p + u to nearest outside it) supports
+      only "nearest": it raises ValueError for the others, use `coat_adamw_apply`.
     The three integer knobs default to None (meaning the values above) rather than to ints, so
     that optax.inject_hyperparams, which turns every int/float argument into a traced
     hyperparameter, leaves them static; if you set them under inject_hyperparams, list them in
@@ -148,7 +165,7 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
   init_fn, step_fn = _coat_adamw_fns(
       learning_rate, b1, b2, eps, weight_decay, mask, m_format=m_format, v_format=v_format,
       group_size=group_size, expand=expand, expand_min=expand_min, quantize=quantize,
-      min_quantized_size=min_quantized_size)
+      min_quantized_size=min_quantized_size, master_rounding=master_rounding)
   return optax.GradientTransformation(init_fn, functools.partial(step_fn, output="update"))
 
 
@@ -165,27 +182,44 @@ def coat_adamw_apply(learning_rate: float | optax.Schedule, *args,
   not compose with optax wrappers (chain, apply_if_finite, MultiSteps, ...): clip or check the
   gradients before calling it. Params are required.
 
-  One more keyword, for bfloat16 master weights (2 instead of 4 bytes per parameter):
-    master_rounding: "nearest" (default) or "stochastic". With "stochastic", a bfloat16 param's
-      new value is computed in float32 and rounded to bfloat16 stochastically
-      (`coat_jax.rounding`: rounds up with probability equal to the dropped fraction, bits from a
-      hash of (element, step, leaf), so E[new param] is the float32 result and updates below half
-      a bfloat16 ulp are kept in expectation instead of lost). Other dtypes round to nearest.
-      The leaf's step then runs on a float32 copy of the param (the rounding is not yet inside
-      the fused kernel).
+  For bfloat16 master weights (2 instead of 4 bytes per parameter), `master_rounding`:
+    "nearest" (default): the new param is rounded to nearest; an update below half a bfloat16
+      ulp of the weight (2^-9 relative) is lost.
+    "stochastic": a bfloat16 param's new value is computed in float32 and rounded to bfloat16
+      stochastically (`coat_jax.rounding`: rounds up with probability equal to the dropped
+      fraction, bits from a hash of (element, step, leaf)), so E[new param] is the float32
+      result and small updates are kept in expectation.
+    "kahan": the state carries a bfloat16 compensation c per bfloat16 param (from `coat_adamw(...,
+      master_rounding="kahan").init`), the low-order part the bfloat16 p could not hold; the
+      master value is p + c. A step computes, in float32,
+        x = p + c,   y = x - lr * (m/denom + wd * x)   (the Adam step above, on x),
+        p' = bf16(y),   c' = bf16(y - p')               (bf16(): round to nearest),
+      i.e. Kahan-compensated summation of the updates (the error of the sum is carried to the
+      next step instead of dropped). p' + c' equals y to within half a bfloat16 ulp of c', at
+      most 2^-17 |y| (16 significant bits instead of bfloat16's 8), so a long run of updates
+      each below half an ulp of p accumulates (deterministically) with an error of at most
+      2^-17 |y| per step, where round-to-nearest drops them all.
+      Costs 2 bytes per param of state (4 bytes of master in all, as float32, but the
+      forward/backward reads the 2-byte p only).
+    Other param dtypes round to nearest and have no compensation. With "stochastic" or "kahan"
+    the leaf's step runs on a float32 copy of the param (not yet inside the fused kernel).
   """
-  rounding = kwargs.pop("master_rounding", "nearest")
-  if rounding not in ROUNDINGS:
-    raise ValueError(f"coat_adamw_apply: master_rounding must be one of {ROUNDINGS}, "
-                     f"got {rounding!r}")
+  if kwargs.get("master_rounding", "nearest") not in MASTER_ROUNDINGS:
+    raise ValueError(f"coat_adamw_apply: master_rounding must be one of {MASTER_ROUNDINGS}, "
+                     f"got {kwargs['master_rounding']!r}")
   _, step_fn = _coat_adamw_fns(learning_rate, *args, **kwargs)
-  return functools.partial(step_fn, output="param", master_rounding=rounding)
+  return functools.partial(step_fn, output="param")
 
 
 def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None, *,
                     m_format="e4m3", v_format="e4m3", group_size=None, expand=True,
-                    expand_min=None, quantize=True, min_quantized_size=None):
+                    expand_min=None, quantize=True, min_quantized_size=None,
+                    master_rounding="nearest"):
   """(init_fn, step_fn(updates, state, params=None, *, output)) of `coat_adamw` (same args)."""
+  if master_rounding not in MASTER_ROUNDINGS:
+    raise ValueError(f"coat_adamw: master_rounding must be one of {MASTER_ROUNDINGS}, "
+                     f"got {master_rounding!r}")
+  kahan = master_rounding == "kahan"
   m_fmt, v_fmt = get_format(m_format).name, get_format(v_format).name
   group_size = _static_int(group_size, "group_size", DEFAULT_GROUP_SIZE, minimum=1)
   expand_min = _static_int(expand_min, "expand_min", DEFAULT_EXPAND_MIN, minimum=1)
@@ -208,12 +242,21 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
     _check_float_leaves(params)
     mu = jax.tree.map(lambda p: init_moment(p, m_fmt), params)
     nu = jax.tree.map(lambda p: init_moment(p, v_fmt), params)
-    return CoatAdamWState(jnp.zeros([], jnp.int32), mu, nu)
+    comp = jax.tree.map(lambda p: jnp.zeros(p.shape, _BF16) if _is_bf16(p) else None,
+                        params) if kahan else None
+    return CoatAdamWState(jnp.zeros([], jnp.int32), mu, nu, comp)
 
-  def step_fn(updates, state, params=None, *, output, master_rounding="nearest"):
+  def step_fn(updates, state, params=None, *, output):
     """output="update": (updates, state), optax's update_fn. "param": (new params, state)."""
     if params is None and output == "param":
       raise ValueError("coat_adamw_apply: params are required")
+    if output == "update" and master_rounding != "nearest":
+      raise ValueError(f"coat_adamw: master_rounding={master_rounding!r} needs coat_adamw_apply "
+                       f"(the rounding happens where the params are written); optax's update "
+                       f"path rounds to nearest")
+    if kahan and state.comp is None:
+      raise ValueError("coat_adamw_apply: master_rounding='kahan' needs the compensation "
+                       "buffers: init the state with coat_adamw(..., master_rounding='kahan')")
     if params is None and not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
       raise ValueError("coat_adamw: params are required for weight decay (pass params to update)")
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
@@ -227,27 +270,63 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       if decay is None:
         decay = jax.tree.map(lambda _: True, params)
 
-    def stochastic(p):
-      return (master_rounding == "stochastic" and p is not None
-              and p.dtype == jnp.dtype(jnp.bfloat16))
+    def step(g, p, m, v, use_decay, c, index, offset=0):
+      rounded = master_rounding != "nearest" and _is_bf16(p)
+      if rounded and kahan:
+        p32 = p.astype(jnp.float32) + c.astype(jnp.float32)  # the master value p + c
+      else:
+        p32 = p.astype(jnp.float32) if rounded else p
+      [(new_p, new_m, new_v)] = kernels.coat_adam_tree_step(
+          [p32], [g], [m], [v], [use_decay], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
+          weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
+          expand=expand, **qargs)
+      if rounded and kahan:
+        hi = new_p.astype(_BF16)
+        return hi, new_m, new_v, (new_p - hi.astype(jnp.float32)).astype(_BF16)
+      if rounded:
+        new_p = round_to(new_p, p.dtype, "stochastic", step=count, seed=index, offset=offset)
+      return new_p, new_m, new_v, c
+
+    def leaf(g, p, m, v, use_decay, c, index):
+      if master_rounding == "nearest" or not _is_bf16(p) or p.ndim < 3:
+        return step(g, p, m, v, use_decay, c, index)
+      # A stacked (layers, ...) leaf: one layer at a time (lax.map), so that the float32 working
+      # copy is one layer's, not the whole stack's (22.6 GB for Llama-2-13B's MLP stack). The
+      # rounding bits use the flat element index (offset), so the result is the whole leaf's.
+      rows = p.size // p.shape[0]
+      return jax.lax.map(
+          lambda a: step(a[1], a[2], a[3], a[4], use_decay, a[5], index, offset=a[0] * rows),
+          (jnp.arange(p.shape[0], dtype=jnp.uint32), g, p, m, v, c))
 
     g_leaves, treedef = jax.tree.flatten(updates)
     p_leaves = treedef.flatten_up_to(params_or_none)
     m_leaves = treedef.flatten_up_to(state.mu)
     v_leaves = treedef.flatten_up_to(state.nu)
     d_leaves = treedef.flatten_up_to(decay)
-    # All leaves in one dispatch call: on a Hopper GPU the quantized ones share a few launches.
-    out = kernels.coat_adam_tree_step(
-        [p.astype(jnp.float32) if stochastic(p) else p for p in p_leaves], g_leaves, m_leaves,
-        v_leaves, d_leaves, output=output, lr=lr, b1=b1, b2=b2, eps=eps,
-        weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt, expand=expand,
-        **qargs)
-    out = [(round_to(o[0], p.dtype, "stochastic", step=count, seed=i),) + tuple(o[1:])
-           if stochastic(p) else o for i, (o, p) in enumerate(zip(out, p_leaves))]
+    c_leaves = treedef.flatten_up_to(state.comp) if kahan else [None] * len(g_leaves)
+    # Leaves rounded to bfloat16 master weights (stochastic / kahan) go one by one (`leaf`);
+    # all the others in one dispatch call: on a Hopper GPU the quantized ones share a few launches.
+    rounded = [master_rounding != "nearest" and _is_bf16(p) for p in p_leaves]
+    plain = [i for i, r in enumerate(rounded) if not r]
+    out = [None] * len(g_leaves)
+    if plain:
+      res = kernels.coat_adam_tree_step(
+          [p_leaves[i] for i in plain], [g_leaves[i] for i in plain],
+          [m_leaves[i] for i in plain], [v_leaves[i] for i in plain],
+          [d_leaves[i] for i in plain], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
+          weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
+          expand=expand, **qargs)
+      for i, o in zip(plain, res):
+        out[i] = (*o, c_leaves[i])
+    for i, r in enumerate(rounded):
+      if r:
+        out[i] = leaf(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], d_leaves[i],
+                      c_leaves[i], i)
     new_updates = treedef.unflatten([o[0] for o in out])
     mu = treedef.unflatten([o[1] for o in out])
     nu = treedef.unflatten([o[2] for o in out])
-    return new_updates, CoatAdamWState(count, mu, nu)
+    comp = treedef.unflatten([o[3] for o in out]) if kahan else state.comp
+    return new_updates, CoatAdamWState(count, mu, nu, comp)
 
   return init_fn, step_fn
 
@@ -345,4 +424,8 @@ def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
     return treedef.unflatten([moment(*a) for a in zip(paths, shard_leaves, leaves)])
 
   count = NamedSharding(shard_leaves[0].mesh, PartitionSpec())
-  return CoatAdamWState(count, moments(state.mu), moments(state.nu))
+  comp = None
+  if state.comp is not None:  # compensation buffers: the param's sharding (None stays None)
+    comp = treedef.unflatten([None if c is None else s for s, c in
+                              zip(shard_leaves, treedef.flatten_up_to(state.comp))])
+  return CoatAdamWState(count, moments(state.mu), moments(state.nu), comp)

@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 
 ROUNDINGS = ("nearest", "stochastic")
+# How an optimizer may store bfloat16 master weights: a rounding, or "kahan" (nearest rounding
+# plus a bfloat16 compensation buffer in the optimizer state; coat_jax.optim.coat_adamw_apply).
+MASTER_ROUNDINGS = ROUNDINGS + ("kahan",)
 _BF16_MAX_BITS = 0x7F7F  # largest finite bfloat16
 
 

@@ -31,6 +31,7 @@ common = _load("_common")
 e2e = _load("bench_e2e")
 accuracy = _load("accuracy")
 stability = _load("stability")
+master = _load("master_weights")
 
 
 def test_logit_sharpness_is_the_maximum_over_the_box(rng):
@@ -70,6 +71,28 @@ def test_e2e_child_and_table(capsys):
   assert rows[2]["mem_ratio"] is None
   e2e.print_table("t", rows)
   assert "coat+coat_adamw" in capsys.readouterr().out
+
+
+def test_master_weights_child_table_and_plot(tmp_path):
+  """benchmarks/master_weights.py: one child in-process (Kahan, bf16 master from the float32
+  init), then the comparison table and plot against a made-up reference."""
+  args = master.parse_args(["--one", "bf16_master_kahan", "--preset", "tiny", "--precision", "bf16",
+                            "--steps", "2", "--eval-every", "1", "--seq-len", "16", "--batch", "2",
+                            "--set", "model.num_layers=1", "--set", "model.hidden_size=32",
+                            "--set", "model.intermediate_size=64", "--out", str(tmp_path)])
+  rec = master.train_one(args)
+  assert [s for s, _ in rec["evals"]] == [1, 2] and len(rec["losses"]) == 2
+  assert all(math.isfinite(x) for x in rec["losses"])
+  n = rec["num_params"]
+  assert rec["budget"]["params"] == 2 * n and rec["budget"]["grads"] == 2 * n
+  ref = {"variant": "f32_master", "losses": rec["losses"],
+         "evals": [[1, rec["evals"][0][1]], [2, rec["evals"][1][1] / 1.01]]}
+  common, rows = master.compare({"f32_master": ref, "bf16_master_kahan": rec,
+                                 "bf16_master_sr": {"variant": "bf16_master_sr", "error": "x"}})
+  assert common == 2 and rows[1]["diff_pct"] == pytest.approx(1.0, rel=1e-6)
+  assert rows[1]["within"] is False and rows[0]["within"] is True and rows[2]["eval_loss"] is None
+  assert "| bf16_master_kahan |" in master.markdown(args, common, rows)
+  assert master.plot({"f32_master": ref, "bf16_master_kahan": rec}, tmp_path / "p.png")
 
 
 def test_accuracy_report_from_metrics(tmp_path):

@@ -15,6 +15,15 @@ in contiguous row blocks gives every microbatch B/(k n) rows on every one of the
 data moves between devices. The microbatches run in a `lax.scan` (one compiled body, sequential).
 With k = 1 the function is value_and_grad itself (bit-identical); with k > 1 the sums run in a
 different order than one large batch's reductions, so results agree to float rounding only.
+
+bfloat16 gradients (`grad_dtype="bfloat16"`): the loss is differentiated at a bfloat16 copy of the
+(floating) params, made once per step, so every gradient (each microbatch's, and the mean) is a
+bfloat16 tree: 2 instead of 4 bytes per param next to float32 master weights. A model that casts
+its weights to a bfloat16 compute dtype computes the same forward from the copy (the cast of a
+bfloat16 value to bfloat16 is exact); only the gradients are rounded. The copy itself is 2 bytes
+per param while the backward runs; params already in bfloat16 are used as they are (no copy).
+The optimizer upcasts (coat_adamw's step runs in float32). With k > 1 the running sum is still
+kept in `accum_dtype`: float32 (4 bytes per param) unless accum_dtype is bfloat16 too.
 """
 from __future__ import annotations
 
@@ -24,6 +33,18 @@ import jax
 import jax.numpy as jnp
 
 ACCUM_DTYPES = ("float32", "bfloat16")
+GRAD_DTYPES = ("param", "bfloat16")  # "param": gradients in each param's own dtype
+
+
+def grad_params(params: Any, grad_dtype: str = "param") -> Any:
+  """The params the loss is differentiated at: `params`, or their bfloat16 copy (floating leaves
+  only) for grad_dtype="bfloat16"; the gradients come out in these leaves' dtypes."""
+  if grad_dtype not in GRAD_DTYPES:
+    raise ValueError(f"gradients: grad_dtype must be one of {GRAD_DTYPES}, got {grad_dtype!r}")
+  if grad_dtype == "param":
+    return params
+  return jax.tree.map(lambda p: p.astype(jnp.bfloat16) if jnp.issubdtype(p.dtype, jnp.floating)
+                      else p, params)
 
 
 def split_microbatches(batch: jax.Array, num_microbatches: int) -> jax.Array:
@@ -40,13 +61,24 @@ def split_microbatches(batch: jax.Array, num_microbatches: int) -> jax.Array:
 
 
 def accumulated_value_and_grad(loss_fn: Callable[..., tuple[jax.Array, Any]],
-                               num_microbatches: int, accum_dtype: str = "float32"):
+                               num_microbatches: int, accum_dtype: str = "float32",
+                               grad_dtype: str = "param"):
   """value_and_grad of `loss_fn(params, state, batch) -> (loss, new_state)` over microbatches.
 
   Returns f(params, state, batch) -> ((mean loss, final state), mean grads). `state` (e.g. the
   model's non-parameter state) is threaded through the microbatches in order. Grads have the
-  params' dtypes; the running sum is kept in `accum_dtype` ("float32" or "bfloat16").
+  params' dtypes, or bfloat16 with grad_dtype="bfloat16" (`grad_params`); the running sum is kept
+  in `accum_dtype` ("float32" or "bfloat16").
   """
+  if grad_dtype not in GRAD_DTYPES:
+    raise ValueError(f"gradients: grad_dtype must be one of {GRAD_DTYPES}, got {grad_dtype!r}")
+  inner = _accumulated(loss_fn, num_microbatches, accum_dtype)
+  if grad_dtype == "param":
+    return inner
+  return lambda params, state, batch: inner(grad_params(params, grad_dtype), state, batch)
+
+
+def _accumulated(loss_fn, num_microbatches, accum_dtype):
   if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) \
       or num_microbatches < 1:
     raise ValueError(f"gradient accumulation: the number of microbatches must be an int >= 1, "

@@ -98,7 +98,7 @@ def _coat_arguments(opt: OptimizerConfig) -> tuple[tuple, dict]:
   return ((opt.b1, opt.b2, opt.eps, opt.weight_decay, weight_decay_mask(opt)),
           dict(m_format=opt.m_format, v_format=opt.v_format, group_size=opt.group_size,
                expand=opt.expand, expand_min=opt.expand_min,
-               min_quantized_size=opt.min_quantized_size))
+               min_quantized_size=opt.min_quantized_size, master_rounding=opt.master_rounding))
 
 
 def build_optimizer(opt: OptimizerConfig, total_steps: int):
@@ -135,7 +135,7 @@ def build_apply(opt: OptimizerConfig, tx, schedule):
     return optax_apply(tx)
   from coat_jax.optim import coat_adamw_apply
   args, kwargs = _coat_arguments(opt)
-  core = coat_adamw_apply(schedule, *args, master_rounding=opt.master_rounding, **kwargs)
+  core = coat_adamw_apply(schedule, *args, **kwargs)
   clip = optax.clip_by_global_norm(opt.clip) if opt.clip > 0 else None
 
   def apply(grads, opt_state, params):
@@ -146,6 +146,48 @@ def build_apply(opt: OptimizerConfig, tx, schedule):
     params, core_state = core(grads, core_state, params)
     return params, tuple(pre) + (core_state,)
   return apply
+
+
+def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any) -> dict[str, int]:
+  """Bytes of the training state one step holds, from dtypes and shapes (no activations).
+
+  params: the master weights; grads: the gradient tree the optimizer reads (bfloat16 for
+  `grad_dtype: bfloat16` or bfloat16 params); weight_copy: the bfloat16 copy the backward runs at
+  (grad_dtype bfloat16 over non-bfloat16 params), alive during forward and backward (without
+  remat it stands in for the bfloat16 weights the backward would save as residuals anyway);
+  accumulator: the running gradient sum in `accumulate_dtype` (accumulate > 1); optimizer_state:
+  every optimizer-state leaf (moments, their scales, Kahan compensation); step_workspace: the
+  float32 working copy (in and out, 8 B/element) that the stochastic/Kahan step makes of the
+  largest bfloat16 param, or of one layer of a stacked (layers, ...) param (that rounding is not
+  inside the fused kernel yet; coat_jax.optim), alive only in the optimizer step. total: params + grads + accumulator + optimizer state + the larger of
+  weight_copy and step_workspace (never alive together), an upper bound on the state part of
+  the peak. The schema's OptimizerConfig docstring has the per-param table.
+  """
+  def size(x):
+    n = 1
+    for d in x.shape:
+      n *= d
+    return n
+
+  leaves = [x for x in jax.tree.leaves(params_abstract) if hasattr(x, "shape")]
+  bf16 = jnp.dtype(jnp.bfloat16)
+  is_float = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+  to_bf16 = [x for x in leaves if opt.grad_dtype == "bfloat16" and is_float(x) and x.dtype != bf16]
+  out = {"params": sum(size(x) * jnp.dtype(x.dtype).itemsize for x in leaves)}
+  out["weight_copy"] = sum(size(x) * 2 for x in to_bf16)
+  converted = {id(x) for x in to_bf16}
+  out["grads"] = sum(size(x) * (2 if id(x) in converted else jnp.dtype(x.dtype).itemsize)
+                     for x in leaves)
+  acc = jnp.dtype(opt.accumulate_dtype).itemsize
+  out["accumulator"] = sum(size(x) * acc for x in leaves) if opt.accumulate > 1 else 0
+  out["optimizer_state"] = sum(size(x) * jnp.dtype(x.dtype).itemsize
+                               for x in jax.tree.leaves(opt_abstract) if hasattr(x, "shape"))
+  rounded = ([size(x) // (x.shape[0] if len(x.shape) >= 3 else 1) for x in leaves
+              if x.dtype == bf16] if opt.master_rounding != "nearest" else [])
+  out["step_workspace"] = 8 * max(rounded, default=0)
+  out["total"] = (out["params"] + out["grads"] + out["accumulator"] + out["optimizer_state"]
+                  + max(out["weight_copy"], out["step_workspace"]))
+  return out
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -197,13 +239,14 @@ def model_parts(llama_cfg, seed: int, mesh, group_size: int | None = None
 
 
 def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, accumulate: int = 1,
-               accumulate_dtype: str = "float32"):
+               accumulate_dtype: str = "float32", grad_dtype: str = "param"):
   """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
 
   train_step(params, opt_state, rest, tokens) -> (params, opt_state, rest, {"loss", "grad_norm"});
   eval_step(params, rest, tokens) -> loss. tokens: (batch, seq_len + 1) int32.
   apply_fn: (grads, opt_state, params) -> (params, opt_state); default `optax_apply(tx)`.
   accumulate: microbatches per step (training/accumulate.py); the loss is their mean.
+  grad_dtype: "param" or "bfloat16" (gradients of a bfloat16 copy of the weights; accumulate.py).
   """
   apply_fn = apply_fn or optax_apply(tx)
   batch_sh, rep = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
@@ -214,7 +257,7 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
     return loss, nnx.to_pure_dict(new_rest)
 
-  grad_fn = accumulated_value_and_grad(loss_fn, accumulate, accumulate_dtype)
+  grad_fn = accumulated_value_and_grad(loss_fn, accumulate, accumulate_dtype, grad_dtype)
 
   def train_step(params, opt_state, rest, tokens):
     (loss, rest), grads = grad_fn(params, rest, tokens)
@@ -294,7 +337,8 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     opt_sh = (opt_sh, jax.tree.map(lambda _: rep, opt_abstract[1]))
     apply_fn = optax_apply(tx)
   train_step, eval_step = make_steps(parts, tx, opt_sh, mesh, apply_fn, accumulate=micro,
-                                     accumulate_dtype=cfg.optimizer.accumulate_dtype)
+                                     accumulate_dtype=cfg.optimizer.accumulate_dtype,
+                                     grad_dtype=cfg.optimizer.grad_dtype)
   opt_init = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)
 
   def init(seed: int | None = None):

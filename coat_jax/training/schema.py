@@ -25,8 +25,8 @@ import yaml
 from coat_jax.formats import OPTIMIZER_GROUP_SIZE
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
-from coat_jax.rounding import ROUNDINGS
-from coat_jax.training.accumulate import ACCUM_DTYPES
+from coat_jax.rounding import MASTER_ROUNDINGS
+from coat_jax.training.accumulate import ACCUM_DTYPES, GRAD_DTYPES
 
 OPTIMIZERS = ("adamw", "coat_adamw")
 SCHEDULES = ("cosine", "constant", "linear")
@@ -83,8 +83,24 @@ class OptimizerConfig:
   `accumulate`: microbatches per optimizer step (gradient accumulation); `data.batch_size` is the
   global batch of one step and is split into `accumulate` microbatches, run one after another, with
   the gradient sum kept in `accumulate_dtype` ("float32" or "bfloat16").
-  `master_rounding`: "nearest" or "stochastic" rounding of bfloat16 master weights
-  (`model.param_dtype: bfloat16`) in coat_adamw's step (`coat_jax.rounding`).
+  `master_rounding`: how coat_adamw's step stores bfloat16 master weights
+  (`model.param_dtype: bfloat16`): "nearest", "stochastic" rounding (`coat_jax.rounding`), or
+  "kahan" (nearest plus a bfloat16 compensation buffer in the optimizer state, 2 B/param;
+  `coat_jax.optim.coat_adamw_apply`).
+  `grad_dtype`: "param" (gradients in the params' dtype) or "bfloat16" (the backward runs at a
+  bfloat16 copy of the weights, so gradients take 2 B/param; the optimizer upcasts;
+  training/accumulate.py). Memory per param, as the options combine:
+    master (param_dtype)   grad_dtype   gradients   extra while the backward runs
+    float32                param        4 B         -
+    float32                bfloat16     2 B         the bfloat16 weight copy, 2 B
+    bfloat16               either       2 B         -  (the params are the bfloat16 weights)
+  The copy is a net cost only under remat: without remat the backward keeps each layer's
+  bfloat16 weights as residuals anyway, and from the copy those residuals are the copy itself
+  (float32 master + bfloat16 grads then saves 2 B/param; with `remat: full` it saves nothing).
+  With `accumulate` > 1 the running sum is one more gradient-sized tree in `accumulate_dtype`
+  (float32: 4 B, bfloat16: 2 B), so bfloat16 gradients halve the accumulation memory only with
+  `accumulate_dtype: bfloat16` as well; each microbatch's gradient is in the grad dtype.
+  `coat_jax.training.build.memory_budget` adds these up.
   """
   name: str = "adamw"
   lr: float = 3e-3
@@ -106,6 +122,7 @@ class OptimizerConfig:
   accumulate: int = 1
   accumulate_dtype: str = "float32"
   master_rounding: str = "nearest"
+  grad_dtype: str = "param"
 
 
 @dataclasses.dataclass
@@ -208,7 +225,8 @@ def validate(cfg: RunConfig) -> RunConfig:
   _one_of(o.m_format, FP8_STATE_FORMATS, "optimizer.m_format")
   _one_of(o.v_format, FP8_STATE_FORMATS, "optimizer.v_format")
   _one_of(o.accumulate_dtype, ACCUM_DTYPES, "optimizer.accumulate_dtype")
-  _one_of(o.master_rounding, ROUNDINGS, "optimizer.master_rounding")
+  _one_of(o.master_rounding, MASTER_ROUNDINGS, "optimizer.master_rounding")
+  _one_of(o.grad_dtype, GRAD_DTYPES, "optimizer.grad_dtype")
   if o.master_rounding != "nearest" and o.name != "coat_adamw":
     raise ValueError(f"optimizer.master_rounding={o.master_rounding!r} needs "
                      f"optimizer.name='coat_adamw' (got {o.name!r})")
