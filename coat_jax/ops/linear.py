@@ -6,6 +6,13 @@ dX = dY . W^T and dW = X^T . dY as FP8 GEMMs. W is re-quantized in the backward 
 (no FP8 copy of W is saved). "coat" saves only the FP8 x (data + scale) and w; "fp8_linear" saves
 the bf16 x and w.
 
+w is kept as the parameter itself (its dtype, e.g. float32 master weights), not as its cast to the
+compute dtype: the cast is redone where it is used (XLA merges the two casts in an unrolled graph).
+Inside the scan over layers the parameter is a slice of the scanned input, which JAX forwards to
+the backward loop; a cast would be a new per-layer residual, stacked (zero-filled, written and
+copied back) for every layer. `linears` runs several linears of one input (Q/K/V, gate/up) and
+keeps that input's FP8 copy once, not once per linear.
+
 Every array a "coat" op keeps for its backward (FP8 data and scales, RMSNorm's rstd) is named
 `FP8_RESIDUALS` with `jax.ad_checkpoint.checkpoint_name`, so that a remat policy
 `save_only_these_names(FP8_RESIDUALS)` keeps exactly those and recomputes the rest.
@@ -42,21 +49,21 @@ def quantize_input(x: jax.Array) -> QuantizedArray:
 
 
 def _fwd_gemm(xq, w, out_dtype):
-  """(..., K) FP8 x times w (K, N) in the TN layout: w quantized as (N, K)."""
-  wq = kernels.quantize_per_tensor(jnp.swapaxes(w, 0, 1), "e4m3")
+  """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K)."""
+  wq = kernels.quantize_per_tensor(jnp.swapaxes(w.astype(out_dtype), 0, 1), "e4m3")
   dn = (((xq.data.ndim - 1,), (1,)), ((), ()))
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype)
 
 
 def _bwd_gemms(x_t, x_scale, w, g):
-  """dX (..., K) and dW (K, N) from the saved FP8 x^T (K, M), param w and cotangent g (..., N).
+  """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N).
 
   Both GEMMs are TN: dX = gq (M, N) . wq (K, N)^T, and dW = x^T (K, M) . (g^T (N, M))^T, whose
   M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
   """
   k, n = w.shape
   gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True)
-  wq = kernels.quantize_per_tensor(w, "e4m3")  # (K, N): contracts N, its last axis (TN).
+  wq = kernels.quantize_per_tensor(w.astype(g.dtype), "e4m3")  # (K, N): contracts N (TN).
   tn = (((1,), (1,)), ((), ()))
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
   x_tq = QuantizedArray(x_t, x_scale, "e4m3")
@@ -110,12 +117,70 @@ def _linear_coat_q_bwd(res, g):
 _linear_coat_q.defvjp(_linear_coat_q_fwd, _linear_coat_q_bwd)
 
 
+@jax.custom_vjp
+def _linears_coat_q(x, ws, x_q):
+  return tuple(_fwd_gemm(x_q, w, x.dtype) for w in ws)
+
+
+def _linears_coat_q_fwd(x, ws, x_q):
+  return _linears_coat_q(x, ws, x_q), (*name_residuals((x_q.data_t, x_q.scale)), ws)
+
+
+def _linears_coat_q_bwd(res, gs):
+  x_t, x_scale, ws = res
+  grads = [_bwd_gemms(x_t, x_scale, w, g) for w, g in zip(ws, gs)]
+  dx = functools.reduce(jnp.add, [dx for dx, _ in grads])
+  zero_q = QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
+                          data_t=jnp.zeros_like(x_t))
+  return dx, tuple(dw for _, dw in grads), zero_q
+
+
+_linears_coat_q.defvjp(_linears_coat_q_fwd, _linears_coat_q_bwd)
+
+
+def _check_w(x, w):
+  if w.ndim != 2 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"linear: x shape {x.shape} does not match w shape {w.shape} "
+                     "(need x[..., K] and w[K, N])")
+
+
+def _check_x_q(x, x_q):
+  if x_q.shape != x.shape or not x_q.per_tensor or x_q.data_t is None:
+    raise ValueError(f"linear: x_q must be `quantize_input(x)` (per-tensor, with data_t) for x "
+                     f"of shape {x.shape}, got shape {x_q.shape}")
+
+
+def _matmul_cast(x, w):
+  return jnp.matmul(x, w.astype(x.dtype))
+
+
+# bf16: the backward keeps x and the parameter w (not its cast; module docstring) and recasts w.
+_matmul_keep_param = jax.checkpoint(_matmul_cast, prevent_cse=False)
+
+
+def linears(x: jax.Array, ws, *, mode: str, x_q=None) -> tuple[jax.Array, ...]:
+  """(x @ w for w in ws): several linears of one input, e.g. Q/K/V or gate/up.
+
+  Equal to `tuple(linear(x, w, mode=mode, x_q=x_q) for w in ws)`; in "coat" with x_q the FP8 x^T
+  is kept once for all of them (with separate linears each keeps its own reference to it, and
+  the scan over layers stacks each one separately).
+  """
+  check_precision(mode, "linears: mode")
+  ws = tuple(ws)
+  for w in ws:
+    _check_w(x, w)
+  if mode == "coat" and x_q is not None and len(ws) > 1:
+    _check_x_q(x, x_q)
+    return _linears_coat_q(x, ws, x_q)
+  return tuple(linear(x, w, mode=mode, x_q=x_q) for w in ws)
+
+
 def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None) -> jax.Array:
   """y = x @ w.
 
   Args:
     x: (..., K) bf16 or float32.
-    w: (K, N) parameter (in, out); computed in x.dtype.
+    w: (K, N) parameter (in, out), any float dtype; computed in x.dtype, its gradient in w.dtype.
     mode: "bf16" | "fp8_linear" | "coat".
     x_q: optional per-tensor E4M3 QuantizedArray of x made upstream (fp8 modes use it instead
       of re-quantizing x; its cotangent is zero, the gradient flows through x).
@@ -123,16 +188,11 @@ def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None) -> jax.Array:
     (..., N) in x.dtype.
   """
   check_precision(mode, "linear: mode")
-  if w.ndim != 2 or x.shape[-1] != w.shape[0]:
-    raise ValueError(f"linear: x shape {x.shape} does not match w shape {w.shape} "
-                     "(need x[..., K] and w[K, N])")
-  w = w.astype(x.dtype)
+  _check_w(x, w)
   if mode == "bf16":
-    return jnp.matmul(x, w)
+    return _matmul_keep_param(x, w) if w.dtype != x.dtype else jnp.matmul(x, w)
   if x_q is not None:
-    if x_q.shape != x.shape or not x_q.per_tensor or x_q.data_t is None:
-      raise ValueError(f"linear: x_q must be `quantize_input(x)` (per-tensor, with data_t) for x "
-                       f"of shape {x.shape}, got shape {x_q.shape}")
+    _check_x_q(x, x_q)
     if mode == "coat":
       return _linear_coat_q(x, w, x_q)
   return _linear_fp8(x, w, mode == "fp8_linear")
