@@ -1,0 +1,220 @@
+"""GPU time per kernel category of one compiled train step: scan vs loop, bf16 vs coat.
+
+Each variant (`precision:layout`, precision bf16 | fp8_linear with adamw, coat with coat_adamw;
+layout scan | loop) runs in its own child process: it builds and compiles the train step as
+bench_e2e does (`_common.build_step`), runs --warmup steps, times --steps steps (median), then
+traces --iters steps with jax.profiler and sums device time per kernel (the GPU stream lines, as
+`_common.kernel_times`, keyed also by the `hlo_op` XLA attaches to each kernel).
+Every kernel is put in a category through the compiled HLO (XLA names a kernel after its HLO
+instruction; the instruction's op_name says forward `jvp(...)`, backward `transpose(...)` or
+neither, i.e. the optimizer and gradient norm): FP8 GEMM (the Pallas/Mosaic GPU TN kernel),
+bf16 GEMM (cuBLAS, XLA GEMM fusions), quantize (Pallas amax/quantize kernels), attention
+(cuDNN), optimizer (fused Adam kernel and the fusions outside forward and backward), copies /
+transposes, scan DUS / DS / fill (the stacked residuals and gradients of the scan over layers:
+zero fill, dynamic-update-slice writes, dynamic-slice reads), collectives, other fusions of the
+forward / backward, unmapped.
+
+GPU (olmo-1b, batch 8 x 2048, four variants: ~4 x (compile 10-30 s + 8 steps) = 2-4 min):
+  python benchmarks/profile_step.py --json $OUT/profile_step.json
+CPU smoke (tiny shapes; no GPU kernels: the table stays empty, the HLO categories are listed):
+  JAX_PLATFORMS=cpu python benchmarks/profile_step.py --preset tiny --seq-len 32 --batch 2 \
+      --set model.num_layers=2 --variants coat:scan --iters 1 --steps 1 --warmup 1
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULT_TAG = "RESULT "
+CATEGORIES = ("FP8 GEMM", "bf16 GEMM", "quantize", "attention", "optimizer", "copy/transpose",
+              "scan DUS/DS/fill", "collectives", "fusions fwd", "fusions bwd", "unmapped")
+SCAN_CLASSES = ("DUS fusion (in place)", "dynamic-slice fusion", "dynamic-update-slice",
+                "dynamic-slice", "broadcast fusion (fill)")
+COPY_CLASSES = ("copy", "copy/transpose fusion", "transpose")
+
+
+def category(kernel: str, info) -> str:
+  """The category of a GPU kernel named `kernel`; info: its instruction's (class, op_name,
+  custom_call_target) from `_common.instruction_index`, or None if no instruction has its name."""
+  n = kernel.lower()
+  cls, op_name, target = info or ("", "", "")
+  if any(k in n for k in ("fmha", "flash", "cudnn", "sdpa")) or "cudnn" in target:
+    return "attention"
+  if cls == "collective" or "nccl" in n:
+    return "collectives"
+  if "adam" in n:
+    return "optimizer"
+  if "amax" in n or "quantiz" in n:
+    return "quantize"
+  if "matmul" in n or "wgmma" in n or "mosaic" in target:
+    return "FP8 GEMM"  # the Mosaic GPU GEMM: the one Pallas kernel not named coat_*
+  gemm = (cls in ("dot", "dot fusion") or target.startswith("__cublas")
+          or any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass")))
+  if gemm:
+    return "FP8 GEMM" if any(k in n for k in ("e4m3", "e5m2", "f8")) else "bf16 GEMM"
+  if cls in SCAN_CLASSES or "memset" in n or "dynamic_update_slice" in n:
+    return "scan DUS/DS/fill"
+  if cls in COPY_CLASSES or "memcpy" in n or n.startswith(("copy", "transpose")):
+    return "copy/transpose"
+  if not info:
+    return "unmapped"
+  if "transpose(" in op_name:
+    return "fusions bwd"
+  if "jvp(" in op_name:
+    return "fusions fwd"
+  return "optimizer"
+
+
+def kernel_events(trace_dir: str) -> collections.Counter:
+  """Microseconds per (kernel name, HLO instruction or "") over the GPU stream lines of the
+  newest trace (as `_common.kernel_times`, plus the `hlo_op` stat XLA attaches to a kernel)."""
+  import glob
+
+  import jax
+
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  out = collections.Counter()
+  if not paths:
+    return out
+  for plane in jax.profiler.ProfileData.from_file(paths[-1]).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "stream" not in line.name.lower():
+        continue
+      for ev in line.events:
+        stats = dict((str(k), v) for k, v in ev.stats)
+        out[(ev.name, str(stats.get("hlo_op", "")))] += ev.duration_ns / 1e3
+  return out
+
+
+def measure_one(a) -> dict:
+  import jax
+  import numpy as np
+
+  from _common import build_step, instruction_index
+
+  precision, layout = a.one.split(":")
+  t0 = time.perf_counter()
+  compiled, _, _, built = build_step(a.preset, precision, layout, a.seq_len, a.batch, a.sets)
+  out = {"variant": a.one, "compile_s": time.perf_counter() - t0}
+  index = instruction_index(compiled.as_text())
+  out["hlo_categories"] = dict(collections.Counter(category(k, v) for k, v in index.items()))
+  params, opt_state, rest = built.init()
+  vocab = built.llama_cfg.vocab_size
+  tokens = jax.device_put(jax.random.randint(jax.random.key(1), (a.batch, a.seq_len + 1), 0,
+                                             vocab, dtype=np.int32), built.batch_sharding)
+  state = (params, opt_state, rest)
+  times = []
+  for i in range(a.warmup + a.steps):
+    t1 = time.perf_counter()
+    *state, metrics = compiled(*state, tokens)
+    jax.block_until_ready(metrics["loss"])
+    if i >= a.warmup:
+      times.append(time.perf_counter() - t1)
+  out["step_ms"] = 1e3 * sorted(times)[len(times) // 2]
+  out["loss"] = float(metrics["loss"])
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(a.iters):
+        *state, metrics = compiled(*state, tokens)
+        jax.block_until_ready(metrics["loss"])
+    times_us = kernel_events(tmp)
+  per_cat, kernels = collections.Counter(), []
+  for (name, hlo_op), us in times_us.items():
+    cat = category(name, index.get(hlo_op) or index.get(name))
+    per_cat[cat] += us / a.iters / 1e3
+    kernels.append((us / a.iters / 1e3, cat, f"{name} [{hlo_op}]" if hlo_op else name))
+  out["category_ms"] = dict(per_cat)
+  out["kernel_ms"] = sum(per_cat.values())
+  out["top"] = sorted(kernels, reverse=True)[:a.top]
+  return out
+
+
+def run_child(a, variant: str) -> dict:
+  cmd = [sys.executable, str(Path(__file__).resolve()), "--one", variant, "--preset", a.preset,
+         "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--iters", str(a.iters),
+         "--steps", str(a.steps), "--warmup", str(a.warmup), "--top", str(a.top)]
+  for item in a.sets:
+    cmd += ["--set", item]
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  repo = str(Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+  print(f"[profile_step] {variant}: starting", flush=True)
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.child_timeout)
+  for line in proc.stdout.splitlines():
+    if line.startswith(RESULT_TAG):
+      return json.loads(line[len(RESULT_TAG):])
+  tail = (proc.stdout + proc.stderr)[-1500:]
+  print(f"[profile_step] {variant}: failed (rc {proc.returncode}):\n{tail}", flush=True)
+  return {"variant": variant, "error": tail}
+
+
+def print_table(results: list[dict]) -> None:
+  ok = [r for r in results if "category_ms" in r]
+  if not ok:
+    return
+  head = f"{'ms per step':20}" + "".join(f"{r['variant']:>16}" for r in ok)
+  print("\n" + head + "\n" + "-" * len(head))
+  for cat in CATEGORIES:
+    print(f"{cat:20}" + "".join(f"{r['category_ms'].get(cat, 0.0):16.2f}" for r in ok))
+  for key, label in (("kernel_ms", "kernel total"), ("step_ms", "step (wall)"),
+                     ("compile_s", "compile s")):
+    print(f"{label:20}" + "".join(f"{r[key]:16.2f}" for r in ok))
+  for r in ok:
+    print(f"\n{r['variant']}: largest kernels (ms per step, category, name)")
+    for ms, cat, name in r["top"]:
+      print(f"  {ms:8.3f}  {cat:16}  {name[:100]}")
+    print(f"  HLO instructions per category: {r['hlo_categories']}")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", default="olmo-1b")
+  p.add_argument("--seq-len", type=int, default=2048)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--variants", default="bf16:scan,bf16:loop,coat:scan,coat:loop")
+  p.add_argument("--iters", type=int, default=3, help="traced steps")
+  p.add_argument("--steps", type=int, default=5, help="timed steps (median) before the trace")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--top", type=int, default=12, help="largest kernels listed per variant")
+  p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                 help="config override for every variant, e.g. model.scan_unroll=2")
+  p.add_argument("--child-timeout", type=float, default=240)
+  p.add_argument("--json", default=None)
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+  for v in ([a.one] if a.one else a.variants.split(",")):
+    parts = v.split(":")
+    if len(parts) != 2 or parts[0] not in ("bf16", "fp8_linear", "coat") or parts[1] not in (
+        "scan", "loop"):
+      p.error(f"bad variant {v!r}: want precision:layout, precision bf16|fp8_linear|coat, "
+              "layout scan|loop")
+  if a.one:
+    print(RESULT_TAG + json.dumps(measure_one(a)), flush=True)
+    return None
+  results = []
+  for v in a.variants.split(","):
+    try:
+      results.append(run_child(a, v))
+    except subprocess.TimeoutExpired:
+      results.append({"variant": v, "error": f"timeout after {a.child_timeout} s"})
+      print(f"[profile_step] {v}: timeout", flush=True)
+  print_table(results)
+  if a.json:
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(results, indent=1))
+  return results
+
+
+if __name__ == "__main__":
+  main()
