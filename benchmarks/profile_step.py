@@ -1,7 +1,8 @@
 """GPU time per kernel category of one compiled train step: scan vs loop, bf16 vs coat.
 
-Each variant (`precision:layout`, precision bf16 | fp8_linear with adamw, coat with coat_adamw;
-layout scan | loop) runs in its own child process: it builds and compiles the train step as
+Each variant (`precision:layout[+extra...]`, precision bf16 | fp8_linear with adamw, coat with
+coat_adamw; layout scan | loop; extras EXTRAS: `+dsf` XLA's dynamic-slice fusion, `+unroll2`
+two layers per scan iteration) runs in its own child process: it builds and compiles the train step as
 bench_e2e does (`_common.build_step`), runs --warmup steps, times --steps steps (median), then
 traces --iters steps with jax.profiler and sums device time per kernel (the GPU stream lines, as
 `_common.kernel_times`, keyed also by the `hlo_op` XLA attaches to each kernel).
@@ -14,8 +15,13 @@ transposes, scan DUS / DS / fill (the stacked residuals and gradients of the sca
 zero fill, dynamic-update-slice writes, dynamic-slice reads), collectives, other fusions of the
 forward / backward, unmapped.
 
-GPU (olmo-1b, batch 8 x 2048, four variants: ~4 x (compile 10-30 s + 8 steps) = 2-4 min):
-  python benchmarks/profile_step.py --json $OUT/profile_step.json
+GPU, olmo-1b width (batch 8 x 2048) at 4 layers: the loop's coat step takes ~12 s a layer to
+compile (16 layers: 278 s on the H100), so scan vs loop is compared per layer; ~4 min:
+  python benchmarks/profile_step.py --set model.num_layers=4 --json $OUT/profile_step_l4.json \
+      --variants bf16:scan,bf16:loop,coat:scan,coat:loop,bf16:scan+dsf,coat:scan+dsf
+The full 16-layer model without the coat loop (~3 min):
+  python benchmarks/profile_step.py --json $OUT/profile_step.json \
+      --variants bf16:scan,bf16:loop,coat:scan,coat:scan+dsf,coat:scan+unroll2
 CPU smoke (tiny shapes; no GPU kernels: the table stays empty, the HLO categories are listed):
   JAX_PLATFORMS=cpu python benchmarks/profile_step.py --preset tiny --seq-len 32 --batch 2 \
       --set model.num_layers=2 --variants coat:scan --iters 1 --steps 1 --warmup 1
@@ -33,6 +39,14 @@ import time
 from pathlib import Path
 
 RESULT_TAG = "RESULT "
+# Variant suffixes `+NAME` (several allowed: coat:scan+dsf+unroll2): XLA flags and config overrides.
+EXTRAS = {
+    # XLA GPU's dynamic-slice fusion: cuBLAS / custom calls read and write slices of the stacked
+    # scan buffers in place instead of through a copy.
+    "dsf": {"xla_flags": "--xla_gpu_enable_dynamic_slice_fusion=true"},
+    "unroll2": {"sets": ["model.scan_unroll=2"]},
+    "unroll4": {"sets": ["model.scan_unroll=4"]},
+}
 CATEGORIES = ("FP8 GEMM", "bf16 GEMM", "quantize", "attention", "optimizer", "copy/transpose",
               "scan DUS/DS/fill", "collectives", "fusions fwd", "fusions bwd", "unmapped")
 SCAN_CLASSES = ("DUS fusion (in place)", "dynamic-slice fusion", "dynamic-update-slice",
@@ -101,9 +115,10 @@ def measure_one(a) -> dict:
 
   from _common import build_step, instruction_index
 
-  precision, layout = a.one.split(":")
+  precision, layout, extras = parse_variant(a.one)
+  sets = a.sets + [s for e in extras for s in EXTRAS[e].get("sets", [])]
   t0 = time.perf_counter()
-  compiled, _, _, built = build_step(a.preset, precision, layout, a.seq_len, a.batch, a.sets)
+  compiled, _, _, built = build_step(a.preset, precision, layout, a.seq_len, a.batch, sets)
   out = {"variant": a.one, "compile_s": time.perf_counter() - t0}
   index = instruction_index(compiled.as_text())
   out["hlo_categories"] = dict(collections.Counter(category(k, v) for k, v in index.items()))
@@ -138,6 +153,17 @@ def measure_one(a) -> dict:
   return out
 
 
+def parse_variant(v: str) -> tuple[str, str, list[str]]:
+  """'coat:scan+dsf' -> ('coat', 'scan', ['dsf']); ValueError naming a bad one."""
+  head, *extras = v.split("+")
+  parts = head.split(":")
+  if (len(parts) != 2 or parts[0] not in ("bf16", "fp8_linear", "coat")
+      or parts[1] not in ("scan", "loop") or any(e not in EXTRAS for e in extras)):
+    raise ValueError(f"bad variant {v!r}: want precision:layout[+extra...], precision "
+                     f"bf16|fp8_linear|coat, layout scan|loop, extras {sorted(EXTRAS)}")
+  return parts[0], parts[1], extras
+
+
 def run_child(a, variant: str) -> dict:
   cmd = [sys.executable, str(Path(__file__).resolve()), "--one", variant, "--preset", a.preset,
          "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--iters", str(a.iters),
@@ -146,6 +172,9 @@ def run_child(a, variant: str) -> dict:
     cmd += ["--set", item]
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  flags = [EXTRAS[e]["xla_flags"] for e in parse_variant(variant)[2] if "xla_flags" in EXTRAS[e]]
+  if flags:
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
   repo = str(Path(__file__).resolve().parents[1])
   env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
   print(f"[profile_step] {variant}: starting", flush=True)
@@ -162,13 +191,13 @@ def print_table(results: list[dict]) -> None:
   ok = [r for r in results if "category_ms" in r]
   if not ok:
     return
-  head = f"{'ms per step':20}" + "".join(f"{r['variant']:>16}" for r in ok)
+  head = f"{'ms per step':20}" + "".join(f"{r['variant']:>18}" for r in ok)
   print("\n" + head + "\n" + "-" * len(head))
   for cat in CATEGORIES:
-    print(f"{cat:20}" + "".join(f"{r['category_ms'].get(cat, 0.0):16.2f}" for r in ok))
+    print(f"{cat:20}" + "".join(f"{r['category_ms'].get(cat, 0.0):18.2f}" for r in ok))
   for key, label in (("kernel_ms", "kernel total"), ("step_ms", "step (wall)"),
                      ("compile_s", "compile s")):
-    print(f"{label:20}" + "".join(f"{r[key]:16.2f}" for r in ok))
+    print(f"{label:20}" + "".join(f"{r[key]:18.2f}" for r in ok))
   for r in ok:
     print(f"\n{r['variant']}: largest kernels (ms per step, category, name)")
     for ms, cat, name in r["top"]:
@@ -194,11 +223,10 @@ def main(argv=None):
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   for v in ([a.one] if a.one else a.variants.split(",")):
-    parts = v.split(":")
-    if len(parts) != 2 or parts[0] not in ("bf16", "fp8_linear", "coat") or parts[1] not in (
-        "scan", "loop"):
-      p.error(f"bad variant {v!r}: want precision:layout, precision bf16|fp8_linear|coat, "
-              "layout scan|loop")
+    try:
+      parse_variant(v)
+    except ValueError as e:
+      p.error(str(e))
   if a.one:
     print(RESULT_TAG + json.dumps(measure_one(a)), flush=True)
     return None
