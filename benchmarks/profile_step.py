@@ -1,8 +1,9 @@
 """GPU time per kernel category of one compiled train step: scan vs loop, bf16 vs coat.
 
 Each variant (`precision:layout[+extra...]`, precision bf16 | fp8_linear with adamw, coat with
-coat_adamw; layout scan | loop; extras EXTRAS: `+dsf` XLA's dynamic-slice fusion, `+unroll2`
-two layers per scan iteration) runs in its own child process: it builds and compiles the train step as
+coat_adamw; layout scan | loop; extras EXTRAS: `+dsf` XLA's dynamic-slice fusion, `+vjploop`
+the layer loop with its own VJP (`model.scan_impl=vjp_loop`), `+unroll2` two layers per scan
+iteration) runs in its own child process: it builds and compiles the train step as
 bench_e2e does (`_common.build_step`), runs --warmup steps, times --steps steps (median), then
 traces --iters steps with jax.profiler and sums device time per kernel (the GPU stream lines, as
 `_common.kernel_times`, keyed also by the `hlo_op` XLA attaches to each kernel).
@@ -18,10 +19,10 @@ forward / backward, unmapped.
 GPU, olmo-1b width (batch 8 x 2048) at 4 layers: the loop's coat step takes ~12 s a layer to
 compile (16 layers: 278 s on the H100), so scan vs loop is compared per layer; ~4 min:
   python benchmarks/profile_step.py --set model.num_layers=4 --json $OUT/profile_step_l4.json \
-      --variants bf16:scan,bf16:loop,coat:scan,coat:loop,bf16:scan+dsf,coat:scan+dsf
+      --variants bf16:scan,bf16:loop,coat:scan,coat:loop,coat:scan+vjploop,coat:scan+dsf
 The full 16-layer model without the coat loop (~3 min):
   python benchmarks/profile_step.py --json $OUT/profile_step.json \
-      --variants bf16:scan,bf16:loop,coat:scan,coat:scan+dsf,coat:scan+unroll2
+      --variants bf16:scan,bf16:loop,bf16:scan+vjploop,coat:scan,coat:scan+vjploop,coat:scan+dsf
 CPU smoke (tiny shapes; no GPU kernels: the table stays empty, the HLO categories are listed):
   JAX_PLATFORMS=cpu python benchmarks/profile_step.py --preset tiny --seq-len 32 --batch 2 \
       --set model.num_layers=2 --variants coat:scan --iters 1 --steps 1 --warmup 1
@@ -44,6 +45,8 @@ EXTRAS = {
     # XLA GPU's dynamic-slice fusion: cuBLAS / custom calls read and write slices of the stacked
     # scan buffers in place instead of through a copy.
     "dsf": {"xla_flags": "--xla_gpu_enable_dynamic_slice_fusion=true"},
+    # llama.layer_loop: residual and gradient buffers uninitialized (AllocateBuffer), no zero fill.
+    "vjploop": {"sets": ["model.scan_impl=vjp_loop"]},
     "unroll2": {"sets": ["model.scan_unroll=2"]},
     "unroll4": {"sets": ["model.scan_unroll=4"]},
 }

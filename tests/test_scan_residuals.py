@@ -12,6 +12,7 @@ from flax import nnx
 
 from coat_jax import ops
 from coat_jax.models import Llama
+from coat_jax.models.llama import layer_loop
 from coat_jax.precision import PRECISIONS
 from tests.test_llama import loss_fn, tiny, tokens_for
 
@@ -76,3 +77,56 @@ def test_linears_match_separate_linears(with_x_q, rng):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="does not match w shape"):
     ops.linears(x, (ws[0], ws[0].T), mode="coat")
+
+
+@pytest.mark.parametrize("remat,unroll", [(False, 1), (True, 2)])
+def test_layer_loop_matches_lax_scan(remat, unroll, rng):
+  """llama.layer_loop: lax.scan's values and gradients for a layer whose residuals include its
+  own parameter (re-sliced, not kept), a constant and one array used twice."""
+  table = jnp.asarray(rng.standard_normal(8), jnp.float32)  # a constant residual
+
+  def fn(x, p):
+    h = jnp.tanh(x @ p["w"] + table)
+    return x + (h * h) @ p["v"] * p["s"]
+
+  if remat:
+    fn = jax.checkpoint(fn)
+  n = 4
+  params = {"w": jnp.asarray(0.3 * rng.standard_normal((n, 8, 8)), jnp.float32),
+            "v": jnp.asarray(0.3 * rng.standard_normal((n, 8, 8)), jnp.float32),
+            "s": jnp.asarray(1 + 0.1 * rng.standard_normal((n, 8)), jnp.float32)}
+  x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+  loss_scan = lambda x, p: jnp.sum(jax.lax.scan(lambda c, q: (fn(c, q), None), x, p)[0] ** 2)
+  loss_loop = lambda x, p: jnp.sum(layer_loop(fn, x, p, unroll) ** 2)
+  (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, params)
+                        for f in (loss_scan, loss_loop))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_vjp_loop_matches_lax_scan_coat(rng):
+  """`scan_impl="vjp_loop"` in the coat model: lax.scan's loss and gradients."""
+  import dataclasses
+
+  from tests.test_llama_compile import compare_grads, named_arrays
+
+  cfg = tiny(dtype="float32", precision="coat", num_layers=2)
+  tokens = tokens_for(rng, cfg, seq=16)
+
+  def loss_and_grads(cfg):
+    model = Llama(cfg, rngs=nnx.Rngs(3))
+    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, tokens)
+    return float(loss), named_arrays(nnx.state(grads, nnx.Param), True)
+
+  l0, g0 = loss_and_grads(cfg)
+  l1, g1 = loss_and_grads(dataclasses.replace(cfg, scan_impl="vjp_loop"))
+  assert np.isfinite(l1) and abs(l1 - l0) <= 1e-5 * abs(l0), (l0, l1)
+  compare_grads(g1, g0, 1e-5, 1 - 1e-5, "coat vjp_loop vs lax.scan")
+
+
+def test_scan_options_are_checked():
+  with pytest.raises(ValueError, match="scan_unroll"):
+    tiny(num_layers=3, scan_unroll=2)
+  with pytest.raises(ValueError, match="scan_impl"):
+    tiny(scan_impl="while")

@@ -22,6 +22,7 @@ from coat_jax import ops
 from coat_jax.nn import layers
 from coat_jax.precision import DTYPES, check_precision, resolve_dtype
 
+SCAN_IMPLS = ("lax", "vjp_loop")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -43,7 +44,10 @@ class LlamaConfig:
   jax.checkpoint policy applied per decoder block (REMAT_POLICIES; True/False mean "full"/"none").
   `scan_layers` runs the blocks as one scanned, stacked block (see the module docstring);
   `scan_unroll` layers run per iteration of the scan's loop (`jax.lax.scan(unroll=...)`; 1: one
-  layer per iteration, the fastest compile; must divide num_layers).
+  layer per iteration, the fastest compile; must divide num_layers). `scan_impl` (SCAN_IMPLS) is
+  how the scanned blocks are differentiated: "lax" lets JAX transpose the `lax.scan` (its stacked
+  residual buffers are zero-filled before the loop); "vjp_loop" is `layer_loop`, whose buffers
+  start uninitialized and stack neither parameters nor one array twice.
   `attention_residuals` ("bf16" | "fp8", ops.ATTENTION_RESIDUALS) is what each attention keeps of
   q, k, v for its backward, in any precision mode: "fp8" keeps per-1x16-group E4M3 copies
   (1.25 instead of 2 bytes a value) and recomputes the attention from them in the backward.
@@ -69,6 +73,7 @@ class LlamaConfig:
   init_std: float = 0.02
   scan_layers: bool = True
   scan_unroll: int = 1
+  scan_impl: str = "lax"
 
   def __post_init__(self):
     if self.num_kv_heads is None:
@@ -104,6 +109,8 @@ class LlamaConfig:
     ops.check_attention_residuals(self.attention_residuals, "LlamaConfig.attention_residuals")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"LlamaConfig.scan_layers must be a bool, got {self.scan_layers!r}")
+    if self.scan_impl not in SCAN_IMPLS:
+      raise ValueError(f"LlamaConfig.scan_impl must be one of {SCAN_IMPLS}, got {self.scan_impl!r}")
     if (not isinstance(self.scan_unroll, int) or isinstance(self.scan_unroll, bool)
         or self.scan_unroll < 1 or self.num_layers % self.scan_unroll):
       raise ValueError(f"LlamaConfig.scan_unroll must be a positive int dividing num_layers="
@@ -243,12 +250,16 @@ class Llama(nnx.Module):
     if self.cfg.scan_layers:
       graphdef, stacked = nnx.split(self.layers)
 
-      def body(x, layer_params):
-        return nnx.merge(graphdef, layer_params)(x, cos, sin), None
+      def block(x, layer_params):
+        return nnx.merge(graphdef, layer_params)(x, cos, sin)
 
       if self.cfg.remat != "none":
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-      x, _ = jax.lax.scan(body, x, stacked, unroll=self.cfg.scan_unroll)
+        block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+      if self.cfg.scan_impl == "vjp_loop":
+        x = layer_loop(block, x, stacked, self.cfg.scan_unroll)
+      else:
+        x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, stacked,
+                            unroll=self.cfg.scan_unroll)
     else:
       def run_block(block, x):
         return block(x, cos, sin)
@@ -265,6 +276,76 @@ class Llama(nnx.Module):
     h = self.hidden_states(tokens)
     logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
     return logits.astype(jnp.float32)
+
+
+def layer_loop(fn, x, stacked, unroll: int = 1):
+  """x -> fn(... fn(fn(x, p[0]), p[1]) ..., p[L-1]) over the leading axis of `stacked`, with a VJP
+  of its own: the forward loop keeps each layer's `jax.vjp` residuals in (L, ...) buffers made
+  with `lax.empty` (uninitialized on GPU, where JAX's scan zero-fills its stacks), leaving out
+  residuals that are the layer's own parameter slices (the backward re-slices them), that are
+  constants, or that repeat an array already kept; the backward loop runs the pullbacks in
+  reverse and writes the parameter gradients into `lax.empty` buffers. Same values as
+  `lax.scan`; `fn` is a pure function (x, layer params) -> x of x's shape and dtype.
+  """
+  n = jax.tree.leaves(stacked)[0].shape[0]
+  take = lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), tree)
+  plan = {}  # filled while the forward traces, read by the backward
+
+  def layer(x, p):
+    """(y, kept residual arrays); records in `plan` where each pullback leaf comes from."""
+    y, pullback = jax.vjp(fn, x, p)
+    leaves, plan["tree"] = jax.tree.flatten(pullback)
+    p_leaves, kept, where = jax.tree.leaves(p), [], []
+    for leaf in leaves:
+      src = next((("param", k) for k, q in enumerate(p_leaves) if q is leaf), None)
+      src = src or next((("kept", k) for k, q in enumerate(kept) if q is leaf), None)
+      if src is None and not isinstance(leaf, jax.core.Tracer):
+        src = ("const", leaf)
+      if src is None:
+        src = ("kept", len(kept))
+        kept.append(leaf)
+      where.append(src)
+    plan["where"] = where
+    return y, kept
+
+  def pullback_of(kept, p):
+    leaves = [kept[k] if kind == "kept" else jax.tree.leaves(p)[k] if kind == "param" else k
+              for kind, k in plan["where"]]
+    return jax.tree.unflatten(plan["tree"], leaves)
+
+  @jax.custom_vjp
+  def run(x, stacked):
+    return jax.lax.scan(lambda c, p: (fn(c, p), None), x, stacked)[0]
+
+  def run_fwd(x, stacked):
+    _, shapes = jax.eval_shape(layer, x, take(stacked, 0))
+    bufs = [jax.lax.empty((n, *s.shape), s.dtype) for s in shapes]
+
+    def body(i, carry):
+      x, bufs = carry
+      y, kept = layer(x, take(stacked, i))
+      return y, [jax.lax.dynamic_update_index_in_dim(b, r, i, 0) for b, r in zip(bufs, kept)]
+
+    x, bufs = jax.lax.fori_loop(0, n, body, (x, bufs), unroll=unroll)
+    return x, (bufs, stacked)
+
+  def run_bwd(res, g):
+    bufs, stacked = res
+    grads = jax.tree.map(lambda a: jax.lax.empty(a.shape, a.dtype), stacked)
+
+    def body(j, carry):
+      g, grads = carry
+      i = n - 1 - j
+      p = take(stacked, i)
+      gx, gp = pullback_of([jax.lax.dynamic_index_in_dim(b, i, 0, False) for b in bufs], p)(g)
+      grads = jax.tree.map(lambda d, v: jax.lax.dynamic_update_index_in_dim(d, v.astype(d.dtype),
+                                                                            i, 0), grads, gp)
+      return gx, grads
+
+    return jax.lax.fori_loop(0, n, body, (g, grads), unroll=unroll)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(x, stacked)
 
 
 def stack_blocks(blocks: list[layers.DecoderBlock]) -> layers.DecoderBlock:
