@@ -130,3 +130,28 @@ def test_scan_options_are_checked():
     tiny(num_layers=3, scan_unroll=2)
   with pytest.raises(ValueError, match="scan_impl"):
     tiny(scan_impl="while")
+
+
+@pytest.mark.parametrize("mode", ["coat", "fp8_linear"])
+def test_weight_quantized_once_matches_per_use(mode, rng):
+  """ops.linear_options(weight_quant="once"): one quantize of W per step, the backward reusing
+  the forward's (K, N) FP8 copy; same scale, so the same values and gradients as per use."""
+  from coat_jax import memory
+
+  x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16)
+  w = jnp.asarray(0.1 * rng.standard_normal((64, 48)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((2, 16, 48)), jnp.bfloat16)
+  f = lambda x, w: ops.linear(x, w, mode=mode)
+  y0, pb0 = jax.vjp(f, x, w)
+  saved0 = memory.saved_residual_bytes(f, x, w)
+  with ops.linear_options(weight_quant="once"):
+    y1, pb1 = jax.vjp(lambda x, w: ops.linear(x, w, mode=mode), x, w)
+    saved1 = memory.saved_residual_bytes(lambda x, w: ops.linear(x, w, mode=mode), x, w)
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+  for a, b in zip(pb1(ct), pb0(ct)):
+    assert np.isfinite(np.asarray(a, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert saved1 - saved0 == w.size + 4, (saved0, saved1)  # the FP8 (K, N) copy and its scale
+  with pytest.raises(ValueError, match="weight_quant"):
+    with ops.linear_options(weight_quant="twice"):
+      pass

@@ -19,6 +19,7 @@ Every array a "coat" op keeps for its backward (FP8 data and scales, RMSNorm's r
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -48,14 +49,48 @@ def quantize_input(x: jax.Array) -> QuantizedArray:
   return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size, data_t=q.data_t)
 
 
+WEIGHT_QUANT = ("per_use", "once")
+_OPTIONS = {"weight_quant": "per_use"}
+
+
+@contextlib.contextmanager
+def linear_options(*, weight_quant: str = "per_use"):
+  """Trace-time options of the FP8 linears, for ablations (benchmarks/bench_layer.py).
+
+  weight_quant: "per_use" (default) quantizes W in the forward (as W^T, (N, K)) and again in the
+  backward ((K, N)); "once" makes both layouts in the forward's one quantize+transpose pass and
+  keeps the (K, N) copy for the backward (1 byte per weight, named FP8_RESIDUALS): one amax and
+  one quantize pass per step instead of two of each. Same values either way (one scale).
+  Read while a function is traced: trace (jit) it inside the `with`.
+  """
+  if weight_quant not in WEIGHT_QUANT:
+    raise ValueError(f"linear_options: weight_quant must be one of {WEIGHT_QUANT}, "
+                     f"got {weight_quant!r}")
+  old = dict(_OPTIONS)
+  _OPTIONS["weight_quant"] = weight_quant
+  try:
+    yield
+  finally:
+    _OPTIONS.update(old)
+
+
 def _fwd_gemm(xq, w, out_dtype):
-  """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K)."""
-  wq = kernels.quantize_per_tensor(jnp.swapaxes(w.astype(out_dtype), 0, 1), "e4m3")
+  """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K).
+
+  Returns (y, kept): kept is the FP8 (K, N) copy of w (data, scale) for the backward under
+  `linear_options(weight_quant="once")`, else None.
+  """
+  wc = w.astype(out_dtype)
+  if _OPTIONS["weight_quant"] == "once":
+    q = kernels.quantize_per_tensor(wc, "e4m3", with_transpose=True)
+    wq, kept = QuantizedArray(q.data_t, q.scale, "e4m3"), name_residuals((q.data, q.scale))
+  else:
+    wq, kept = kernels.quantize_per_tensor(jnp.swapaxes(wc, 0, 1), "e4m3"), None
   dn = (((xq.data.ndim - 1,), (1,)), ((), ()))
-  return kernels.fp8_dot_general(xq, wq, dn, out_dtype)
+  return kernels.fp8_dot_general(xq, wq, dn, out_dtype), kept
 
 
-def _bwd_gemms(x_t, x_scale, w, g):
+def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N).
 
   Both GEMMs are TN: dX = gq (M, N) . wq (K, N)^T, and dW = x^T (K, M) . (g^T (N, M))^T, whose
@@ -63,7 +98,9 @@ def _bwd_gemms(x_t, x_scale, w, g):
   """
   k, n = w.shape
   gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True)
-  wq = kernels.quantize_per_tensor(w.astype(g.dtype), "e4m3")  # (K, N): contracts N (TN).
+  # (K, N): contracts N (TN); the forward's copy when it kept one.
+  wq = (QuantizedArray(*kept, "e4m3") if kept is not None
+        else kernels.quantize_per_tensor(w.astype(g.dtype), "e4m3"))
   tn = (((1,), (1,)), ((), ()))
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
   x_tq = QuantizedArray(x_t, x_scale, "e4m3")
@@ -74,22 +111,24 @@ def _bwd_gemms(x_t, x_scale, w, g):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear_fp8(x, w, save_bf16):
-  return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)
+  return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)[0]
 
 
 def _linear_fp8_fwd(x, w, save_bf16):
   if save_bf16:  # "fp8_linear": the bf16 x is kept and re-quantized in the backward.
-    return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype), (x, None, w)
+    y, kept = _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)
+    return y, (x, None, w, kept)
   xq = quantize_input(x)
-  return _fwd_gemm(xq, w, x.dtype), (*name_residuals((xq.data_t, xq.scale)), w)
+  y, kept = _fwd_gemm(xq, w, x.dtype)
+  return y, (*name_residuals((xq.data_t, xq.scale)), w, kept)
 
 
 def _linear_fp8_bwd(save_bf16, res, g):
-  saved, x_scale, w = res  # saved: the bf16 x ("fp8_linear") or the FP8 x^T ("coat")
+  saved, x_scale, w, kept = res  # saved: the bf16 x ("fp8_linear") or the FP8 x^T ("coat")
   if save_bf16:
     xq = quantize_input(saved)
-    return _bwd_gemms(xq.data_t, xq.scale, w, g)
-  return _bwd_gemms(saved, x_scale, w, g)
+    return _bwd_gemms(xq.data_t, xq.scale, w, g, kept)
+  return _bwd_gemms(saved, x_scale, w, g, kept)
 
 
 _linear_fp8.defvjp(_linear_fp8_fwd, _linear_fp8_bwd)
@@ -97,16 +136,17 @@ _linear_fp8.defvjp(_linear_fp8_fwd, _linear_fp8_bwd)
 
 @jax.custom_vjp
 def _linear_coat_q(x, w, x_q):
-  return _fwd_gemm(x_q, w, x.dtype)
+  return _fwd_gemm(x_q, w, x.dtype)[0]
 
 
 def _linear_coat_q_fwd(x, w, x_q):
-  return _fwd_gemm(x_q, w, x.dtype), (*name_residuals((x_q.data_t, x_q.scale)), w)
+  y, kept = _fwd_gemm(x_q, w, x.dtype)
+  return y, (*name_residuals((x_q.data_t, x_q.scale)), w, kept)
 
 
 def _linear_coat_q_bwd(res, g):
-  x_t, x_scale, w = res
-  dx, dw = _bwd_gemms(x_t, x_scale, w, g)
+  x_t, x_scale, w, kept = res
+  dx, dw = _bwd_gemms(x_t, x_scale, w, g, kept)
   # x_q carries no gradient (it flows through x); its zero cotangent is built from shapes so
   # that nothing but x^T is kept.
   zero_q = QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
@@ -119,16 +159,18 @@ _linear_coat_q.defvjp(_linear_coat_q_fwd, _linear_coat_q_bwd)
 
 @jax.custom_vjp
 def _linears_coat_q(x, ws, x_q):
-  return tuple(_fwd_gemm(x_q, w, x.dtype) for w in ws)
+  return tuple(_fwd_gemm(x_q, w, x.dtype)[0] for w in ws)
 
 
 def _linears_coat_q_fwd(x, ws, x_q):
-  return _linears_coat_q(x, ws, x_q), (*name_residuals((x_q.data_t, x_q.scale)), ws)
+  outs = [_fwd_gemm(x_q, w, x.dtype) for w in ws]
+  return (tuple(y for y, _ in outs),
+          (*name_residuals((x_q.data_t, x_q.scale)), ws, tuple(k for _, k in outs)))
 
 
 def _linears_coat_q_bwd(res, gs):
-  x_t, x_scale, ws = res
-  grads = [_bwd_gemms(x_t, x_scale, w, g) for w, g in zip(ws, gs)]
+  x_t, x_scale, ws, kepts = res
+  grads = [_bwd_gemms(x_t, x_scale, w, g, k) for w, g, k in zip(ws, gs, kepts)]
   dx = functools.reduce(jnp.add, [dx for dx, _ in grads])
   zero_q = QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
                           data_t=jnp.zeros_like(x_t))
