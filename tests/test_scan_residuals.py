@@ -132,26 +132,39 @@ def test_scan_options_are_checked():
     tiny(scan_impl="while")
 
 
-@pytest.mark.parametrize("mode", ["coat", "fp8_linear"])
-def test_weight_quantized_once_matches_per_use(mode, rng):
-  """ops.linear_options(weight_quant="once"): one quantize of W per step, the backward reusing
-  the forward's (K, N) FP8 copy; same scale, so the same values and gradients as per use."""
+@pytest.mark.parametrize("mode,options,extra", [
+    ("coat", dict(weight_quant="once"), 64 * 48 + 4), ("fp8_linear", dict(weight_quant="once"),
+                                                     64 * 48 + 4),
+    ("coat", dict(amax="fused"), 0), ("coat", dict(weight_quant="once", amax="fused"), 64 * 48 + 4)])
+def test_linear_options_keep_values(mode, options, extra, rng):
+  """ops.linear_options: W quantized once per step (the backward reusing the forward's (K, N) FP8
+  copy, `extra` bytes kept) and/or the activation amax from an XLA reduction: same scales, so the
+  same values and gradients as the default, through RMSNorm -> linear as in the model."""
   from coat_jax import memory
 
   x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16)
+  s = jnp.asarray(1 + 0.1 * rng.standard_normal(64), jnp.float32)
   w = jnp.asarray(0.1 * rng.standard_normal((64, 48)), jnp.float32)
   ct = jnp.asarray(rng.standard_normal((2, 16, 48)), jnp.bfloat16)
-  f = lambda x, w: ops.linear(x, w, mode=mode)
-  y0, pb0 = jax.vjp(f, x, w)
-  saved0 = memory.saved_residual_bytes(f, x, w)
-  with ops.linear_options(weight_quant="once"):
-    y1, pb1 = jax.vjp(lambda x, w: ops.linear(x, w, mode=mode), x, w)
-    saved1 = memory.saved_residual_bytes(lambda x, w: ops.linear(x, w, mode=mode), x, w)
+
+  def f(x, s, w):
+    y, y_q = ops.rmsnorm(x, s, mode=mode)
+    return ops.linear(y, w, mode=mode, x_q=y_q)
+
+  def run():  # traced afresh: the options are read while tracing
+    g = lambda x, s, w: f(x, s, w)
+    y, pb = jax.vjp(g, x, s, w)
+    return y, pb(ct), memory.saved_residual_bytes(g, x, s, w)
+
+  y0, grads0, saved0 = run()
+  with ops.linear_options(**options):
+    y1, grads1, saved1 = run()
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
-  for a, b in zip(pb1(ct), pb0(ct)):
+  for a, b in zip(grads1, grads0):
     assert np.isfinite(np.asarray(a, np.float32)).all()
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  assert saved1 - saved0 == w.size + 4, (saved0, saved1)  # the FP8 (K, N) copy and its scale
-  with pytest.raises(ValueError, match="weight_quant"):
-    with ops.linear_options(weight_quant="twice"):
-      pass
+  assert saved1 - saved0 == extra, (saved0, saved1)
+  for bad in (dict(weight_quant="twice"), dict(amax="tiles")):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      with ops.linear_options(**bad):
+        pass

@@ -45,29 +45,42 @@ def quantize_input(x: jax.Array) -> QuantizedArray:
   in the same pass: the dW GEMM's operand, and the copy the backward keeps.
   """
   k = x.shape[-1]
-  q = kernels.quantize_per_tensor(x.reshape(-1, k), "e4m3", with_transpose=True)
+  q = kernels.quantize_per_tensor(x.reshape(-1, k), "e4m3", with_transpose=True, amax=_amax(x))
   return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size, data_t=q.data_t)
 
 
 WEIGHT_QUANT = ("per_use", "once")
-_OPTIONS = {"weight_quant": "per_use"}
+AMAX = ("kernel", "fused")
+_OPTIONS = {"weight_quant": "per_use", "amax": "kernel"}
+
+
+def _amax(x):
+  """max|x| for a per-tensor activation quantize: None (the quantize's own stage-1 pass) or, under
+  `linear_options(amax="fused")`, an XLA reduction that XLA can fuse into x's producer."""
+  return jnp.max(jnp.abs(x)) if _OPTIONS["amax"] == "fused" else None
 
 
 @contextlib.contextmanager
-def linear_options(*, weight_quant: str = "per_use"):
+def linear_options(*, weight_quant: str = "per_use", amax: str = "kernel"):
   """Trace-time options of the FP8 linears, for ablations (benchmarks/bench_layer.py).
 
   weight_quant: "per_use" (default) quantizes W in the forward (as W^T, (N, K)) and again in the
   backward ((K, N)); "once" makes both layouts in the forward's one quantize+transpose pass and
   keeps the (K, N) copy for the backward (1 byte per weight, named FP8_RESIDUALS): one amax and
   one quantize pass per step instead of two of each. Same values either way (one scale).
+  amax: "kernel" (default) lets each per-tensor quantize of an activation or gradient (x, and dY
+  in the backward) find its amax in its own stage-1 pass over the tensor; "fused" computes it as
+  an XLA reduction handed to the quantize, which XLA can fuse into the op producing the tensor
+  (RMSNorm, SwiGLU, their backward) instead of a separate read. Same values either way.
   Read while a function is traced: trace (jit) it inside the `with`.
   """
   if weight_quant not in WEIGHT_QUANT:
     raise ValueError(f"linear_options: weight_quant must be one of {WEIGHT_QUANT}, "
                      f"got {weight_quant!r}")
+  if amax not in AMAX:
+    raise ValueError(f"linear_options: amax must be one of {AMAX}, got {amax!r}")
   old = dict(_OPTIONS)
-  _OPTIONS["weight_quant"] = weight_quant
+  _OPTIONS.update(weight_quant=weight_quant, amax=amax)
   try:
     yield
   finally:
@@ -97,7 +110,7 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
   """
   k, n = w.shape
-  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True)
+  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g))
   # (K, N): contracts N (TN); the forward's copy when it kept one.
   wq = (QuantizedArray(*kept, "e4m3") if kept is not None
         else kernels.quantize_per_tensor(w.astype(g.dtype), "e4m3"))
