@@ -47,7 +47,7 @@ class ModelConfig:
   "fp8_residuals") or a bool. `scan_layers` (default on) runs the decoder blocks as one scanned
   layer, compiled once; off: a Python loop over the layers (compile time grows with depth).
   `scan_unroll` runs that many layers per scan iteration (must divide num_layers); `scan_impl`
-  "lax" | "vjp_loop" is how the scan is differentiated (`coat_jax.models.llama.layer_loop`).
+  "lax" | "vjp_loop" is how the scan is differentiated (`coat_jax.models.layer_loop`).
   """
   preset: str = "tiny"
   vocab_size: int | None = None
