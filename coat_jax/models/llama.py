@@ -19,9 +19,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from coat_jax import ops
+from coat_jax.models.layer_loop import layer_loop
 from coat_jax.nn import layers
 from coat_jax.precision import DTYPES, check_precision, resolve_dtype
 
+SCAN_IMPLS = ("lax", "vjp_loop")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -41,7 +43,12 @@ class LlamaConfig:
   `dtype="auto"` resolves to bfloat16 on accelerators and float32 on CPU.
   `rope_scaling` is None or a Llama 3 dict with keys `ops.LLAMA3_ROPE_KEYS`. `remat` names a
   jax.checkpoint policy applied per decoder block (REMAT_POLICIES; True/False mean "full"/"none").
-  `scan_layers` runs the blocks as one scanned, stacked block (see the module docstring).
+  `scan_layers` runs the blocks as one scanned, stacked block (see the module docstring);
+  `scan_unroll` layers run per iteration of the scan's loop (`jax.lax.scan(unroll=...)`; 1: one
+  layer per iteration, the fastest compile; must divide num_layers). `scan_impl` (SCAN_IMPLS) is
+  how the scanned blocks are differentiated: "lax" lets JAX transpose the `lax.scan` (its stacked
+  residual buffers are zero-filled before the loop); "vjp_loop" is `layer_loop`, whose buffers
+  start uninitialized and stack neither parameters nor one array twice.
   `attention_residuals` ("bf16" | "fp8", ops.ATTENTION_RESIDUALS) is what each attention keeps of
   q, k, v for its backward, in any precision mode: "fp8" keeps per-1x16-group E4M3 copies
   (1.25 instead of 2 bytes a value) and recomputes the attention from them in the backward.
@@ -66,6 +73,8 @@ class LlamaConfig:
   attention_residuals: str = "bf16"
   init_std: float = 0.02
   scan_layers: bool = True
+  scan_unroll: int = 1
+  scan_impl: str = "lax"
 
   def __post_init__(self):
     if self.num_kv_heads is None:
@@ -101,6 +110,12 @@ class LlamaConfig:
     ops.check_attention_residuals(self.attention_residuals, "LlamaConfig.attention_residuals")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"LlamaConfig.scan_layers must be a bool, got {self.scan_layers!r}")
+    if self.scan_impl not in SCAN_IMPLS:
+      raise ValueError(f"LlamaConfig.scan_impl must be one of {SCAN_IMPLS}, got {self.scan_impl!r}")
+    if (not isinstance(self.scan_unroll, int) or isinstance(self.scan_unroll, bool)
+        or self.scan_unroll < 1 or self.num_layers % self.scan_unroll):
+      raise ValueError(f"LlamaConfig.scan_unroll must be a positive int dividing num_layers="
+                       f"{self.num_layers}, got {self.scan_unroll!r}")
     if not (self.rope_theta > 0):
       raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta!r}")
     if not (0 < self.rms_eps < 1):
@@ -236,12 +251,16 @@ class Llama(nnx.Module):
     if self.cfg.scan_layers:
       graphdef, stacked = nnx.split(self.layers)
 
-      def body(x, layer_params):
-        return nnx.merge(graphdef, layer_params)(x, cos, sin), None
+      def block(x, layer_params):
+        return nnx.merge(graphdef, layer_params)(x, cos, sin)
 
       if self.cfg.remat != "none":
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-      x, _ = jax.lax.scan(body, x, stacked)
+        block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+      if self.cfg.scan_impl == "vjp_loop":
+        x = layer_loop(block, x, stacked, self.cfg.scan_unroll)
+      else:
+        x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, stacked,
+                            unroll=self.cfg.scan_unroll)
     else:
       def run_block(block, x):
         return block(x, cos, sin)

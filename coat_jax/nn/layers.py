@@ -37,8 +37,20 @@ class Linear(nnx.Module):
     """x: (..., in) -> (..., out) in `dtype`; x_q: optional per-tensor FP8 copy of x ("coat")."""
     if x.shape[-1] != self.in_features:
       raise ValueError(f"Linear: input last axis {x.shape[-1]} != in_features {self.in_features}")
-    w = self.kernel[...].astype(self.dtype)
-    return ops.linear(x.astype(self.dtype), w, mode=self.mode, x_q=x_q)
+    # The parameter goes in as it is stored: the op casts it where it is used and keeps the
+    # parameter, not a cast copy, for its backward (ops/linear.py).
+    return ops.linear(x.astype(self.dtype), self.kernel[...], mode=self.mode, x_q=x_q)
+
+
+def _linears(x: jax.Array, x_q, projs) -> tuple[jax.Array, ...]:
+  """The outputs of `Linear`s of one mode sharing the input x (and its FP8 copy x_q):
+  `ops.linears`, which keeps x_q once for all of them."""
+  first = projs[0]
+  for p in projs:
+    if x.shape[-1] != p.in_features:
+      raise ValueError(f"Linear: input last axis {x.shape[-1]} != in_features {p.in_features}")
+  return ops.linears(x.astype(first.dtype), [p.kernel[...] for p in projs], mode=first.mode,
+                     x_q=x_q)
 
 
 class RMSNorm(nnx.Module):
@@ -110,9 +122,10 @@ class Attention(nnx.Module):
                positions: jax.Array | None = None) -> jax.Array:
     """x: (B, S, D) normalized input, x_q its FP8 copy or None; cos/sin: (max_len, Dh // 2)."""
     b, s, _ = x.shape
-    q = self.q_proj(x, x_q=x_q).reshape(b, s, self.num_heads, self.head_dim)
-    k = self.k_proj(x, x_q=x_q).reshape(b, s, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x, x_q=x_q).reshape(b, s, self.num_kv_heads, self.head_dim)
+    q, k, v = _linears(x, x_q, (self.q_proj, self.k_proj, self.v_proj))
+    q = q.reshape(b, s, self.num_heads, self.head_dim)
+    k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+    v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
     q = ops.apply_rope(q, cos, sin, positions)
     k = ops.apply_rope(k, cos, sin, positions)
     o = ops.attention(q, k, v, causal=True, implementation=self.attention_impl,
@@ -133,7 +146,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array, x_q=None) -> jax.Array:
     """x: (B, S, D) normalized input, x_q its FP8 copy or None -> (B, S, D)."""
-    h, h_q = ops.swiglu(self.gate_proj(x, x_q=x_q), self.up_proj(x, x_q=x_q), mode=self.mode)
+    h, h_q = ops.swiglu(*_linears(x, x_q, (self.gate_proj, self.up_proj)), mode=self.mode)
     return self.down_proj(h, x_q=h_q)
 
 

@@ -1,6 +1,7 @@
 """Precision-mode ops ("bf16", "fp8_linear", "coat") used by the models."""
 from coat_jax.ops.attention import ATTENTION_RESIDUALS, attention, check_attention_residuals
-from coat_jax.ops.linear import FP8_RESIDUALS, linear, quantize_input
+from coat_jax.ops.linear import (AMAX, FP8_RESIDUALS, WEIGHT_QUANT, linear, linear_options, linears,
+                                 quantize_input)
 from coat_jax.ops.norm import rmsnorm
 from coat_jax.ops.residual import residual_add
 from coat_jax.ops.rope import LLAMA3_ROPE_KEYS, apply_rope, rope_frequencies

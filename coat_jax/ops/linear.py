@@ -6,12 +6,20 @@ dX = dY . W^T and dW = X^T . dY as FP8 GEMMs. W is re-quantized in the backward 
 (no FP8 copy of W is saved). "coat" saves only the FP8 x (data + scale) and w; "fp8_linear" saves
 the bf16 x and w.
 
+w is kept as the parameter itself (its dtype, e.g. float32 master weights), not as its cast to the
+compute dtype: the cast is redone where it is used (XLA merges the two casts in an unrolled graph).
+Inside the scan over layers the parameter is a slice of the scanned input, which JAX forwards to
+the backward loop; a cast would be a new per-layer residual, stacked (zero-filled, written and
+copied back) for every layer. `linears` runs several linears of one input (Q/K/V, gate/up) and
+keeps that input's FP8 copy once, not once per linear.
+
 Every array a "coat" op keeps for its backward (FP8 data and scales, RMSNorm's rstd) is named
 `FP8_RESIDUALS` with `jax.ad_checkpoint.checkpoint_name`, so that a remat policy
 `save_only_these_names(FP8_RESIDUALS)` keeps exactly those and recomputes the rest.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -37,26 +45,75 @@ def quantize_input(x: jax.Array) -> QuantizedArray:
   in the same pass: the dW GEMM's operand, and the copy the backward keeps.
   """
   k = x.shape[-1]
-  q = kernels.quantize_per_tensor(x.reshape(-1, k), "e4m3", with_transpose=True)
+  q = kernels.quantize_per_tensor(x.reshape(-1, k), "e4m3", with_transpose=True, amax=_amax(x))
   return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size, data_t=q.data_t)
 
 
+WEIGHT_QUANT = ("per_use", "once")
+AMAX = ("kernel", "fused")
+_OPTIONS = {"weight_quant": "per_use", "amax": "kernel"}
+
+
+def _amax(x):
+  """max|x| for a per-tensor activation quantize: None (the quantize's own stage-1 pass) or, under
+  `linear_options(amax="fused")`, an XLA reduction that XLA can fuse into x's producer."""
+  return jnp.max(jnp.abs(x)) if _OPTIONS["amax"] == "fused" else None
+
+
+@contextlib.contextmanager
+def linear_options(*, weight_quant: str = "per_use", amax: str = "kernel"):
+  """Trace-time options of the FP8 linears, for ablations (benchmarks/bench_layer.py).
+
+  weight_quant: "per_use" (default) quantizes W in the forward (as W^T, (N, K)) and again in the
+  backward ((K, N)); "once" makes both layouts in the forward's one quantize+transpose pass and
+  keeps the (K, N) copy for the backward (1 byte per weight, named FP8_RESIDUALS): one amax and
+  one quantize pass per step instead of two of each. Same values either way (one scale).
+  amax: "kernel" (default) lets each per-tensor quantize of an activation or gradient (x, and dY
+  in the backward) find its amax in its own stage-1 pass over the tensor; "fused" computes it as
+  an XLA reduction handed to the quantize, which XLA can fuse into the op producing the tensor
+  (RMSNorm, SwiGLU, their backward) instead of a separate read. Same values either way.
+  Read while a function is traced: trace (jit) it inside the `with`.
+  """
+  if weight_quant not in WEIGHT_QUANT:
+    raise ValueError(f"linear_options: weight_quant must be one of {WEIGHT_QUANT}, "
+                     f"got {weight_quant!r}")
+  if amax not in AMAX:
+    raise ValueError(f"linear_options: amax must be one of {AMAX}, got {amax!r}")
+  old = dict(_OPTIONS)
+  _OPTIONS.update(weight_quant=weight_quant, amax=amax)
+  try:
+    yield
+  finally:
+    _OPTIONS.update(old)
+
+
 def _fwd_gemm(xq, w, out_dtype):
-  """(..., K) FP8 x times w (K, N) in the TN layout: w quantized as (N, K)."""
-  wq = kernels.quantize_per_tensor(jnp.swapaxes(w, 0, 1), "e4m3")
+  """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K).
+
+  Returns (y, kept): kept is the FP8 (K, N) copy of w (data, scale) for the backward under
+  `linear_options(weight_quant="once")`, else None.
+  """
+  wc = w.astype(out_dtype)
+  if _OPTIONS["weight_quant"] == "once":
+    q = kernels.quantize_per_tensor(wc, "e4m3", with_transpose=True)
+    wq, kept = QuantizedArray(q.data_t, q.scale, "e4m3"), name_residuals((q.data, q.scale))
+  else:
+    wq, kept = kernels.quantize_per_tensor(jnp.swapaxes(wc, 0, 1), "e4m3"), None
   dn = (((xq.data.ndim - 1,), (1,)), ((), ()))
-  return kernels.fp8_dot_general(xq, wq, dn, out_dtype)
+  return kernels.fp8_dot_general(xq, wq, dn, out_dtype), kept
 
 
-def _bwd_gemms(x_t, x_scale, w, g):
-  """dX (..., K) and dW (K, N) from the saved FP8 x^T (K, M), param w and cotangent g (..., N).
+def _bwd_gemms(x_t, x_scale, w, g, kept=None):
+  """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N).
 
   Both GEMMs are TN: dX = gq (M, N) . wq (K, N)^T, and dW = x^T (K, M) . (g^T (N, M))^T, whose
   M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
   """
   k, n = w.shape
-  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True)
-  wq = kernels.quantize_per_tensor(w, "e4m3")  # (K, N): contracts N, its last axis (TN).
+  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g))
+  # (K, N): contracts N (TN); the forward's copy when it kept one.
+  wq = (QuantizedArray(*kept, "e4m3") if kept is not None
+        else kernels.quantize_per_tensor(w.astype(g.dtype), "e4m3"))
   tn = (((1,), (1,)), ((), ()))
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
   x_tq = QuantizedArray(x_t, x_scale, "e4m3")
@@ -67,22 +124,24 @@ def _bwd_gemms(x_t, x_scale, w, g):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear_fp8(x, w, save_bf16):
-  return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)
+  return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)[0]
 
 
 def _linear_fp8_fwd(x, w, save_bf16):
   if save_bf16:  # "fp8_linear": the bf16 x is kept and re-quantized in the backward.
-    return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype), (x, None, w)
+    y, kept = _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)
+    return y, (x, None, w, kept)
   xq = quantize_input(x)
-  return _fwd_gemm(xq, w, x.dtype), (*name_residuals((xq.data_t, xq.scale)), w)
+  y, kept = _fwd_gemm(xq, w, x.dtype)
+  return y, (*name_residuals((xq.data_t, xq.scale)), w, kept)
 
 
 def _linear_fp8_bwd(save_bf16, res, g):
-  saved, x_scale, w = res  # saved: the bf16 x ("fp8_linear") or the FP8 x^T ("coat")
+  saved, x_scale, w, kept = res  # saved: the bf16 x ("fp8_linear") or the FP8 x^T ("coat")
   if save_bf16:
     xq = quantize_input(saved)
-    return _bwd_gemms(xq.data_t, xq.scale, w, g)
-  return _bwd_gemms(saved, x_scale, w, g)
+    return _bwd_gemms(xq.data_t, xq.scale, w, g, kept)
+  return _bwd_gemms(saved, x_scale, w, g, kept)
 
 
 _linear_fp8.defvjp(_linear_fp8_fwd, _linear_fp8_bwd)
@@ -90,16 +149,17 @@ _linear_fp8.defvjp(_linear_fp8_fwd, _linear_fp8_bwd)
 
 @jax.custom_vjp
 def _linear_coat_q(x, w, x_q):
-  return _fwd_gemm(x_q, w, x.dtype)
+  return _fwd_gemm(x_q, w, x.dtype)[0]
 
 
 def _linear_coat_q_fwd(x, w, x_q):
-  return _fwd_gemm(x_q, w, x.dtype), (*name_residuals((x_q.data_t, x_q.scale)), w)
+  y, kept = _fwd_gemm(x_q, w, x.dtype)
+  return y, (*name_residuals((x_q.data_t, x_q.scale)), w, kept)
 
 
 def _linear_coat_q_bwd(res, g):
-  x_t, x_scale, w = res
-  dx, dw = _bwd_gemms(x_t, x_scale, w, g)
+  x_t, x_scale, w, kept = res
+  dx, dw = _bwd_gemms(x_t, x_scale, w, g, kept)
   # x_q carries no gradient (it flows through x); its zero cotangent is built from shapes so
   # that nothing but x^T is kept.
   zero_q = QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
@@ -110,12 +170,72 @@ def _linear_coat_q_bwd(res, g):
 _linear_coat_q.defvjp(_linear_coat_q_fwd, _linear_coat_q_bwd)
 
 
+@jax.custom_vjp
+def _linears_coat_q(x, ws, x_q):
+  return tuple(_fwd_gemm(x_q, w, x.dtype)[0] for w in ws)
+
+
+def _linears_coat_q_fwd(x, ws, x_q):
+  outs = [_fwd_gemm(x_q, w, x.dtype) for w in ws]
+  return (tuple(y for y, _ in outs),
+          (*name_residuals((x_q.data_t, x_q.scale)), ws, tuple(k for _, k in outs)))
+
+
+def _linears_coat_q_bwd(res, gs):
+  x_t, x_scale, ws, kepts = res
+  grads = [_bwd_gemms(x_t, x_scale, w, g, k) for w, g, k in zip(ws, gs, kepts)]
+  dx = functools.reduce(jnp.add, [dx for dx, _ in grads])
+  zero_q = QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
+                          data_t=jnp.zeros_like(x_t))
+  return dx, tuple(dw for _, dw in grads), zero_q
+
+
+_linears_coat_q.defvjp(_linears_coat_q_fwd, _linears_coat_q_bwd)
+
+
+def _check_w(x, w):
+  if w.ndim != 2 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"linear: x shape {x.shape} does not match w shape {w.shape} "
+                     "(need x[..., K] and w[K, N])")
+
+
+def _check_x_q(x, x_q):
+  if x_q.shape != x.shape or not x_q.per_tensor or x_q.data_t is None:
+    raise ValueError(f"linear: x_q must be `quantize_input(x)` (per-tensor, with data_t) for x "
+                     f"of shape {x.shape}, got shape {x_q.shape}")
+
+
+def _matmul_cast(x, w):
+  return jnp.matmul(x, w.astype(x.dtype))
+
+
+# bf16: the backward keeps x and the parameter w (not its cast; module docstring) and recasts w.
+_matmul_keep_param = jax.checkpoint(_matmul_cast, prevent_cse=False)
+
+
+def linears(x: jax.Array, ws, *, mode: str, x_q=None) -> tuple[jax.Array, ...]:
+  """(x @ w for w in ws): several linears of one input, e.g. Q/K/V or gate/up.
+
+  Equal to `tuple(linear(x, w, mode=mode, x_q=x_q) for w in ws)`; in "coat" with x_q the FP8 x^T
+  is kept once for all of them (with separate linears each keeps its own reference to it, and
+  the scan over layers stacks each one separately).
+  """
+  check_precision(mode, "linears: mode")
+  ws = tuple(ws)
+  for w in ws:
+    _check_w(x, w)
+  if mode == "coat" and x_q is not None and len(ws) > 1:
+    _check_x_q(x, x_q)
+    return _linears_coat_q(x, ws, x_q)
+  return tuple(linear(x, w, mode=mode, x_q=x_q) for w in ws)
+
+
 def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None) -> jax.Array:
   """y = x @ w.
 
   Args:
     x: (..., K) bf16 or float32.
-    w: (K, N) parameter (in, out); computed in x.dtype.
+    w: (K, N) parameter (in, out), any float dtype; computed in x.dtype, its gradient in w.dtype.
     mode: "bf16" | "fp8_linear" | "coat".
     x_q: optional per-tensor E4M3 QuantizedArray of x made upstream (fp8 modes use it instead
       of re-quantizing x; its cotangent is zero, the gradient flows through x).
@@ -123,16 +243,11 @@ def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None) -> jax.Array:
     (..., N) in x.dtype.
   """
   check_precision(mode, "linear: mode")
-  if w.ndim != 2 or x.shape[-1] != w.shape[0]:
-    raise ValueError(f"linear: x shape {x.shape} does not match w shape {w.shape} "
-                     "(need x[..., K] and w[K, N])")
-  w = w.astype(x.dtype)
+  _check_w(x, w)
   if mode == "bf16":
-    return jnp.matmul(x, w)
+    return _matmul_keep_param(x, w) if w.dtype != x.dtype else jnp.matmul(x, w)
   if x_q is not None:
-    if x_q.shape != x.shape or not x_q.per_tensor or x_q.data_t is None:
-      raise ValueError(f"linear: x_q must be `quantize_input(x)` (per-tensor, with data_t) for x "
-                       f"of shape {x.shape}, got shape {x_q.shape}")
+    _check_x_q(x, x_q)
     if mode == "coat":
       return _linear_coat_q(x, w, x_q)
   return _linear_fp8(x, w, mode == "fp8_linear")

@@ -46,6 +46,8 @@ class ModelConfig:
   policy name (`coat_jax.models.REMAT_POLICIES`: "none", "full", "dots", "dots_saveable",
   "fp8_residuals") or a bool. `scan_layers` (default on) runs the decoder blocks as one scanned
   layer, compiled once; off: a Python loop over the layers (compile time grows with depth).
+  `scan_unroll` runs that many layers per scan iteration (must divide num_layers); `scan_impl`
+  "lax" | "vjp_loop" is how the scan is differentiated (`coat_jax.models.layer_loop`).
   """
   preset: str = "tiny"
   vocab_size: int | None = None
@@ -65,6 +67,8 @@ class ModelConfig:
   attention_impl: str | None = None
   init_std: float | None = None
   scan_layers: bool | None = None
+  scan_unroll: int | None = None
+  scan_impl: str | None = None
 
   def overrides(self) -> dict[str, Any]:
     """The fields set away from the preset, as `LlamaConfig.from_name` keyword arguments."""

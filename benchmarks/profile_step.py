@@ -1,0 +1,251 @@
+"""GPU time per kernel category of one compiled train step: scan vs loop, bf16 vs coat.
+
+Each variant (`precision:layout[+extra...]`, precision bf16 | fp8_linear with adamw, coat with
+coat_adamw; layout scan | loop; extras EXTRAS: `+dsf` XLA's dynamic-slice fusion, `+vjploop`
+the layer loop with its own VJP (`model.scan_impl=vjp_loop`), `+unroll2` two layers per scan
+iteration) runs in its own child process: it builds and compiles the train step as
+bench_e2e does (`_common.build_step`), runs --warmup steps, times --steps steps (median), then
+traces --iters steps with jax.profiler and sums device time per kernel (the GPU stream lines, as
+`_common.kernel_times`, keyed also by the `hlo_op` XLA attaches to each kernel).
+Every kernel is put in a category through the compiled HLO (XLA names a kernel after its HLO
+instruction; the instruction's op_name says forward `jvp(...)`, backward `transpose(...)` or
+neither, i.e. the optimizer and gradient norm): FP8 GEMM (the Pallas/Mosaic GPU TN kernel),
+bf16 GEMM (cuBLAS, XLA GEMM fusions), quantize (Pallas amax/quantize kernels), attention
+(cuDNN), optimizer (fused Adam kernel and the fusions outside forward and backward), copies /
+transposes, scan DUS / DS / fill (the stacked residuals and gradients of the scan over layers:
+zero fill, dynamic-update-slice writes, dynamic-slice reads), collectives, other fusions of the
+forward / backward, unmapped.
+
+GPU, olmo-1b width (batch 8 x 2048) at 4 layers: the loop's coat step takes ~12 s a layer to
+compile (16 layers: 278 s on the H100), so scan vs loop is compared per layer; ~4 min:
+  python benchmarks/profile_step.py --set model.num_layers=4 --json $OUT/profile_step_l4.json \
+      --variants bf16:scan,bf16:loop,coat:scan,coat:loop,coat:scan+vjploop,coat:scan+dsf
+The full 16-layer model without the coat loop (~3 min):
+  python benchmarks/profile_step.py --json $OUT/profile_step.json \
+      --variants bf16:scan,bf16:loop,bf16:scan+vjploop,coat:scan,coat:scan+vjploop,coat:scan+dsf
+CPU smoke (tiny shapes; no GPU kernels: the table stays empty, the HLO categories are listed):
+  JAX_PLATFORMS=cpu python benchmarks/profile_step.py --preset tiny --seq-len 32 --batch 2 \
+      --set model.num_layers=2 --variants coat:scan --iters 1 --steps 1 --warmup 1
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULT_TAG = "RESULT "
+# Variant suffixes `+NAME` (several allowed: coat:scan+dsf+unroll2): XLA flags and config overrides.
+EXTRAS = {
+    # XLA GPU's dynamic-slice fusion: cuBLAS / custom calls read and write slices of the stacked
+    # scan buffers in place instead of through a copy.
+    "dsf": {"xla_flags": "--xla_gpu_enable_dynamic_slice_fusion=true"},
+    # llama.layer_loop: residual and gradient buffers uninitialized (AllocateBuffer), no zero fill.
+    "vjploop": {"sets": ["model.scan_impl=vjp_loop"]},
+    "unroll2": {"sets": ["model.scan_unroll=2"]},
+    "unroll4": {"sets": ["model.scan_unroll=4"]},
+}
+CATEGORIES = ("FP8 GEMM", "bf16 GEMM", "quantize", "attention", "optimizer", "copy/transpose",
+              "scan DUS/DS/fill", "collectives", "fusions fwd", "fusions bwd", "unmapped")
+SCAN_CLASSES = ("DUS fusion (in place)", "dynamic-slice fusion", "dynamic-update-slice",
+                "dynamic-slice", "broadcast fusion (fill)")
+COPY_CLASSES = ("copy", "copy/transpose fusion", "transpose")
+
+
+def category(kernel: str, info) -> str:
+  """The category of a GPU kernel named `kernel`; info: its instruction's (class, op_name,
+  custom_call_target) from `_common.instruction_index`, or None if no instruction has its name."""
+  n = kernel.lower()
+  cls, op_name, target = info or ("", "", "")
+  if any(k in n for k in ("fmha", "flash", "cudnn", "sdpa")) or "cudnn" in target:
+    return "attention"
+  if cls == "collective" or "nccl" in n:
+    return "collectives"
+  if "adam" in n:
+    return "optimizer"
+  if "amax" in n or "quantiz" in n:
+    return "quantize"
+  if "matmul" in n or "wgmma" in n or "mosaic" in target:
+    return "FP8 GEMM"  # the Mosaic GPU GEMM: the one Pallas kernel not named coat_*
+  gemm = (cls in ("dot", "dot fusion") or target.startswith("__cublas")
+          or any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass")))
+  if gemm:
+    return "FP8 GEMM" if any(k in n for k in ("e4m3", "e5m2", "f8")) else "bf16 GEMM"
+  if cls in SCAN_CLASSES or "memset" in n or "dynamic_update_slice" in n:
+    return "scan DUS/DS/fill"
+  if cls in COPY_CLASSES or "memcpy" in n or n.startswith(("copy", "transpose")):
+    return "copy/transpose"
+  if not info:
+    return "unmapped"
+  if "transpose(" in op_name:
+    return "fusions bwd"
+  if "jvp(" in op_name:
+    return "fusions fwd"
+  return "optimizer"
+
+
+def kernel_events(trace_dir: str) -> collections.Counter:
+  """Microseconds per (kernel name, HLO instruction or "") over the GPU stream lines of the
+  newest trace (as `_common.kernel_times`, plus the `hlo_op` stat XLA attaches to a kernel)."""
+  import glob
+
+  import jax
+
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  out = collections.Counter()
+  if not paths:
+    return out
+  for plane in jax.profiler.ProfileData.from_file(paths[-1]).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "stream" not in line.name.lower():
+        continue
+      for ev in line.events:
+        stats = dict((str(k), v) for k, v in ev.stats)
+        out[(ev.name, str(stats.get("hlo_op", "")))] += ev.duration_ns / 1e3
+  return out
+
+
+def measure_one(a) -> dict:
+  import jax
+  import numpy as np
+
+  from _common import build_step, instruction_index
+
+  precision, layout, extras = parse_variant(a.one)
+  sets = a.sets + [s for e in extras for s in EXTRAS[e].get("sets", [])]
+  t0 = time.perf_counter()
+  compiled, _, _, built = build_step(a.preset, precision, layout, a.seq_len, a.batch, sets)
+  out = {"variant": a.one, "compile_s": time.perf_counter() - t0}
+  index = instruction_index(compiled.as_text())
+  out["hlo_categories"] = dict(collections.Counter(category(k, v) for k, v in index.items()))
+  params, opt_state, rest = built.init()
+  vocab = built.llama_cfg.vocab_size
+  tokens = jax.device_put(jax.random.randint(jax.random.key(1), (a.batch, a.seq_len + 1), 0,
+                                             vocab, dtype=np.int32), built.batch_sharding)
+  state = (params, opt_state, rest)
+  times = []
+  for i in range(a.warmup + a.steps):
+    t1 = time.perf_counter()
+    *state, metrics = compiled(*state, tokens)
+    jax.block_until_ready(metrics["loss"])
+    if i >= a.warmup:
+      times.append(time.perf_counter() - t1)
+  out["step_ms"] = 1e3 * sorted(times)[len(times) // 2]
+  out["loss"] = float(metrics["loss"])
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(a.iters):
+        *state, metrics = compiled(*state, tokens)
+        jax.block_until_ready(metrics["loss"])
+    times_us = kernel_events(tmp)
+  per_cat, kernels = collections.Counter(), []
+  for (name, hlo_op), us in times_us.items():
+    cat = category(name, index.get(hlo_op) or index.get(name))
+    per_cat[cat] += us / a.iters / 1e3
+    kernels.append((us / a.iters / 1e3, cat, f"{name} [{hlo_op}]" if hlo_op else name))
+  out["category_ms"] = dict(per_cat)
+  out["kernel_ms"] = sum(per_cat.values())
+  out["top"] = sorted(kernels, reverse=True)[:a.top]
+  return out
+
+
+def parse_variant(v: str) -> tuple[str, str, list[str]]:
+  """'coat:scan+dsf' -> ('coat', 'scan', ['dsf']); ValueError naming a bad one."""
+  head, *extras = v.split("+")
+  parts = head.split(":")
+  if (len(parts) != 2 or parts[0] not in ("bf16", "fp8_linear", "coat")
+      or parts[1] not in ("scan", "loop") or any(e not in EXTRAS for e in extras)):
+    raise ValueError(f"bad variant {v!r}: want precision:layout[+extra...], precision "
+                     f"bf16|fp8_linear|coat, layout scan|loop, extras {sorted(EXTRAS)}")
+  return parts[0], parts[1], extras
+
+
+def run_child(a, variant: str) -> dict:
+  cmd = [sys.executable, str(Path(__file__).resolve()), "--one", variant, "--preset", a.preset,
+         "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--iters", str(a.iters),
+         "--steps", str(a.steps), "--warmup", str(a.warmup), "--top", str(a.top)]
+  for item in a.sets:
+    cmd += ["--set", item]
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  flags = [EXTRAS[e]["xla_flags"] for e in parse_variant(variant)[2] if "xla_flags" in EXTRAS[e]]
+  if flags:
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
+  repo = str(Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+  print(f"[profile_step] {variant}: starting", flush=True)
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.child_timeout)
+  for line in proc.stdout.splitlines():
+    if line.startswith(RESULT_TAG):
+      return json.loads(line[len(RESULT_TAG):])
+  tail = (proc.stdout + proc.stderr)[-1500:]
+  print(f"[profile_step] {variant}: failed (rc {proc.returncode}):\n{tail}", flush=True)
+  return {"variant": variant, "error": tail}
+
+
+def print_table(results: list[dict]) -> None:
+  ok = [r for r in results if "category_ms" in r]
+  if not ok:
+    return
+  head = f"{'ms per step':20}" + "".join(f"{r['variant']:>18}" for r in ok)
+  print("\n" + head + "\n" + "-" * len(head))
+  for cat in CATEGORIES:
+    print(f"{cat:20}" + "".join(f"{r['category_ms'].get(cat, 0.0):18.2f}" for r in ok))
+  for key, label in (("kernel_ms", "kernel total"), ("step_ms", "step (wall)"),
+                     ("compile_s", "compile s")):
+    print(f"{label:20}" + "".join(f"{r[key]:18.2f}" for r in ok))
+  for r in ok:
+    print(f"\n{r['variant']}: largest kernels (ms per step, category, name)")
+    for ms, cat, name in r["top"]:
+      print(f"  {ms:8.3f}  {cat:16}  {name[:100]}")
+    print(f"  HLO instructions per category: {r['hlo_categories']}")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", default="olmo-1b")
+  p.add_argument("--seq-len", type=int, default=2048)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--variants", default="bf16:scan,bf16:loop,coat:scan,coat:loop")
+  p.add_argument("--iters", type=int, default=3, help="traced steps")
+  p.add_argument("--steps", type=int, default=5, help="timed steps (median) before the trace")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--top", type=int, default=12, help="largest kernels listed per variant")
+  p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                 help="config override for every variant, e.g. model.scan_unroll=2")
+  p.add_argument("--child-timeout", type=float, default=240)
+  p.add_argument("--json", default=None)
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+  for v in ([a.one] if a.one else a.variants.split(",")):
+    try:
+      parse_variant(v)
+    except ValueError as e:
+      p.error(str(e))
+  if a.one:
+    print(RESULT_TAG + json.dumps(measure_one(a)), flush=True)
+    return None
+  results = []
+  for v in a.variants.split(","):
+    try:
+      results.append(run_child(a, v))
+    except subprocess.TimeoutExpired:
+      results.append({"variant": v, "error": f"timeout after {a.child_timeout} s"})
+      print(f"[profile_step] {v}: timeout", flush=True)
+  print_table(results)
+  if a.json:
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(results, indent=1))
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,56 @@
+"""benchmarks/_common.py's HLO helpers (ops and bytes per step through while loops, kernel ->
+instruction index) and profile_step.py's kernel categories, on a small scan compiled on CPU."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as scripts: they import _common
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+common, profile_step = _load("_common"), _load("profile_step")
+
+
+def test_step_stats_counts_loop_bodies_per_trip_and_dus_update_bytes():
+  def f(w, x):  # 5 layers: the forward scan stacks tanh(h) (5, 8, 64) f32 for the backward
+    def body(h, wi):
+      return jnp.tanh(h @ wi), None
+    return jnp.sum(jax.lax.scan(body, x, w)[0])
+
+  w, x = jnp.ones((5, 64, 64)) * 0.01, jnp.ones((8, 64))
+  text = jax.jit(jax.grad(f)).lower(w, x).compile().as_text()
+  stats = common.step_stats(text)
+  assert stats["while loops"][0] == 2  # forward and backward loop
+  ops, nbytes = stats["DUS fusion (in place)"]
+  # Each trip writes one (8, 64) f32 slice per stacked array (not the whole (5, 8, 64) buffer).
+  assert ops % 5 == 0 and nbytes % (5 * 8 * 64 * 4) == 0 and 0 < nbytes < ops * 5 * 8 * 64 * 4
+  index = common.instruction_index(text)
+  assert index and all(len(v) == 3 for v in index.values())
+  res = common.scan_residuals(jax.grad(f), w, x)
+  assert res[0][0] == 5 and any(s == (5, 8, 64) for s, _ in res[0][2])
+
+
+def test_kernel_categories():
+  cat = profile_step.category
+  assert cat("sm90_xmma_gemm_bf16bf16_bf16f32", None) == "bf16 GEMM"
+  assert cat("nvjet_e4m3_tst", None) == "FP8 GEMM"
+  assert cat("coat_quantize_per_tensor", None) == "quantize"
+  assert cat("coat_tile_amax", None) == "quantize"
+  assert cat("coat_adam_step", None) == "optimizer"
+  assert cat("cudnn_generated_fort_native_sdpa", None) == "attention"
+  assert cat("body", ("other", "", "mosaic_gpu_v2")) == "FP8 GEMM"
+  assert cat("loop_fusion_3", ("DUS fusion (in place)", "jit(f)/jvp()/while", "")) == "scan DUS/DS/fill"
+  assert cat("x", ("other fusion", "jit(f)/transpose(jvp())/while/body/mul", "")) == "fusions bwd"
+  assert cat("x", ("other fusion", "jit(f)/jvp()/while/body/mul", "")) == "fusions fwd"
+  assert cat("x", ("other fusion", "jit(f)/sqrt", "")) == "optimizer"
+  assert cat("x", None) == "unmapped"

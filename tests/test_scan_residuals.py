@@ -1,0 +1,170 @@
+"""What the scan over layers stacks for the backward, and `ops.linears` against separate linears.
+
+Every residual the scanned block keeps is stacked per layer (zero-filled before the loop, written
+with a dynamic-update-slice, read back in the backward loop): a cast copy of a weight or a second
+reference to one FP8 input must not be among them (docs/benchmarks.md, CPU HLO analysis)."""
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coat_jax import ops
+from coat_jax.models import Llama
+from coat_jax.models.llama import layer_loop
+from coat_jax.precision import PRECISIONS
+from tests.test_llama import loss_fn, tiny, tokens_for
+
+
+def stacked_residuals(cfg, tokens):
+  """[(shape, dtype)] of the forward scan's stacked outputs in value_and_grad of the loss."""
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(
+      lambda s: loss_fn(nnx.merge(graphdef, s), tokens)))(state).jaxpr
+  found = []
+
+  def visit(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "scan":
+        n_carry = len(list(eqn.params["ft_out"].unpack()[0].vals))
+        found.append([(tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars[n_carry:]])
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(sub)
+
+  visit(jaxpr)
+  return found[0], model  # the first scan is the forward (the second one writes the gradients)
+
+
+@pytest.mark.parametrize("mode", PRECISIONS)
+def test_scan_stacks_no_weight_copies(mode, rng):
+  cfg = tiny(precision=mode, dtype="bfloat16", num_layers=2)
+  tokens = tokens_for(rng, cfg, seq=16)
+  stacked, model = stacked_residuals(cfg, tokens)
+  kernels = {tuple(x.shape) for x in jax.tree.leaves(nnx.state(model.layers, nnx.Param))
+             if x.ndim == 3}
+  assert kernels and not kernels & {s for s, _ in stacked}, (kernels, stacked)
+  if mode == "coat":  # the per-tensor FP8 x^T of the linears' inputs: attention's, o_proj's,
+    # the MLP's and down_proj's, each once (Q/K/V and gate/up share theirs).
+    fp8_t = [s for s, d in stacked if d == jnp.float8_e4m3fn and s[1] != tokens.shape[0]]
+    assert len(fp8_t) == 4, stacked
+
+
+@pytest.mark.parametrize("with_x_q", [True, False])
+def test_linears_match_separate_linears(with_x_q, rng):
+  x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16)
+  ws = tuple(jnp.asarray(0.1 * rng.standard_normal((64, n)), jnp.float32) for n in (32, 48, 32))
+  cts = tuple(jnp.asarray(rng.standard_normal((2, 16, n)), jnp.bfloat16) for n in (32, 48, 32))
+
+  def joint(x, ws):
+    return ops.linears(x, ws, mode="coat", x_q=ops.quantize_input(x) if with_x_q else None)
+
+  def separate(x, ws):
+    x_q = ops.quantize_input(x) if with_x_q else None
+    return tuple(ops.linear(x, w, mode="coat", x_q=x_q) for w in ws)
+
+  (y0, pb0), (y1, pb1) = jax.vjp(joint, x, ws), jax.vjp(separate, x, ws)
+  for a, b in zip(y0, y1):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  (dx0, dw0), (dx1, dw1) = pb0(cts), pb1(cts)
+  assert all(d.dtype == jnp.float32 for d in dw0)  # gradients in the parameters' dtype
+  assert np.isfinite(np.asarray(dx0, np.float32)).all()
+  # dX sums three bf16 products: the same sum, in an order XLA may pick differently.
+  np.testing.assert_allclose(np.asarray(dx0, np.float32), np.asarray(dx1, np.float32),
+                             rtol=0.02, atol=0.02)
+  for a, b in zip(dw0, dw1):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="does not match w shape"):
+    ops.linears(x, (ws[0], ws[0].T), mode="coat")
+
+
+@pytest.mark.parametrize("remat,unroll", [(False, 1), (True, 2)])
+def test_layer_loop_matches_lax_scan(remat, unroll, rng):
+  """llama.layer_loop: lax.scan's values and gradients for a layer whose residuals include its
+  own parameter (re-sliced, not kept), a constant and one array used twice."""
+  table = jnp.asarray(rng.standard_normal(8), jnp.float32)  # a constant residual
+
+  def fn(x, p):
+    h = jnp.tanh(x @ p["w"] + table)
+    return x + (h * h) @ p["v"] * p["s"]
+
+  if remat:
+    fn = jax.checkpoint(fn)
+  n = 4
+  params = {"w": jnp.asarray(0.3 * rng.standard_normal((n, 8, 8)), jnp.float32),
+            "v": jnp.asarray(0.3 * rng.standard_normal((n, 8, 8)), jnp.float32),
+            "s": jnp.asarray(1 + 0.1 * rng.standard_normal((n, 8)), jnp.float32)}
+  x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+  loss_scan = lambda x, p: jnp.sum(jax.lax.scan(lambda c, q: (fn(c, q), None), x, p)[0] ** 2)
+  loss_loop = lambda x, p: jnp.sum(layer_loop(fn, x, p, unroll) ** 2)
+  (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, params)
+                        for f in (loss_scan, loss_loop))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_vjp_loop_matches_lax_scan_coat(rng):
+  """`scan_impl="vjp_loop"` in the coat model: lax.scan's loss and gradients."""
+  import dataclasses
+
+  from tests.test_llama_compile import compare_grads, named_arrays
+
+  cfg = tiny(dtype="float32", precision="coat", num_layers=2)
+  tokens = tokens_for(rng, cfg, seq=16)
+
+  def loss_and_grads(cfg):
+    model = Llama(cfg, rngs=nnx.Rngs(3))
+    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, tokens)
+    return float(loss), named_arrays(nnx.state(grads, nnx.Param), True)
+
+  l0, g0 = loss_and_grads(cfg)
+  l1, g1 = loss_and_grads(dataclasses.replace(cfg, scan_impl="vjp_loop"))
+  assert np.isfinite(l1) and abs(l1 - l0) <= 1e-5 * abs(l0), (l0, l1)
+  compare_grads(g1, g0, 1e-5, 1 - 1e-5, "coat vjp_loop vs lax.scan")
+
+
+def test_scan_options_are_checked():
+  with pytest.raises(ValueError, match="scan_unroll"):
+    tiny(num_layers=3, scan_unroll=2)
+  with pytest.raises(ValueError, match="scan_impl"):
+    tiny(scan_impl="while")
+
+
+@pytest.mark.parametrize("mode,options,extra", [
+    ("coat", dict(weight_quant="once"), 64 * 48 + 4), ("fp8_linear", dict(weight_quant="once"),
+                                                     64 * 48 + 4),
+    ("coat", dict(amax="fused"), 0), ("coat", dict(weight_quant="once", amax="fused"), 64 * 48 + 4)])
+def test_linear_options_keep_values(mode, options, extra, rng):
+  """ops.linear_options: W quantized once per step (the backward reusing the forward's (K, N) FP8
+  copy, `extra` bytes kept) and/or the activation amax from an XLA reduction: same scales, so the
+  same values and gradients as the default, through RMSNorm -> linear as in the model."""
+  from coat_jax import memory
+
+  x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16)
+  s = jnp.asarray(1 + 0.1 * rng.standard_normal(64), jnp.float32)
+  w = jnp.asarray(0.1 * rng.standard_normal((64, 48)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((2, 16, 48)), jnp.bfloat16)
+
+  def f(x, s, w):
+    y, y_q = ops.rmsnorm(x, s, mode=mode)
+    return ops.linear(y, w, mode=mode, x_q=y_q)
+
+  def run():  # traced afresh: the options are read while tracing
+    g = lambda x, s, w: f(x, s, w)
+    y, pb = jax.vjp(g, x, s, w)
+    return y, pb(ct), memory.saved_residual_bytes(g, x, s, w)
+
+  y0, grads0, saved0 = run()
+  with ops.linear_options(**options):
+    y1, grads1, saved1 = run()
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+  for a, b in zip(grads1, grads0):
+    assert np.isfinite(np.asarray(a, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert saved1 - saved0 == extra, (saved0, saved1)
+  for bad in (dict(weight_quant="twice"), dict(amax="tiles")):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      with ops.linear_options(**bad):
+        pass
