@@ -77,9 +77,12 @@ INSTALL_HINT = "pip install coat-jax[gpu]"
 # Dequantize feeds elementwise backward math, which XLA fuses it into: a standalone kernel that
 # writes the float32 tensor costs more than it saves. adam_tree: the optimizer step over a whole
 # tree in a few launches (jax-triton, `coat_adam_tree_step`); "reference" there keeps the
-# per-leaf dispatch of the "adam" family.
+# per-leaf dispatch of the "adam" family, which `auto` keeps: on the H100 (62 leaves, 1.21e9
+# params, benchmarks/bench_optimizer.py, 2026-11-23) the per-leaf jax-triton kernels took 6.81 ms
+# of kernel time (7.14 ms pipelined) and the tree kernel 9.01 ms (9.21 ms): one launch saves
+# less than its leaf lookup and lost overlap cost. Force it with `adam_tree=triton`.
 AUTO_ON_HOPPER = {"gemm": "pallas", "quantize": "pallas", "dequantize": "reference",
-                  "adam": "pallas", "adam_tree": "pallas"}
+                  "adam": "pallas", "adam_tree": "reference"}
 
 
 def _parse(spec: str) -> tuple[tuple[str, str], ...]:

@@ -333,14 +333,15 @@ def test_gpu_coat_adamw_apply_takes_one_launch_for_the_tree(rng):
   state = opt.init(params)
   apply = optim.coat_adamw_apply(1e-3, weight_decay=0.1)
   results = {}
-  for backend in ("auto", "adam_tree=reference"):
+  for backend in ("adam_tree=triton", "adam_tree=reference"):
     with kernels.backend(backend):
       traced = jax.jit(apply).trace(grads, state, params)
       results[backend] = (n_kernels(traced.jaxpr),
                           traced.lower().compile()(grads, state, params))
-  # auto: one tree launch; adam_tree=reference: the per-leaf kernel on each quantized leaf
-  assert results["auto"][0] == 1 and results["adam_tree=reference"][0] == len(shapes) - 1
-  (p1, s1), (p0, s0) = results["auto"][1], results["adam_tree=reference"][1]
+  # adam_tree=triton: one tree launch; adam_tree=reference: the per-leaf kernel per quantized leaf
+  assert results["adam_tree=triton"][0] == 1
+  assert results["adam_tree=reference"][0] == len(shapes) - 1
+  (p1, s1), (p0, s0) = results["adam_tree=triton"][1], results["adam_tree=reference"][1]
   for n in shapes:
     if n == "bias":   # float32 moments: the jnp step on both paths
       np.testing.assert_allclose(np.asarray(p1[n]), np.asarray(p0[n]), rtol=1e-6)

@@ -58,7 +58,7 @@ def test_auto_on_hopper_with_jax_triton_uses_no_deprecated_kernel(gpu):
     got = {fam: kernels.implementation(fam) for fam in kernels.FAMILIES}
   # the GEMM too, on meshes as on one device (8 simulated devices on CPU); dequantize stays XLA's.
   assert got == {"gemm": "mosaic", "quantize": "mosaic", "dequantize": None, "adam": "triton",
-                 "adam_tree": "triton"}
+                 "adam_tree": None}   # measured slower than per leaf: kernels.AUTO_ON_HOPPER
   with kernels.backend("pallas"):
     assert kernels.implementation("dequantize") == "mosaic"
     assert kernels.implementation("gemm") == "mosaic"

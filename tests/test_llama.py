@@ -280,6 +280,7 @@ def test_training_coat_matches_bf16_on_stdlib_text():
   assert gap < 0.02, final
 
 
+@pytest.mark.slow   # CI time; the FP8-residual attention's gradients: tests/test_llama_compile.py
 def test_training_coat_with_fp8_attention_residuals_on_stdlib_text():
   """"coat" with FP8-saved attention q, k, v trains like "coat" (same data, seed and schedule)."""
   data = stdlib_bytes()

@@ -172,12 +172,15 @@ def test_fp8_gemm_on_mesh_equals_single_device(rng, axes, parallel):
 
 
 # coat on every mesh; the other modes on the FSDP + TP mesh (interpret mode is slow: ~15 s each).
+# CI time: coat on the pure data and pure FSDP meshes runs with --slow (the mixed meshes cover both
+# axes; tests/test_mesh_llama_train.py runs a coat Llama on data 2 x fsdp 2 x tensor 2).
 LINEAR_CASES = [("coat", a) for a in MESHES] + [(m, MESHES[2]) for m in ("bf16", "fp8_linear")]
 
 
-@pytest.mark.parametrize("mode,axes", LINEAR_CASES,
-                         ids=[f"{m}-" + "x".join(f"{k}{v}" for k, v in a.items())
-                              for m, a in LINEAR_CASES])
+@pytest.mark.parametrize("mode,axes", [
+    pytest.param(m, a, id=f"{m}-" + "x".join(f"{k}{v}" for k, v in a.items()),
+                 marks=[pytest.mark.slow] if m == "coat" and a in MESHES[:2] else [])
+    for m, a in LINEAR_CASES])
 def test_linear_fsdp_tp_on_mesh_equals_single_device(rng, axes, mode):
   """A column-parallel then a row-parallel linear (as q_proj / o_proj: w_in ("fsdp", "tensor"),
   w_out ("tensor", "fsdp")), forward and both gradients, kernels forced on (per shard; the GEMM's

@@ -70,7 +70,8 @@ def test_tiny_default_loss_falls_and_writes_outputs(cache, tmp_path):
   assert "train loss" in summary_line(s) and "tokens/s" in summary_line(s)
 
 
-@pytest.mark.parametrize("optimizer,precision", [("adamw", "bf16"), ("coat_adamw", "coat")])
+@pytest.mark.parametrize("optimizer,precision", [  # CI time: bf16 runs with --slow
+    pytest.param("adamw", "bf16", marks=pytest.mark.slow), ("coat_adamw", "coat")])
 def test_resume_is_exact(cache, tmp_path, optimizer, precision):
   extra = [f"optimizer.name={optimizer}", f"precision={precision}", "run.steps=20",
            "optimizer.min_quantized_size=256", "optimizer.group_size=32",

@@ -32,7 +32,8 @@ def _run(extra, mesh, steps=3):
   return losses, norms, jax.device_get(params)
 
 
-@pytest.mark.parametrize("precision,optimizer", [("bf16", "adamw"), ("coat", "coat_adamw")])
+@pytest.mark.parametrize("precision,optimizer", [  # CI time: bf16 runs with --slow
+    pytest.param("bf16", "adamw", marks=pytest.mark.slow), ("coat", "coat_adamw")])
 def test_accumulated_steps_match_one_batch(precision, optimizer):
   mesh = mesh_lib.make_mesh(schema.MeshConfig(data=1), jax.devices()[:1])
   base = [f"precision={precision}", f"optimizer.name={optimizer}",

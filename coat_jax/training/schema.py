@@ -96,7 +96,7 @@ class OptimizerConfig:
   training/accumulate.py). Memory per param, as the options combine:
     master (param_dtype)   grad_dtype   gradients   extra while the backward runs
     float32                param        4 B         -
-    float32                bfloat16     2 B         the bfloat16 weight copy, 2 B
+    float32                bfloat16     2 B         the bfloat16 weight copy, 2 B (no net saving)
     bfloat16               either       2 B         -  (the params are the bfloat16 weights)
   The copy is a net cost only under remat: without remat the backward keeps each layer's
   bfloat16 weights as residuals anyway, and from the copy those residuals are the copy itself
