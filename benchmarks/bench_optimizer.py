@@ -126,6 +126,11 @@ def _chain(tx):
   return optax.chain(optax.clip_by_global_norm(1.0), tx)
 
 
+def _columns(params):
+  """group_axis callable: every leaf grouped along its first axis (COAT's layout for (in, out))."""
+  return jax.tree.map(lambda _: -2, params)
+
+
 # --rows key -> (label, make optimizer, kernel backend, bytes per param beyond the one-pass step's)
 CONFIGS = {
     "optax": ("optax.adamw", lambda: optax.adamw(1e-3, weight_decay=1e-4), "reference", 0),
@@ -135,6 +140,9 @@ CONFIGS = {
                   "adam=pallas,adam_tree=reference", 12),
     "coat_tree": ("coat_adamw + apply_updates, tree", lambda: coat_adamw(1e-3), "adam=pallas",
                   12),
+    "coat_cols": ("coat_adamw + apply_updates, per leaf, groups along axis -2 (transposes)",
+                  lambda: coat_adamw(1e-3, group_axis=_columns),
+                  "adam=pallas,adam_tree=reference", 12),
     "chain_leaf": ("chain(clip, coat_adamw), per leaf", lambda: _chain(coat_adamw(1e-3)),
                    "adam=pallas,adam_tree=reference", 4 + 8 + 12),
     "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3)),

@@ -38,6 +38,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (E4M3, E5M2, INT8)}
 # the hidden axis; optimizer moments per group of 128 consecutive elements.
 ACTIVATION_GROUP_SIZE = 16
 OPTIMIZER_GROUP_SIZE = 128
+# The axis of the optimizer's groups: each param's last axis, or COAT's layout (coat_jax.optim.group_axes).
+OPTIMIZER_GROUP_AXES = ("last", "coat")
 
 # Floors that keep scales finite and non-zero for all-zero tensors (COAT's values).
 ACTIVATION_SCALE_FLOOR = 1e-10

@@ -28,6 +28,7 @@ master weights with master_rounding="kahan", else None; see `coat_adamw_apply`).
     because the per-group metadata would be a large share of their bytes and they are a negligible
     share of the model (bitsandbytes keeps tensors under 4096 elements in 32 bit for the same reason).
 Groups along the last axis keep a param's sharding valid for its moments (see `state_shardings`).
+`group_axis="coat"` (or a callable) groups another axis instead, COAT's layout: see `group_axes`.
 
 A quantized leaf's step is: dequantize m and v (x = sign(q) mx (|q|/fmt.max)^(1/k) per group),
 the Adam math above in float32, then requantize each with a fresh per-group mx and k (dynamic range
@@ -61,8 +62,8 @@ from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
 from coat_jax.rounding import MASTER_ROUNDINGS, round_to
 
-__all__ = ["CoatAdamWState", "ExpandedMoment", "MASTER_ROUNDINGS", "adam_step_reference", "coat_adamw",
-           "coat_adamw_apply", "optimizer_state_bytes", "state_shardings"]
+__all__ = ["CoatAdamWState", "ExpandedMoment", "GROUP_AXES", "MASTER_ROUNDINGS", "adam_step_reference",
+           "coat_adamw", "coat_adamw_apply", "group_axes", "optimizer_state_bytes", "state_shardings"]
 
 
 class CoatAdamWState(NamedTuple):
@@ -108,6 +109,62 @@ def _is_bf16(p) -> bool:
   return p is not None and jnp.dtype(p.dtype) == _BF16
 
 
+GROUP_AXES = formats.OPTIMIZER_GROUP_AXES
+
+
+def group_axes(group_axis: str | Callable[[Any], Any], params) -> Any:
+  """The axis each leaf of `params` groups its quantized moments along: a tree like params of
+  negative ints (-1: the last axis).
+
+  group_axis:
+    "last": every leaf's last axis (the default; for a Flax (in, out) kernel, the output features).
+    "coat": COAT's layout. A leaf whose last path key is "kernel" with 2+ dims (Flax's Linear
+      kernel, (in, out) or stacked (layers, in, out)) groups along axis -2, the input features;
+      every other leaf (the embedding table (vocab, hidden), norm scales) along its last axis.
+    a callable params -> tree like params of ints (as optax's `mask`): any axis per leaf.
+  A leaf whose axis is not the last stores its moments for the view jnp.swapaxes(p, axis, -1):
+  ExpandedMoment data of the swapped shape, amax / k_code one per group of its last axis. Its
+  step runs on swapped param / grad views through the same per-leaf dispatch and swaps the result
+  back, so XLA transposes p and g (and, in coat_adamw_apply, the new p) each step: correct
+  everywhere, slower than "last" (the fused kernel groups consecutive elements only).
+  Raises ValueError for another value or an axis out of a leaf's range.
+  """
+  if callable(group_axis):
+    axes = group_axis(params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    axes = treedef.flatten_up_to(axes)
+  elif group_axis in GROUP_AXES:
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    treedef = jax.tree.structure(params)
+    kernel = lambda path, p: (group_axis == "coat" and jnp.ndim(p) >= 2 and path
+                              and getattr(path[-1], "key", None) == "kernel")
+    axes = [-2 if kernel(path, p) else -1 for path, p in leaves]
+  else:
+    raise ValueError(f"coat_adamw: group_axis must be one of {GROUP_AXES} or a callable "
+                     f"params -> tree of axes, got {group_axis!r}")
+  out = []
+  for (path, p), axis in zip(leaves, axes):
+    ndim = jnp.ndim(p)
+    if isinstance(axis, bool) or not isinstance(axis, int) or not (
+        -max(ndim, 1) <= axis < max(ndim, 1)):
+      raise ValueError(f"coat_adamw: group_axis for parameter {jax.tree_util.keystr(path)} of "
+                       f"shape {tuple(jnp.shape(p))} must be an int axis, got {axis!r}")
+    out.append(axis - ndim if axis >= 0 and ndim else axis if ndim else -1)
+  return treedef.unflatten(out)
+
+
+def _swap(x, axis):
+  """x viewed with `axis` and the last axis exchanged (its own inverse); None stays None."""
+  return x if x is None or axis == -1 else jnp.swapaxes(x, axis, -1)
+
+
+def _swapped_shape(shape, axis) -> tuple:
+  shape = list(shape)
+  if axis != -1:
+    shape[axis], shape[-1] = shape[-1], shape[axis]
+  return tuple(shape)
+
+
 DEFAULT_GROUP_SIZE = formats.OPTIMIZER_GROUP_SIZE
 DEFAULT_EXPAND_MIN = 16
 DEFAULT_MIN_QUANTIZED_SIZE = 4096
@@ -135,7 +192,8 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
                v_format: str = "e4m3", group_size: int | None = None, expand: bool = True,
                expand_min: int | None = None, quantize: bool = True,
                min_quantized_size: int | None = None,
-               master_rounding: str = "nearest") -> optax.GradientTransformation:
+               master_rounding: str = "nearest",
+               group_axis: str | Callable[[Any], Any] = "last") -> optax.GradientTransformation:
   """AdamW whose moments are stored in FP8 with per-group dynamic range expansion (COAT).
 
   Args:
@@ -154,6 +212,9 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       param to the state (`CoatAdamWState.comp`, 2 bytes per param). This transformation's own
       update (optax's update/apply_updates, which rounds p + u to nearest outside it) supports
       only "nearest": it raises ValueError for the others, use `coat_adamw_apply`.
+    group_axis: "last" | "coat" | callable params -> tree of axes: the axis each quantized
+      moment groups along (`group_axes`; the callable is called with the updates when params are
+      None). Not "last": slower (XLA transposes p and g per step), same bytes of state.
     The three integer knobs default to None (meaning the values above) rather than to ints, so
     that optax.inject_hyperparams, which turns every int/float argument into a traced
     hyperparameter, leaves them static; if you set them under inject_hyperparams, list them in
@@ -165,7 +226,8 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
   init_fn, step_fn = _coat_adamw_fns(
       learning_rate, b1, b2, eps, weight_decay, mask, m_format=m_format, v_format=v_format,
       group_size=group_size, expand=expand, expand_min=expand_min, quantize=quantize,
-      min_quantized_size=min_quantized_size, master_rounding=master_rounding)
+      min_quantized_size=min_quantized_size, master_rounding=master_rounding,
+      group_axis=group_axis)
   return optax.GradientTransformation(init_fn, functools.partial(step_fn, output="update"))
 
 
@@ -214,8 +276,10 @@ def coat_adamw_apply(learning_rate: float | optax.Schedule, *args,
 def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None, *,
                     m_format="e4m3", v_format="e4m3", group_size=None, expand=True,
                     expand_min=None, quantize=True, min_quantized_size=None,
-                    master_rounding="nearest"):
+                    master_rounding="nearest", group_axis="last"):
   """(init_fn, step_fn(updates, state, params=None, *, output)) of `coat_adamw` (same args)."""
+  if not callable(group_axis) and group_axis not in GROUP_AXES:
+    group_axes(group_axis, {})  # raises the ValueError
   if master_rounding not in MASTER_ROUNDINGS:
     raise ValueError(f"coat_adamw: master_rounding must be one of {MASTER_ROUNDINGS}, "
                      f"got {master_rounding!r}")
@@ -233,15 +297,16 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
   def quantized(p) -> bool:
     return quantize and p.size >= max(min_quantized_size, 1)
 
-  def init_moment(p, fmt):
+  def init_moment(p, fmt, axis):
     if quantized(p):
-      return _zero_moment(p.shape, fmt, expand=expand, **qargs)
+      return _zero_moment(_swapped_shape(p.shape, axis), fmt, expand=expand, **qargs)
     return jnp.zeros(p.shape, jnp.float32)
 
   def init_fn(params):
     _check_float_leaves(params)
-    mu = jax.tree.map(lambda p: init_moment(p, m_fmt), params)
-    nu = jax.tree.map(lambda p: init_moment(p, v_fmt), params)
+    axes = group_axes(group_axis, params)
+    mu = jax.tree.map(lambda p, a: init_moment(p, m_fmt, a), params, axes)
+    nu = jax.tree.map(lambda p, a: init_moment(p, v_fmt, a), params, axes)
     comp = jax.tree.map(lambda p: jnp.zeros(p.shape, _BF16) if _is_bf16(p) else None,
                         params) if kahan else None
     return CoatAdamWState(jnp.zeros([], jnp.int32), mu, nu, comp)
@@ -304,6 +369,16 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
     v_leaves = treedef.flatten_up_to(state.nu)
     d_leaves = treedef.flatten_up_to(decay)
     c_leaves = treedef.flatten_up_to(state.comp) if kahan else [None] * len(g_leaves)
+    # Leaves grouped along another axis than the last run on swapped views (`group_axes`).
+    axes = treedef.flatten_up_to(group_axes(group_axis, updates if params is None else params))
+    axes = [a if _is_moment_leaf(m) else -1 for a, m in zip(axes, m_leaves)]
+    for g, m, a in zip(g_leaves, m_leaves, axes):
+      if _is_moment_leaf(m) and m.data.shape != _swapped_shape(jnp.shape(g), a):
+        raise ValueError(f"coat_adamw: a moment of shape {m.data.shape} for a parameter of shape "
+                         f"{jnp.shape(g)} with group axis {a}: init the state with the same "
+                         f"group_axis")
+    g_leaves, p_leaves, c_leaves = ([_swap(x, a) for x, a in zip(xs, axes)]
+                                    for xs in (g_leaves, p_leaves, c_leaves))
     # Leaves rounded to bfloat16 master weights (stochastic / kahan) go one by one (`leaf`);
     # all the others in one dispatch call: on a Hopper GPU the quantized ones share a few launches.
     rounded = [master_rounding != "nearest" and _is_bf16(p) for p in p_leaves]
@@ -322,6 +397,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       if r:
         out[i] = leaf(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], d_leaves[i],
                       c_leaves[i], i)
+    out = [(_swap(o[0], a), o[1], o[2], _swap(o[3], a)) for o, a in zip(out, axes)]
     new_updates = treedef.unflatten([o[0] for o in out])
     mu = treedef.unflatten([o[1] for o in out])
     nu = treedef.unflatten([o[2] for o in out])
@@ -387,7 +463,16 @@ def check_group_split(path: str, shape, num_groups: int, sharding: NamedSharding
         f"multiple of {group} elements (or not at all), or use the reference optimizer step")
 
 
-def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
+def _swap_sharding(sharding: NamedSharding, ndim: int, axis: int) -> NamedSharding:
+  """The param's sharding for the view swapaxes(p, axis, -1)."""
+  if axis == -1:
+    return sharding
+  spec = list(tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec)))
+  spec[axis], spec[-1] = spec[-1], spec[axis]
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> CoatAdamWState:
   """NamedShardings for a CoatAdamWState from the params' NamedShardings.
 
   ExpandedMoment data and float32 moments: the param's sharding. amax / k_code: the param's spec,
@@ -398,6 +483,9 @@ def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
   When the fused kernel is in use (`kernels.use_pallas("adam")`; it runs per shard), a last-axis
   split that cuts a parameter's groups raises ValueError naming the parameter and the split
   (`check_group_split`).
+  group_axes: for a state of coat_adamw(group_axis=...) other than "last", the tree
+  `group_axes(group_axis, params)`: a swapped moment (data of shape swapaxes(p, axis, -1)) takes
+  the param's spec with those two entries exchanged, and the group check runs on that layout.
   """
   is_sharding = lambda x: isinstance(x, NamedSharding)
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)
@@ -410,9 +498,11 @@ def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
       raise ValueError(f"state_shardings: expected NamedSharding leaves, got {type(s).__name__}")
 
   per_shard_kernel = kernels.use_pallas("adam")
+  axes = [-1] * len(paths) if group_axes is None else treedef.flatten_up_to(group_axes)
 
-  def moment(path, sharding, leaf):
+  def moment(path, sharding, leaf, axis):
     if isinstance(leaf, ExpandedMoment):
+      sharding = _swap_sharding(sharding, leaf.data.ndim, axis)
       if per_shard_kernel:
         check_group_split(path, leaf.data.shape, leaf.amax.shape[-1], sharding)
       meta = _metadata_sharding(sharding, leaf.amax.shape)
@@ -421,7 +511,7 @@ def state_shardings(param_shardings, state: CoatAdamWState) -> CoatAdamWState:
 
   def moments(tree):
     leaves = treedef.flatten_up_to(tree)
-    return treedef.unflatten([moment(*a) for a in zip(paths, shard_leaves, leaves)])
+    return treedef.unflatten([moment(*a) for a in zip(paths, shard_leaves, leaves, axes)])
 
   count = NamedSharding(shard_leaves[0].mesh, PartitionSpec())
   comp = None

@@ -98,7 +98,8 @@ def _coat_arguments(opt: OptimizerConfig) -> tuple[tuple, dict]:
   return ((opt.b1, opt.b2, opt.eps, opt.weight_decay, weight_decay_mask(opt)),
           dict(m_format=opt.m_format, v_format=opt.v_format, group_size=opt.group_size,
                expand=opt.expand, expand_min=opt.expand_min,
-               min_quantized_size=opt.min_quantized_size, master_rounding=opt.master_rounding))
+               min_quantized_size=opt.min_quantized_size, master_rounding=opt.master_rounding,
+               group_axis=opt.group_axis))
 
 
 def build_optimizer(opt: OptimizerConfig, total_steps: int):
@@ -215,17 +216,21 @@ class ModelParts:
     return nnx.merge(self.graphdef, p, r)
 
 
-def model_parts(llama_cfg, seed: int, mesh, group_size: int | None = None
-                ) -> tuple[ModelParts, Callable[..., tuple[Any, Any]]]:
+def model_parts(llama_cfg, seed: int, mesh, group_size: int | None = None,
+                group_axis: str = "last") -> tuple[ModelParts, Callable[..., tuple[Any, Any]]]:
   """Takes the model apart abstractly (nothing allocated) and returns it with an init function
-  init(seed=seed) -> (params, rest) (compiled once for every seed). group_size: coat_adamw's
-  (parameter splits keep its groups whole per shard), None for other optimizers."""
+  init(seed=seed) -> (params, rest) (compiled once for every seed). group_size, group_axis:
+  coat_adamw's (parameter splits keep its groups whole per shard), None for other optimizers."""
   from coat_jax.models.llama import Llama
 
   abstract = nnx.eval_shape(lambda: Llama(llama_cfg, rngs=nnx.Rngs(seed)))
   graphdef, params_state, rest_state = nnx.split(abstract, nnx.Param, ...)
   params_abstract, rest_abstract = nnx.to_pure_dict(params_state), nnx.to_pure_dict(rest_state)
-  params_sh = mesh_lib.param_shardings(params_abstract, mesh, group_size=group_size)
+  axes = None
+  if group_size:
+    from coat_jax.optim import group_axes
+    axes = group_axes(group_axis, params_abstract)
+  params_sh = mesh_lib.param_shardings(params_abstract, mesh, group_size=group_size, group_axes=axes)
   rest_sh = jax.tree.map(lambda _: mesh_lib.replicated(mesh), rest_abstract)
   parts = ModelParts(graphdef, params_state, rest_state, params_abstract, rest_abstract,
                      params_sh, rest_sh)
@@ -323,11 +328,15 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
   seed = cfg.run.seed if seed is None else seed
   llama_cfg = model_config(cfg, vocab_size)
   group = cfg.optimizer.group_size if cfg.optimizer.name == "coat_adamw" else None
-  parts, init_params = model_parts(llama_cfg, seed, mesh, group)
+  parts, init_params = model_parts(llama_cfg, seed, mesh, group, cfg.optimizer.group_axis)
   base_tx, schedule = build_optimizer(cfg.optimizer, total_steps or cfg.run.steps)
   base_abstract = jax.eval_shape(base_tx.init, parts.params_abstract)
+  axes = None
+  if cfg.optimizer.name == "coat_adamw":
+    from coat_jax.optim import group_axes
+    axes = group_axes(cfg.optimizer.group_axis, parts.params_abstract)
   opt_sh = mesh_lib.optimizer_state_shardings(base_tx, base_abstract, parts.params_shardings, mesh,
-                                              cfg.optimizer.name)
+                                              cfg.optimizer.name, axes)
   if extra_tx is None:
     tx, opt_abstract, apply_fn = base_tx, base_abstract, build_apply(cfg.optimizer, base_tx, schedule)
   else:

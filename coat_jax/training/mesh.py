@@ -90,12 +90,13 @@ def _cuts_groups(dim: int, shards: int, group_size: int | None) -> bool:
 
 
 def _fit(spec: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-         group_size: int | None = None) -> P:
+         group_size: int | None = None, group_axis: int = -1) -> P:
   """Right-aligns `spec` to `shape`, dropping axes that are absent, size 1 or do not divide the dim.
 
-  With `group_size`, a mesh axis on the last dim that would cut the optimizer's groups moves to
-  the nearest other dim of the rule (not a stacked layer axis) that it divides (added to that
-  dim's axes, minor), else it is dropped.
+  With `group_size`, a mesh axis on the grouped dim (`group_axis`, negative: the last unless
+  coat_adamw's group_axis says otherwise) that would cut the optimizer's groups moves to the
+  nearest other dim of the rule (not a stacked layer axis) that it divides (added to that dim's
+  axes, minor), else it is dropped.
   """
   spec = list(spec)[-len(shape):] if shape else []
   full = [None] * (len(shape) - len(spec)) + spec
@@ -108,9 +109,11 @@ def _fit(spec: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
     else:
       out.append(axis)
       used.add(axis)
-  if out and out[-1] is not None and _cuts_groups(shape[-1], mesh.shape[out[-1]], group_size):
-    axis, out[-1] = out[-1], None
-    for i in range(len(out) - 2, len(out) - len(spec) - 1, -1):
+  gi = len(out) + group_axis
+  if out and 0 <= gi and out[gi] is not None and _cuts_groups(shape[gi], mesh.shape[out[gi]],
+                                                              group_size):
+    axis, out[gi] = out[gi], None
+    for i in [i for i in range(len(out) - 1, len(out) - len(spec) - 1, -1) if i != gi]:
       names = () if out[i] is None else out[i] if isinstance(out[i], tuple) else (out[i],)
       if shape[i] % (math.prod(mesh.shape[n] for n in names) * mesh.shape[axis]) == 0:
         out[i] = axis if not names else names + (axis,)
@@ -121,24 +124,29 @@ def _fit(spec: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
 
 
 def spec_for(path: str, shape: Sequence[int], mesh: Mesh,
-             rules: Sequence[tuple[str, tuple]] = LLAMA_RULES, group_size: int | None = None) -> P:
+             rules: Sequence[tuple[str, tuple]] = LLAMA_RULES, group_size: int | None = None,
+             group_axis: int = -1) -> P:
   """The PartitionSpec of one parameter: first matching rule; unmatched matrices get (fsdp, tensor).
-  group_size: the optimizer's group along the last axis (coat_adamw), kept whole per shard."""
+  group_size: the optimizer's group along `group_axis` (coat_adamw), kept whole per shard."""
   for pattern, spec in rules:
     if re.search(pattern, path):
-      return _fit(spec, shape, mesh, group_size)
+      return _fit(spec, shape, mesh, group_size, group_axis)
   if len(shape) >= 2:
-    return _fit(("fsdp", "tensor"), shape, mesh, group_size)
+    return _fit(("fsdp", "tensor"), shape, mesh, group_size, group_axis)
   return P()
 
 
 def param_shardings(params: Any, mesh: Mesh, rules: Sequence[tuple[str, tuple]] = LLAMA_RULES,
-                    group_size: int | None = None) -> Any:
+                    group_size: int | None = None, group_axes: Any = None) -> Any:
   """A NamedSharding per leaf of `params` (arrays or ShapeDtypeStructs), same tree structure.
-  group_size: coat_adamw's group size (last-axis splits keep whole groups per shard), or None."""
+  group_size: coat_adamw's group size (splits of the grouped axis keep whole groups per shard),
+  or None. group_axes: `coat_jax.optim.group_axes(group_axis, params)` (None: the last axes)."""
+  if group_axes is None:
+    group_axes = jax.tree.map(lambda _: -1, params)
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(
-          mesh, spec_for(path_str(path), np.shape(x), mesh, rules, group_size)), params)
+      lambda path, x, a: NamedSharding(
+          mesh, spec_for(path_str(path), np.shape(x), mesh, rules, group_size, a)),
+      params, group_axes)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -161,11 +169,12 @@ def put_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def optimizer_state_shardings(tx, opt_state: Any, params_shardings: Any, mesh: Mesh,
-                              name: str) -> Any:
+                              name: str, group_axes: Any = None) -> Any:
   """Shardings for an optimizer state: param-shaped leaves follow their parameter, the rest replicate.
 
   "coat_adamw" states (quantized moments with per-group scales) come from
-  `coat_jax.optim.state_shardings`; optax states are mapped with `optax.tree_map_params`.
+  `coat_jax.optim.state_shardings` (group_axes: as there); optax states are mapped with
+  `optax.tree_map_params`.
   """
   rep = replicated(mesh)
   if name == "coat_adamw":
@@ -173,7 +182,7 @@ def optimizer_state_shardings(tx, opt_state: Any, params_shardings: Any, mesh: M
 
     def one(state):
       if isinstance(state, CoatAdamWState):
-        return state_shardings(params_shardings, state)
+        return state_shardings(params_shardings, state, group_axes)
       return jax.tree.map(lambda _: rep, state)
 
     # optax.chain states are tuples: the COAT state gets its own mapping, the rest (clipping) replicate.

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from coat_jax.formats import OPTIMIZER_GROUP_SIZE
+from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_SIZE
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
 from coat_jax.rounding import MASTER_ROUNDINGS
@@ -80,9 +80,10 @@ class ModelConfig:
 class OptimizerConfig:
   """AdamW-family optimizer, warmup + decay schedule, global-norm clipping.
 
-  `m_format`/`v_format`/`group_size`/`expand`/`expand_min`/`min_quantized_size` are used by
-  "coat_adamw" only (params with fewer elements than `min_quantized_size` keep float32 moments;
-  expansion exponents are multiples of 1/`expand_min`).
+  `m_format`/`v_format`/`group_size`/`expand`/`expand_min`/`min_quantized_size`/`group_axis` are
+  used by "coat_adamw" only (params with fewer elements than `min_quantized_size` keep float32
+  moments; expansion exponents are multiples of 1/`expand_min`; `group_axis` "last" or "coat",
+  the axis of the moment groups: `coat_jax.optim.group_axes`).
   `decay_1d=False` leaves 1-D parameters (norm scales, biases) out of weight decay.
   `accumulate`: microbatches per optimizer step (gradient accumulation); `data.batch_size` is the
   global batch of one step and is split into `accumulate` microbatches, run one after another, with
@@ -127,6 +128,7 @@ class OptimizerConfig:
   accumulate_dtype: str = "float32"
   master_rounding: str = "nearest"
   grad_dtype: str = "param"
+  group_axis: str = "last"
 
 
 @dataclasses.dataclass
@@ -230,6 +232,7 @@ def validate(cfg: RunConfig) -> RunConfig:
   _one_of(o.v_format, FP8_STATE_FORMATS, "optimizer.v_format")
   _one_of(o.accumulate_dtype, ACCUM_DTYPES, "optimizer.accumulate_dtype")
   _one_of(o.master_rounding, MASTER_ROUNDINGS, "optimizer.master_rounding")
+  _one_of(o.group_axis, OPTIMIZER_GROUP_AXES, "optimizer.group_axis")
   _one_of(o.grad_dtype, GRAD_DTYPES, "optimizer.grad_dtype")
   if o.master_rounding != "nearest" and o.name != "coat_adamw":
     raise ValueError(f"optimizer.master_rounding={o.master_rounding!r} needs "
