@@ -1,0 +1,186 @@
+"""The layout of coat_adamw's state: the state tuple, which axis each leaf's moments group
+along (`group_axes`), and the state's shardings on a mesh (`state_shardings`, `check_group_split`).
+
+Split out of coat_jax/optim.py (the transformation and its step), which re-exports these names.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from coat_jax import formats, kernels
+from coat_jax.expansion import ExpandedMoment
+
+__all__ = ["CoatAdamWState", "GROUP_AXES", "check_group_split", "group_axes", "state_shardings",
+           "swap_to_last", "swapped_shape"]
+
+
+class CoatAdamWState(NamedTuple):
+  """count: int32 () steps taken; mu, nu: pytrees like params of ExpandedMoment or float32 leaves;
+  comp: None, or with master_rounding="kahan" a pytree like params of bfloat16 compensation
+  buffers (the low-order part of each bfloat16 master weight; None for other params)."""
+  count: jax.Array
+  mu: Any
+  nu: Any
+  comp: Any = None
+
+
+GROUP_AXES = formats.OPTIMIZER_GROUP_AXES
+
+
+def group_axes(group_axis: str | Callable[[Any], Any], params) -> Any:
+  """The axis each leaf of `params` groups its quantized moments along: a tree like params of
+  negative ints (-1: the last axis).
+
+  group_axis:
+    "last": every leaf's last axis (the default; for a Flax (in, out) kernel, the output features).
+    "coat": COAT's layout. A leaf whose last path key is "kernel" with 2+ dims (Flax's Linear
+      kernel, (in, out) or stacked (layers, in, out)) groups along axis -2, the input features;
+      every other leaf (the embedding table (vocab, hidden), norm scales) along its last axis.
+    a callable params -> tree like params of ints (as optax's `mask`): any axis per leaf.
+  A leaf whose axis is not the last stores its moments for the view jnp.swapaxes(p, axis, -1):
+  ExpandedMoment data of the swapped shape, amax / k_code one per group of its last axis. Its
+  step runs on swapped param / grad views through the same per-leaf dispatch and swaps the result
+  back, so XLA transposes p and g (and, in coat_adamw_apply, the new p) each step: correct
+  everywhere, slower than "last" (the fused kernel groups consecutive elements only).
+  Raises ValueError for another value or an axis out of a leaf's range.
+  """
+  if callable(group_axis):
+    axes = group_axis(params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    axes = treedef.flatten_up_to(axes)
+  elif group_axis in GROUP_AXES:
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    treedef = jax.tree.structure(params)
+    kernel = lambda path, p: (group_axis == "coat" and jnp.ndim(p) >= 2 and path
+                              and getattr(path[-1], "key", None) == "kernel")
+    axes = [-2 if kernel(path, p) else -1 for path, p in leaves]
+  else:
+    raise ValueError(f"coat_adamw: group_axis must be one of {GROUP_AXES} or a callable "
+                     f"params -> tree of axes, got {group_axis!r}")
+  out = []
+  for (path, p), axis in zip(leaves, axes):
+    ndim = jnp.ndim(p)
+    if isinstance(axis, bool) or not isinstance(axis, int) or not (
+        -max(ndim, 1) <= axis < max(ndim, 1)):
+      raise ValueError(f"coat_adamw: group_axis for parameter {jax.tree_util.keystr(path)} of "
+                       f"shape {tuple(jnp.shape(p))} must be an int axis, got {axis!r}")
+    out.append(axis - ndim if axis >= 0 and ndim else axis if ndim else -1)
+  return treedef.unflatten(out)
+
+
+def swap_to_last(x, axis):
+  """x viewed with `axis` and the last axis exchanged (its own inverse); None stays None."""
+  return x if x is None or axis == -1 else jnp.swapaxes(x, axis, -1)
+
+
+def swapped_shape(shape, axis) -> tuple:
+  shape = list(shape)
+  if axis != -1:
+    shape[axis], shape[-1] = shape[-1], shape[axis]
+  return tuple(shape)
+
+
+def _axis_size(mesh, entry) -> int:
+  names = entry if isinstance(entry, tuple) else (entry,)
+  size = 1
+  for name in names:
+    size *= mesh.shape[name]
+  return size
+
+
+def _metadata_sharding(sharding: NamedSharding, shape) -> NamedSharding:
+  """The param's spec on the metadata shape; an axis whose size the mesh axes don't divide -> None."""
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  out = []
+  for size, entry in zip(shape, spec):
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      out.append(None)
+    else:
+      out.append(entry if size % _axis_size(sharding.mesh, entry) == 0 else None)
+  return NamedSharding(sharding.mesh, PartitionSpec(*out))
+
+
+def check_group_split(path: str, shape, num_groups: int, sharding: NamedSharding) -> None:
+  """ValueError naming the parameter and split when its last-axis split cuts quantization groups.
+
+  The fused Adam kernel runs per shard (coat_jax.sharded) and needs each shard to hold whole
+  groups of G = N / num_groups along the last axis. Shapes the kernel does not take (N not a
+  multiple of G: a short final group) use the reference step, which takes any split.
+  """
+  n = shape[-1] if len(shape) else 1
+  if not len(shape) or n % num_groups:
+    return
+  group = n // num_groups
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  entry = spec[-1]
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    return
+  shards = _axis_size(sharding.mesh, entry)
+  if n % shards or (n // shards) % group:
+    raise ValueError(
+        f"state_shardings: parameter {path} of shape {tuple(shape)} has its last axis split "
+        f"{shards} ways over mesh axes {entry!r} ({n} / {shards} = {n / shards:g} per shard), "
+        f"which cuts its optimizer groups of {group}; shard that axis so that each shard holds a "
+        f"multiple of {group} elements (or not at all), or use the reference optimizer step")
+
+
+def _swap_sharding(sharding: NamedSharding, ndim: int, axis: int) -> NamedSharding:
+  """The param's sharding for the view swapaxes(p, axis, -1)."""
+  if axis == -1:
+    return sharding
+  spec = list(tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec)))
+  spec[axis], spec[-1] = spec[-1], spec[axis]
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> CoatAdamWState:
+  """NamedShardings for a CoatAdamWState from the params' NamedShardings.
+
+  ExpandedMoment data and float32 moments: the param's sharding. amax / k_code: the param's spec,
+  with any axis whose size is not divisible by its mesh axes' size replicated (groups run along
+  the last axis, so e.g. a last axis sharded 4 ways with 2 groups is replicated). count:
+  replicated on the first param sharding's mesh. Meant for meshes with Auto axis types (as
+  coat_jax.training.mesh builds); under Explicit axes the group reshape would need explicit shardings.
+  When the fused kernel is in use (`kernels.use_pallas("adam")`; it runs per shard), a last-axis
+  split that cuts a parameter's groups raises ValueError naming the parameter and the split
+  (`check_group_split`).
+  group_axes: for a state of coat_adamw(group_axis=...) other than "last", the tree
+  `group_axes(group_axis, params)`: a swapped moment (data of shape swapaxes(p, axis, -1)) takes
+  the param's spec with those two entries exchanged, and the group check runs on that layout.
+  """
+  is_sharding = lambda x: isinstance(x, NamedSharding)
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)
+  paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+  shard_leaves = [s for _, s in with_paths]
+  if not shard_leaves:
+    raise ValueError("state_shardings: param_shardings has no NamedSharding leaves")
+  for s in shard_leaves:
+    if not isinstance(s, NamedSharding):
+      raise ValueError(f"state_shardings: expected NamedSharding leaves, got {type(s).__name__}")
+
+  per_shard_kernel = kernels.use_pallas("adam")
+  axes = [-1] * len(paths) if group_axes is None else treedef.flatten_up_to(group_axes)
+
+  def moment(path, sharding, leaf, axis):
+    if isinstance(leaf, ExpandedMoment):
+      sharding = _swap_sharding(sharding, leaf.data.ndim, axis)
+      if per_shard_kernel:
+        check_group_split(path, leaf.data.shape, leaf.amax.shape[-1], sharding)
+      meta = _metadata_sharding(sharding, leaf.amax.shape)
+      return ExpandedMoment(sharding, meta, meta)
+    return sharding
+
+  def moments(tree):
+    leaves = treedef.flatten_up_to(tree)
+    return treedef.unflatten([moment(*a) for a in zip(paths, shard_leaves, leaves, axes)])
+
+  count = NamedSharding(shard_leaves[0].mesh, PartitionSpec())
+  comp = None
+  if state.comp is not None:  # compensation buffers: the param's sharding (None stays None)
+    comp = treedef.unflatten([None if c is None else s for s, c in
+                              zip(shard_leaves, treedef.flatten_up_to(state.comp))])
+  return CoatAdamWState(count, moments(state.mu), moments(state.nu), comp)
