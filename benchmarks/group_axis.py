@@ -15,7 +15,7 @@ This script measures which grouping loses less of the real moments:
      "first": the first axis (transpose, quantize, transpose back);
      "coat":  COAT's layout per tensor ("first" for Linear kernels, "last" for the embedding);
    (the FP8 codes are the output of one jit and the input of another: inside one jit XLA GPU
-   drops an f32 -> f8 -> f32 conversion pair, see benchmarks/_common.py; before training, the
+   drops an f32 -> f8 -> f32 conversion pair, see benchmarks/_moments.py; before training, the
    script checks a sample against a float64 numpy quantizer and aborts on a mismatch);
 3. reports the relative MSE sum (x - deq)^2 / sum x^2 (float64) per tensor, its geometric mean
    over tensors and the pooled ratio (all tensors' errors over all tensors' energy).
@@ -47,7 +47,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from _common import check_moment_round_trip, moment_round_trip
+from _moments import check_moment_round_trip, moment_round_trip
 from coat_jax.formats import OPTIMIZER_GROUP_SIZE
 from coat_jax.models.llama import Llama, LlamaConfig
 from coat_jax.training import dataset as data_lib
@@ -74,7 +74,7 @@ def tensor_error(x: np.ndarray, axis: str, *, fmt: str, group_size: int, expand_
     raise ValueError(f"tensor_error: expected a 2-D moment, got shape {x.shape}")
   if axis not in ("last", "first"):
     raise ValueError(f"tensor_error: axis must be 'last' or 'first', got {axis!r}")
-  # FP8 codes materialised between two jits: inside one jit XLA GPU drops the rounding (_common).
+  # FP8 codes materialised between two jits: inside one jit XLA GPU drops the rounding (_moments).
   out = moment_round_trip(x, fmt, group_size, expand_min, expand, axis=axis)
   x64 = np.asarray(x, np.float64)
   if not np.all(np.isfinite(out)):

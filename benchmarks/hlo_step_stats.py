@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import build_step, scan_residuals, step_stats
+from _hlo import build_step, scan_residuals, step_stats
 
 
 def main(argv=None):

@@ -4,7 +4,7 @@ Each variant (`precision:layout[+extra...]`, precision bf16 | fp8_linear with ad
 coat_adamw; layout scan | loop; extras EXTRAS: `+dsf` XLA's dynamic-slice fusion, `+vjploop`
 the layer loop with its own VJP (`model.scan_impl=vjp_loop`), `+unroll2` two layers per scan
 iteration) runs in its own child process: it builds and compiles the train step as
-bench_e2e does (`_common.build_step`), runs --warmup steps, times --steps steps (median), then
+bench_e2e does (`_hlo.build_step`), runs --warmup steps, times --steps steps (median), then
 traces --iters steps with jax.profiler and sums device time per kernel (the GPU stream lines, as
 `_common.kernel_times`, keyed also by the `hlo_op` XLA attaches to each kernel).
 Every kernel is put in a category through the compiled HLO (XLA names a kernel after its HLO
@@ -59,7 +59,7 @@ COPY_CLASSES = ("copy", "copy/transpose fusion", "transpose")
 
 def category(kernel: str, info) -> str:
   """The category of a GPU kernel named `kernel`; info: its instruction's (class, op_name,
-  custom_call_target) from `_common.instruction_index`, or None if no instruction has its name."""
+  custom_call_target) from `_hlo.instruction_index`, or None if no instruction has its name."""
   n = kernel.lower()
   cls, op_name, target = info or ("", "", "")
   if any(k in n for k in ("fmha", "flash", "cudnn", "sdpa")) or "cudnn" in target:
@@ -116,7 +116,7 @@ def measure_one(a) -> dict:
   import jax
   import numpy as np
 
-  from _common import build_step, instruction_index
+  from _hlo import build_step, instruction_index
 
   precision, layout, extras = parse_variant(a.one)
   sets = a.sets + [s for e in extras for s in EXTRAS[e].get("sets", [])]

@@ -32,7 +32,7 @@ shape: hidden 256, 4 layers, 4 heads / 2 KV heads) this script
    on/off: (a) quantization error (relative MSE, float64) of REAL Adam moments, the float32 m and v
    of an optax.adamw run of this model (seed 0, --format-lr), per tensor over the tensors
    coat_adamw quantizes, with coat_jax.expansion's quantize/dequantize (codes materialised
-   between two jits, and checked first against a float64 numpy quantizer: _common.py says why);
+   between two jits, and checked first against a float64 numpy quantizer: _moments.py says why);
    geometric mean over tensors
    and pooled; (b) the final loss of a --format-steps run with coat_adamw in that format (model
    in --format-precision, bf16 by default, so only the optimizer state differs from the adamw run).
@@ -67,8 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import (MODE_COLORS, Budget, check_moment_round_trip, moment_round_trip, pyplot,
-                     save_figure)
+from _common import MODE_COLORS, Budget, pyplot, save_figure
+from _moments import check_moment_round_trip, moment_round_trip
 from coat_jax.training import build as build_lib, mesh as mesh_lib, schema
 from coat_jax.training.dataset import TokenDataset
 
@@ -186,7 +186,7 @@ def quant_error(x: np.ndarray, fmt: str, group_size: int, expand_min: int,
   """(sum (x - deq(q(x)))^2, sum x^2, #non-zero x flushed to 0, #non-zero x), float64 sums.
 
   Uses coat_jax.expansion's compact form, as coat_adamw stores its moments, with the FP8 codes
-  materialised between two jits (_common.moment_round_trip: inside one jit XLA GPU drops the
+  materialised between two jits (_moments.moment_round_trip: inside one jit XLA GPU drops the
   rounding).
   """
   out = moment_round_trip(x, fmt, group_size, expand_min, expand)

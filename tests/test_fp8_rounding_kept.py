@@ -6,7 +6,7 @@ benchmarks' jitted round trips report an E4M3 relative MSE of ~1e-13 instead of 
 Two defences, tested here:
 - coat_jax.formats.saturating_cast (every jnp FP8 producer) passes the codes through an
   optimization barrier, which ends such convert chains;
-- benchmarks/_common.py materialises the codes between two jits and checks a sample against a
+- benchmarks/_moments.py materialises the codes between two jits and checks a sample against a
   float64 numpy quantizer (`check_moment_round_trip`), aborting in one line on a mismatch.
 CPU XLA keeps the conversions, so the CPU tests check the structure (the barrier is in the
 program) and the guard; the @pytest.mark.gpu tests check the numbers on the device.
@@ -25,8 +25,8 @@ import pytest
 from coat_jax import expansion, formats, gemm, kernels, quantize
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))   # as when the scripts run: they import _common
-import _common as common  # noqa: E402
+sys.path.insert(0, str(REPO / "benchmarks"))   # as when the scripts run: they import _moments
+import _moments as common  # noqa: E402
 
 
 def _fake_quantize_numpy(x, group_size):

@@ -1,4 +1,4 @@
-"""benchmarks/_common.py's HLO helpers (ops and bytes per step through while loops, kernel ->
+"""benchmarks/_hlo.py's HLO helpers (ops and bytes per step through while loops, kernel ->
 instruction index) and profile_step.py's kernel categories, on a small scan compiled on CPU."""
 import importlib.util
 import sys
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as scripts: they import _common
+sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as scripts: they import _hlo
 
 
 def _load(name):
@@ -18,7 +18,7 @@ def _load(name):
   return module
 
 
-common, profile_step = _load("_common"), _load("profile_step")
+common, profile_step = _load("_hlo"), _load("profile_step")
 
 
 def test_step_stats_counts_loop_bodies_per_trip_and_dus_update_bytes():

@@ -1,0 +1,190 @@
+"""Compiled train steps and their optimized HLO text: ops and bytes per step through while loops,
+scanned residuals, kernel -> instruction index (hlo_step_stats.py, profile_step.py).
+"""
+from __future__ import annotations
+
+import collections
+import math
+import re
+
+FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+        "partition-id", "replica-id", "opt-barrier"}
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+               "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
+
+
+def shape_bytes(text: str) -> int:
+  """Bytes of an HLO shape string (arrays or tuples of arrays)."""
+  return sum(DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+             for dt, dims in _SHAPE.findall(text))
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+  """'(f32[2], s32[]) while(...)...' -> ('(f32[2], s32[])', 'while(...)...')."""
+  if rest.startswith("("):
+    depth = 0
+    for i, c in enumerate(rest):
+      depth += c == "("
+      depth -= c == ")"
+      if depth == 0:
+        return rest[:i + 1], rest[i + 1:].lstrip()
+  shape, _, tail = rest.partition(" ")
+  return shape, tail
+
+
+def parse_hlo(text: str) -> tuple[dict, str]:
+  """{computation: [(name, opcode, shape, line)]} and the entry computation's name."""
+  comps, entry, cur = {}, None, None
+  for line in text.splitlines():
+    m = _HEADER.match(line)
+    if m and not _INSTR.match(line):
+      cur = m.group(2)
+      comps[cur] = []
+      if m.group(1):
+        entry = cur
+      continue
+    if cur is None or line.strip() == "}":
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    shape, tail = _split_shape(line[m.end():])
+    opcode = tail.split("(", 1)[0].strip()
+    comps[cur].append((m.group(1), opcode, shape, line))
+  return comps, entry
+
+
+def _root(body):
+  """(root opcode, root line) of a computation's instruction list."""
+  for name, op, shape, line in body:
+    if line.lstrip().startswith("ROOT"):
+      return op, line
+  return "", ""
+
+
+def classify(opcode: str, shape: str, line: str, comps: dict) -> tuple[str, int]:
+  """(class, bytes written) of one top-level instruction."""
+  nbytes = shape_bytes(shape)
+  if opcode == "fusion":
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    body = comps.get(called.group(1), []) if called else []
+    root, root_line = _root(body)
+    if root == "dynamic-update-slice":  # in place: writes only the update
+      shapes = {n: s for n, _, s, _ in body}
+      upd = re.findall(r"%([\w.\-]+)", root_line.split("dynamic-update-slice(", 1)[1])
+      return "DUS fusion (in place)", shape_bytes(shapes.get(upd[1], "")) if len(upd) > 1 else 0
+    if root == "broadcast":  # e.g. the zero fill of a scan's stacked outputs before the loop
+      return "broadcast fusion (fill)", nbytes
+    if root == "dynamic-slice":
+      return "dynamic-slice fusion", nbytes
+    if root in ("copy", "transpose"):
+      return "copy/transpose fusion", nbytes
+    if root == "convert":
+      return "convert fusion", nbytes
+    if any(op in ("dot", "convolution") for _, op, _, _ in body):
+      return "dot fusion", nbytes
+    return "other fusion", nbytes
+  if opcode in ("copy", "copy-start", "copy-done"):
+    return "copy", nbytes
+  if opcode in ("dynamic-update-slice", "dynamic-slice", "transpose", "convert", "dot",
+                "custom-call"):
+    return opcode, nbytes
+  if opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                "collective-permute"):
+    return "collective", nbytes
+  return "other", nbytes
+
+
+def step_stats(text: str) -> dict:
+  """{class: [ops per step, bytes written per step]} plus 'while carry' (buffers, bytes)."""
+  comps, entry = parse_hlo(text)
+  stats = collections.defaultdict(lambda: [0, 0])
+
+  def walk(comp: str, times: int):
+    for name, opcode, shape, line in comps.get(comp, []):
+      if opcode in FREE:
+        continue
+      if opcode == "while":
+        body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+        trip = re.search(r'known_trip_count[^0-9]*(\d+)', line)
+        n = int(trip.group(1)) if trip else 1
+        stats["while loops"][0] += times
+        stats["while carry (buffers, bytes)"][0] += times * len(_SHAPE.findall(shape))
+        stats["while carry (buffers, bytes)"][1] += times * shape_bytes(shape)
+        walk(body, times * n)
+        continue
+      cls, nbytes = classify(opcode, shape, line, comps)
+      stats[cls][0] += times
+      stats[cls][1] += times * nbytes
+      for sub in re.findall(r"(?:to_apply|calls|branch_computations)=\{?%?([\w.\-]+)", line):
+        if opcode in ("call", "conditional"):
+          walk(sub, times)
+  walk(entry, 1)
+  return dict(stats)
+
+
+def scan_residuals(fn, *args) -> list[tuple[int, int, list]]:
+  """Per scan in fn's jaxpr: (length, bytes of its stacked outputs, [(shape, dtype) ...])."""
+  import jax
+  import jax.extend
+  import numpy as np
+
+  out = []
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scan":
+        ys = eqn.outvars[len(list(eqn.params["ft_out"].unpack()[0].vals)):]
+        out.append((eqn.params["length"],
+                    sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in ys),
+                    [(tuple(v.aval.shape), str(v.aval.dtype)) for v in ys]))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(sub)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
+def build_step(preset, precision, layout, seq_len, batch, sets):
+  """(compiled train step, jitted step, abstract args, `build`'s result) of one variant:
+  precision "bf16" | "fp8_linear" (with adamw) or "coat" (coat_adamw), layout "scan" | "loop"."""
+  import jax
+  import numpy as np
+
+  from coat_jax.training import mesh as mesh_lib, schema
+  from coat_jax.training.build import build
+
+  opt = "coat_adamw" if precision == "coat" else "adamw"
+  overrides = [f"model.preset={preset}", "model.dtype=auto", f"precision={precision}",
+               f"optimizer.name={opt}", f"data.seq_len={seq_len}", f"data.batch_size={batch}",
+               f"model.scan_layers={layout == 'scan'}", "run.steps=10", *sets]
+  cfg = schema.load(None, overrides)
+  built = build(cfg, mesh_lib.make_mesh(cfg.mesh), seed=0)
+  tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), np.int32, sharding=built.batch_sharding)
+  args = (*built.abstract_state(), tokens)
+  return built.train_step.lower(*args).compile(), built.train_step, args, built
+
+
+def instruction_index(text: str) -> dict:
+  """{instruction name: (class, op_name metadata, custom_call_target)} of the top-level
+  instructions of every non-fusion computation; each name also under its kernel spelling
+  (XLA names a GPU kernel after its instruction, '.' and '-' turned into '_')."""
+  comps, entry = parse_hlo(text)
+  fused = {m for m in re.findall(r"calls=%?([\w.\-]+)", text)}
+  index = {}
+  for comp, body in comps.items():
+    if comp in fused:
+      continue
+    for name, opcode, shape, line in body:
+      if opcode in FREE:
+        continue
+      cls, _ = classify(opcode, shape, line, comps)
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      target = re.search(r'custom_call_target="([^"]*)"', line)
+      info = (cls, op_name.group(1) if op_name else "", target.group(1) if target else "")
+      index[name] = info
+      index[re.sub(r"[.\-]", "_", name)] = info
+  return index
