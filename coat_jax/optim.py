@@ -270,32 +270,32 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       if decay is None:
         decay = jax.tree.map(lambda _: True, params)
 
-    def step(g, p, m, v, use_decay, c, index, offset=0):
-      rounded = master_rounding != "nearest" and _is_bf16(p)
-      if rounded and kahan:
-        p32 = p.astype(jnp.float32) + c.astype(jnp.float32)  # the master value p + c
-      else:
-        p32 = p.astype(jnp.float32) if rounded else p
+    def rounded_step(g, p, m, v, use_decay, c, index, offset=0):
+      """A bfloat16 master leaf: the step on its float32 value (p, or p + c with Kahan), rounded
+      back to bfloat16 stochastically, or to nearest with the remainder kept in c (Kahan)."""
+      p32 = p.astype(jnp.float32)
+      if kahan:
+        p32 = p32 + c.astype(jnp.float32)  # the master value p + c
       [(new_p, new_m, new_v)] = kernels.coat_adam_tree_step(
           [p32], [g], [m], [v], [use_decay], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
           weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
           expand=expand, **qargs)
-      if rounded and kahan:
+      if kahan:
         hi = new_p.astype(_BF16)
         return hi, new_m, new_v, (new_p - hi.astype(jnp.float32)).astype(_BF16)
-      if rounded:
-        new_p = round_to(new_p, p.dtype, "stochastic", step=count, seed=index, offset=offset)
+      new_p = round_to(new_p, p.dtype, "stochastic", step=count, seed=index, offset=offset)
       return new_p, new_m, new_v, c
 
-    def leaf(g, p, m, v, use_decay, c, index):
-      if master_rounding == "nearest" or not _is_bf16(p) or p.ndim < 3:
-        return step(g, p, m, v, use_decay, c, index)
+    def rounded_leaf(g, p, m, v, use_decay, c, index):
+      if p.ndim < 3:
+        return rounded_step(g, p, m, v, use_decay, c, index)
       # A stacked (layers, ...) leaf: one layer at a time (lax.map), so that the float32 working
       # copy is one layer's, not the whole stack's (22.6 GB for Llama-2-13B's MLP stack). The
       # rounding bits use the flat element index (offset), so the result is the whole leaf's.
       rows = p.size // p.shape[0]
       return jax.lax.map(
-          lambda a: step(a[1], a[2], a[3], a[4], use_decay, a[5], index, offset=a[0] * rows),
+          lambda a: rounded_step(a[1], a[2], a[3], a[4], use_decay, a[5], index,
+                                 offset=a[0] * rows),
           (jnp.arange(p.shape[0], dtype=jnp.uint32), g, p, m, v, c))
 
     g_leaves, treedef = jax.tree.flatten(updates)
@@ -314,7 +314,8 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
                          f"group_axis")
     g_leaves, p_leaves, c_leaves = ([swap_to_last(x, a) for x, a in zip(xs, axes)]
                                     for xs in (g_leaves, p_leaves, c_leaves))
-    # Leaves rounded to bfloat16 master weights (stochastic / kahan) go one by one (`leaf`);
+    # Leaves rounded to bfloat16 master weights (stochastic / kahan) go one by one
+    # (`rounded_leaf`);
     # all the others in one dispatch call: on a Hopper GPU the quantized ones share a few launches.
     rounded = [master_rounding != "nearest" and _is_bf16(p) for p in p_leaves]
     plain = [i for i, r in enumerate(rounded) if not r]
@@ -330,8 +331,8 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
         out[i] = (*o, c_leaves[i])
     for i, r in enumerate(rounded):
       if r:
-        out[i] = leaf(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], d_leaves[i],
-                      c_leaves[i], i)
+        out[i] = rounded_leaf(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], d_leaves[i],
+                              c_leaves[i], i)
     out = [(swap_to_last(o[0], a), o[1], o[2], swap_to_last(o[3], a)) for o, a in zip(out, axes)]
     new_updates = treedef.unflatten([o[0] for o in out])
     mu = treedef.unflatten([o[1] for o in out])

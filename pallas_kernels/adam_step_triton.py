@@ -1,14 +1,7 @@
 """Fused COAT AdamW step as a Triton kernel called through jax-triton (GPU only).
 
-The same step as pallas_kernels/adam_step_mgpu.py (and the reference, coat_jax.optim
-adam_step_reference): per group of G elements, one row of a (P/G, G) view,
-
-  load:   x = sign(q) * mx * (|q| / fmax)^(1/k)      (exactly q * mx / fmax where k = 1)
-  Adam:   m = b1 m + (1-b1) g,  v = b2 v + (1-b2) g^2,  denom = (sqrt(v) / sqrt(bc2) + eps) * bc1
-          out = p - lr (m / denom + wd p)   (output="param")   or   -lr (m / denom + wd p)
-  store:  mx = max|x| + floor, mn = min non-zero |x| + floor (mx if none),
-          k = clip(floor(log2(R) / log2(mx / mn) * expand_min), 1, max_k) / expand_min,
-          q = cast(clamp(sign(x) * fmax * 2^(k * (log2|x| - log2 mx)), +-fmax))
+The same step as pallas_kernels/adam_step_mgpu.py, whose docstring gives the math per group of G
+elements (load, Adam, store), and as the reference, coat_jax.optim adam_step_reference.
 
 Written with the official Triton language and called with `jax_triton.triton_call`, so it does
 not use the deprecated Pallas Triton backend. Precise math: libdevice exp2 / log2 (as XLA), IEEE
@@ -16,7 +9,8 @@ sqrt (`sqrt_rn`), Triton's `/` (div.full.f32, what XLA:GPU emits). A program tak
 last program's rows are masked (Triton's masked loads/stores, no partial blocks of Pallas).
 Needs triton >= 3.6 and jax-triton 0.3.1 (`pip install .[gpu]`); jax-triton cannot run on CPU,
 so `available()` says whether `adam_step` can be called. With triton alone, Triton's interpreter
-(TRITON_INTERPRET=1) runs the kernel on host buffers (tests/test_kernels_adam_triton.py). Imports jax, numpy and (optionally) triton only.
+(TRITON_INTERPRET=1) runs the kernel on host buffers (tests/test_kernels_adam_triton.py).
+Imports jax, numpy and (optionally) triton only.
 """
 from __future__ import annotations
 

@@ -13,16 +13,11 @@ import pytest
 from coat_jax.training import schema
 from coat_jax.training.loop import run
 from coat_jax.training.step_log import summary_line
+from tests.test_training_cli import MINI as CLI_MINI
 
 REPO = Path(__file__).resolve().parents[1]
-MINI = [
-    "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_heads=4",
-    "model.num_kv_heads=2", "model.max_seq_len=32", "model.dtype=float32", "data.vocab_size=512",
-    "data.corpus_max_bytes=150000", "data.seq_len=32", "data.batch_size=8", "data.eval_batches=1",
-    "optimizer.warmup=1", "run.progress=false", "run.log_every=2", "run.eval_every=0",
-    "run.tensorboard=false", "run.plot=false", "mesh.data=1", "checkpoint.async_save=false",
-    'run.compile_cache=""',
-]
+# test_training_cli's minuscule run, without the progress bar and TensorBoard.
+MINI = CLI_MINI + ["run.progress=false", "run.tensorboard=false"]
 QUIET = lambda _: None
 
 
