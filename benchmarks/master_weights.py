@@ -129,9 +129,10 @@ def train_one(args) -> dict:
     rec["evals"].append([step, loss])
     say(f"[{args.one}] step {step}: eval {loss:.4f} ({time.time() - t0:.0f} s)")
 
-  deadline, pending, step_s = args.deadline or math.inf, [], None
+  # Deadline: after each eval (where the host has waited for the queued steps), the seconds per
+  # step of the last window, eval included (the first window includes the compile: conservative).
+  deadline, pending, step_s, t_mark = args.deadline or math.inf, [], None, t0
   for step in range(1, args.steps + 1):
-    ts = time.time()
     tokens = mesh_lib.put_batch(ds.train_batch(step - 1), sh)
     params, opt_state, rest, out = built.train_step(params, opt_state, rest, tokens)
     pending.append(out["loss"])
@@ -142,10 +143,10 @@ def train_one(args) -> dict:
       evaluate(step)
       if not math.isfinite(rec["losses"][-1]):
         break
-    if step > 1:  # the first step includes the compile
-      step_s = time.time() - ts if step_s is None else 0.9 * step_s + 0.1 * (time.time() - ts)
-      if time.time() + 3 * step_s * args.eval_every + 10 > deadline and step % args.eval_every == 0:
-        say(f"[{args.one}] deadline: stopping after step {step}")
+      now = time.time()
+      step_s, t_mark = (now - t_mark) / args.eval_every, now
+      if not last and now + 1.2 * step_s * args.eval_every + 10 > deadline:
+        say(f"[{args.one}] deadline: stopping after step {step} ({step_s * 1e3:.0f} ms/step)")
         break
   rec["wall_s"] = time.time() - t0
   return rec
