@@ -18,6 +18,11 @@ not the speed). Every child evaluates (the mean loss over data.eval_batches held
 every --eval-every steps and at its last step, and stops early at the --seconds-budget deadline;
 the table compares the variants at the last eval step all of them reached.
 
+The data must not repeat: on the default 4 MB corpus 2000 steps of 16 x 256 tokens are ~7 epochs,
+the float32 run overfits (eval loss rising after step ~1200) and a variant that learns less
+(round-to-nearest masters) then "wins" on eval loss (H100, 2026-11-23). Defaults: 20 MB of stdlib
+sources and 8 x 256 tokens per step, under one epoch.
+
 Outputs in --out: master_weights.json, master_weights.md (table), master_weights.png (curves).
 
 GPU (H100, 5 variants at once, ~7 min: compiles ~1.5 min, then the steps the budget allows):
@@ -63,7 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=2000)
   p.add_argument("--eval-every", type=int, default=100)
   p.add_argument("--seq-len", type=int, default=256)
-  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--corpus-mb", type=float, default=20.0,
+                 help="stdlib corpus size (MB): 2000 x 8 x 256 tokens stay under one epoch")
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
   p.add_argument("--parallel", type=int, default=1, help="variants run at once (one GPU)")
@@ -89,7 +96,8 @@ def say(msg: str) -> None:
 def config_overrides(args, variant: str) -> list[str]:
   return [f"model.preset={args.preset}", "model.dtype=auto", f"precision={args.precision}",
           "optimizer.name=coat_adamw", f"optimizer.lr={args.lr}", "optimizer.warmup=100",
-          "data.kind=stdlib", f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}",
+          "data.kind=stdlib", f"data.corpus_max_bytes={int(args.corpus_mb * 1e6)}",
+          f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}",
           f"run.steps={args.steps}", "mesh.data=1"] + list(args.overrides) + VARIANTS[variant]
 
 
@@ -205,7 +213,7 @@ def run_children(args, budget: Budget, out: Path) -> dict[str, dict]:
 def _child_args(args) -> list[str]:
   cmd = ["--preset", args.preset, "--precision", args.precision, "--steps", str(args.steps),
          "--eval-every", str(args.eval_every), "--seq-len", str(args.seq_len),
-         "--batch", str(args.batch), "--lr", str(args.lr)]
+         "--batch", str(args.batch), "--lr", str(args.lr), "--corpus-mb", str(args.corpus_mb)]
   for item in args.overrides:
     cmd += ["--set", item]
   return cmd

@@ -61,7 +61,7 @@ from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
 from coat_jax.optim_state import (GROUP_AXES, CoatAdamWState, check_group_split,  # noqa: F401
                                   group_axes, state_shardings, swap_to_last, swapped_shape)
-from coat_jax.rounding import MASTER_ROUNDINGS, round_to
+from coat_jax.rounding import MASTER_ROUNDINGS, round_to, split_bf16
 
 __all__ = ["CoatAdamWState", "ExpandedMoment", "GROUP_AXES", "MASTER_ROUNDINGS", "adam_step_reference",
            "coat_adamw", "coat_adamw_apply", "group_axes", "optimizer_state_bytes", "state_shardings"]
@@ -281,8 +281,8 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
           weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
           expand=expand, **qargs)
       if kahan:
-        hi = new_p.astype(_BF16)
-        return hi, new_m, new_v, (new_p - hi.astype(jnp.float32)).astype(_BF16)
+        hi, lo = split_bf16(new_p)
+        return hi, new_m, new_v, lo
       new_p = round_to(new_p, p.dtype, "stochastic", step=count, seed=index, offset=offset)
       return new_p, new_m, new_v, c
 

@@ -71,3 +71,16 @@ def round_to(x: jax.Array, dtype, rounding: str = "nearest", *, step=0, seed=0,
     return x.astype(dtype)
   index = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) + jnp.asarray(offset, jnp.uint32)
   return stochastic_round_bf16(x, hash_bits(index, step, seed))
+
+
+def split_bf16(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(hi, lo) = (bfloat16(y), bfloat16(y - hi)), both rounded to nearest: y's leading 8
+  significant bits and the next 8 (Kahan storage of a float32 master value: hi + lo equals y to
+  within 2^-17 |y|).
+
+  hi passes through an optimization barrier before it is widened again: with
+  xla_allow_excess_precision (the default) XLA's GPU compiler folds float32 -> bfloat16 ->
+  float32 into the identity, which would make lo zero and Kahan summation round to nearest.
+  """
+  hi = jax.lax.optimization_barrier(y.astype(jnp.bfloat16))
+  return hi, (y - hi.astype(jnp.float32)).astype(jnp.bfloat16)
