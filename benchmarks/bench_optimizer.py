@@ -18,6 +18,11 @@ coat_adamw after clip_by_global_norm in an optax chain (the README's first examp
 coat_adamw_apply (one pass writing the params). "per leaf": one kernel launch per parameter
 (kernel family adam_tree=reference); "tree": the tree kernel (pallas_kernels/adam_tree_triton.py,
 a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again).
+Group axis: the coat rows group along each matrix's last axis (group_axis="last"), except
+coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an (in, out)
+kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
+pallas_kernels/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
+coat_cols with coat_leaf and apply_cols with apply_leaf.
 
 The byte floor is the bytes a step must move per param (read param, grad and state; write param
 and state; a chain also reads the gradient for its norm and writes and reads the clipped gradient,
@@ -25,6 +30,7 @@ and coat_adamw's update is written, then read with the param by apply_updates) d
 bandwidth measured here (a jitted x + 1 over a large array, read + write counted).
 
   python benchmarks/bench_optimizer.py --profile              # GPU, full size
+  python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
   JAX_PLATFORMS=cpu python benchmarks/bench_optimizer.py --scale 0.001 --steps 3   # smoke check
 """
 from __future__ import annotations
@@ -70,12 +76,13 @@ def pipelined_ms(step, args, steps: int) -> tuple[float, tuple]:
   return (time.perf_counter() - t0) * 1e3 / steps, (params, state)
 
 
-def bench_optimizer(name, opt, params_fn, grads, steps, profile=False):
+def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axis="last"):
   """Returns (wall ms, pipelined ms, state bytes per param, GPU kernel ms or None) for one
-  optimizer; frees its buffers."""
+  optimizer; frees its buffers. group_axis: the state's, for coat_adamw_apply (no init)."""
   params = params_fn()
   n = sum(p.size for p in jax.tree.leaves(params))
-  state = jax.jit(opt.init if hasattr(opt, "init") else coat_adamw(1e-3).init)(params)
+  init = opt.init if hasattr(opt, "init") else coat_adamw(1e-3, group_axis=group_axis).init
+  state = jax.jit(init)(params)
   state_bytes = optimizer_state_bytes(state)
 
   def _step(params, state, grads):
@@ -132,27 +139,33 @@ def _columns(params):
 
 
 # --rows key -> (label, make optimizer, kernel backend, bytes per param beyond the one-pass step's)
+LAST = dict(group_axis="last")
 CONFIGS = {
     "optax": ("optax.adamw", lambda: optax.adamw(1e-3, weight_decay=1e-4), "reference", 0),
     "optax_chain": ("chain(clip, optax.adamw)",
                     lambda: _chain(optax.adamw(1e-3, weight_decay=1e-4)), "reference", 4),
-    "coat_leaf": ("coat_adamw + apply_updates, per leaf", lambda: coat_adamw(1e-3),
+    "coat_leaf": ("coat_adamw + apply_updates, per leaf", lambda: coat_adamw(1e-3, **LAST),
                   "adam=pallas,adam_tree=reference", 12),
-    "coat_tree": ("coat_adamw + apply_updates, tree", lambda: coat_adamw(1e-3), "adam=pallas",
-                  12),
-    "coat_cols": ("coat_adamw + apply_updates, per leaf, groups along axis -2 (transposes)",
+    "coat_tree": ("coat_adamw + apply_updates, tree", lambda: coat_adamw(1e-3, **LAST),
+                  "adam=pallas", 12),
+    "coat_cols": ("coat_adamw + apply_updates, per leaf, groups along axis -2 (column kernel)",
                   lambda: coat_adamw(1e-3, group_axis=_columns),
                   "adam=pallas,adam_tree=reference", 12),
-    "chain_leaf": ("chain(clip, coat_adamw), per leaf", lambda: _chain(coat_adamw(1e-3)),
+    "chain_leaf": ("chain(clip, coat_adamw), per leaf", lambda: _chain(coat_adamw(1e-3, **LAST)),
                    "adam=pallas,adam_tree=reference", 4 + 8 + 12),
-    "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3)),
+    "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3, **LAST)),
                    "adam=pallas", 4 + 8 + 12),
-    "apply_leaf": ("coat_adamw_apply, per leaf", lambda: coat_adamw_apply(1e-3),
+    "apply_leaf": ("coat_adamw_apply, per leaf", lambda: coat_adamw_apply(1e-3, **LAST),
                    "adam=pallas,adam_tree=reference", 0),
-    "apply_tree": ("coat_adamw_apply, tree", lambda: coat_adamw_apply(1e-3), "adam=pallas", 0),
-    "apply_jnp": ("coat_adamw_apply, jnp reference", lambda: coat_adamw_apply(1e-3),
+    "apply_cols": ("coat_adamw_apply, per leaf, groups along axis -2 (column kernel)",
+                   lambda: coat_adamw_apply(1e-3, group_axis=_columns),
+                   "adam=pallas,adam_tree=reference", 0),
+    "apply_tree": ("coat_adamw_apply, tree", lambda: coat_adamw_apply(1e-3, **LAST),
+                   "adam=pallas", 0),
+    "apply_jnp": ("coat_adamw_apply, jnp reference", lambda: coat_adamw_apply(1e-3, **LAST),
                   "reference", 0),
 }
+COLUMN_ROWS = ("coat_cols", "apply_cols")
 DEFAULT_ROWS = ["optax", "optax_chain", "coat_tree", "chain_tree", "apply_leaf", "apply_tree"]
 
 
@@ -190,8 +203,9 @@ def main():
   for key in names:
     name, make, backend, extra = CONFIGS[key]
     with kernels.backend(backend):
-      ms, piped, bpp, device_ms = bench_optimizer(name, make(), params_fn, grads, args.steps,
-                                                  args.profile)
+      ms, piped, bpp, device_ms = bench_optimizer(
+          name, make(), params_fn, grads, args.steps, args.profile,
+          group_axis=_columns if key in COLUMN_ROWS else "last")
     moved = 4 + 4 + 4 + 2 * bpp + extra  # read param + grad + state, write param + state
     floor_ms = moved * n / bw * 1e3
     rows_out.append((name, ms, piped, bpp, moved, floor_ms, device_ms))
