@@ -134,8 +134,9 @@ def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> 
   When the fused kernel is in use (`kernels.use_pallas("adam")`; it runs per shard), a split of
   the group axis that cuts a parameter's groups raises ValueError naming the parameter and the
   split (`check_group_split`).
-  group_axes: the tree `group_axes(group_axis, params)` of the state's coat_adamw (None: every
-  leaf's last axis, group_axis="last"): the axis the group check runs on.
+  group_axes: the tree `group_axes(group_axis, params)` of the state's coat_adamw, the axis the
+  group check runs on; None: read from each moment (the one axis where its scales' shape differs
+  from its data's; -1 where none does).
   """
   is_sharding = lambda x: isinstance(x, NamedSharding)
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)
@@ -148,10 +149,14 @@ def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> 
       raise ValueError(f"state_shardings: expected NamedSharding leaves, got {type(s).__name__}")
 
   per_shard_kernel = kernels.use_pallas("adam")
-  axes = [-1] * len(paths) if group_axes is None else treedef.flatten_up_to(group_axes)
+  axes = [None] * len(paths) if group_axes is None else treedef.flatten_up_to(group_axes)
 
   def moment(path, sharding, leaf, axis):
     if isinstance(leaf, ExpandedMoment):
+      if axis is None:
+        differ = [i - leaf.data.ndim for i, (a, b) in
+                  enumerate(zip(leaf.data.shape, leaf.amax.shape)) if a != b]
+        axis = differ[0] if len(differ) == 1 else -1
       if per_shard_kernel and leaf.data.ndim:
         check_group_split(path, leaf.data.shape, leaf.amax.shape[axis], sharding, axis)
       meta = _metadata_sharding(sharding, leaf.amax.shape)

@@ -77,6 +77,10 @@ def test_group_axes_and_state_layout(run):
       assert m.data.shape == shape and m.amax.shape == m.k_code.shape == meta
   # same bytes: every dim here is a multiple of G, so the group count is the same either way
   assert optim.optimizer_state_bytes(coat) == optim.optimizer_state_bytes(last)
+  quantized = [(m, v) for m, v in zip(jax.tree.leaves(coat.mu, is_leaf=is_m),
+                                      jax.tree.leaves(coat.nu, is_leaf=is_m)) if is_m(m)]
+  size = sum(m.data.size for m, _ in quantized)
+  assert optim.optimizer_state_bytes(quantized) / size <= 2.10   # 2 + 2 x 5 / 128
 
 
 def _transposed(m: ExpandedMoment) -> ExpandedMoment:
@@ -193,9 +197,10 @@ def test_group_check_uses_the_grouped_axis():
   axes = optim.group_axes("coat", params)
   state = jax.eval_shape(_opt(group_axis="coat").init, params)
   forced = {"q": {"kernel": NamedSharding(mesh, P(("fsdp", "tensor"), None))}}
-  with kernels.backend("pallas"), pytest.raises(
-      ValueError, match=r"\['q'\]\['kernel'\] of shape \(256, 384\) has its axis 0 .*split 8 ways"):
-    optim.state_shardings(forced, state, axes)
+  for given in (axes, None):   # None: the group axis read from the moments' shapes
+    with kernels.backend("pallas"), pytest.raises(
+        ValueError, match=r"\['q'\]\['kernel'\] of shape \(256, 384\) has its axis 0 .*split 8 ways"):
+      optim.state_shardings(forced, state, given)
   fitted = mesh_lib.param_shardings(params, mesh, group_size=128, group_axes=axes)
   spec = fitted["q"]["kernel"].spec
   assert spec[0] != ("fsdp", "tensor") and spec[0] != "fsdp"
@@ -279,3 +284,21 @@ def test_per_shard_wrapper_keeps_column_groups_local(rng):
     np.testing.assert_allclose(got[i], want[i], rtol=2e-6)
   for i in (1, 3, 4, 6):
     assert np.mean(got[i] == want[i]) > 0.999
+
+
+def test_dispatch_without_column_kernel_is_the_reference(rng):
+  """kernels.coat_adam_step(group_axis=-2) where no column kernel runs (CPU: the Pallas Triton
+  kernel in interpret mode, which has no column variant) is the jnp reference step."""
+  shape = (256, 48)
+  p, g = (jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(2))
+  m = ex.quantize_expanded(g * 1e-2, "e4m3", 128, 16, True, -2)
+  v = ex.quantize_expanded(g * g * 1e-4, "e4m3", 128, 16, True, -2)
+  kw = dict(KW, count=jnp.int32(2), m_format="e4m3", v_format="e4m3", group_size=128,
+            expand=True, expand_min=16, group_axis=-2)
+  with kernels.backend("pallas"):
+    assert kernels.implementation("adam") == "pallas_triton"
+    got = jax.jit(lambda *a: kernels.coat_adam_step(*a, **kw))(p, g, m, v)
+  want = jax.jit(lambda *a: adam_step_reference(*a, **kw))(p, g, m, v)
+  assert got[1].amax.shape == (2, 48)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
