@@ -22,7 +22,10 @@ Group axis: the coat rows group along each matrix's last axis (group_axis="last"
 coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an (in, out)
 kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
 pallas_kernels/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
-coat_cols with coat_leaf and apply_cols with apply_leaf.
+coat_cols with coat_leaf and apply_cols with apply_leaf. --cols-tiles BLOCKxWARPS,... repeats the
+column rows once per tile of the column kernel (G rows x BLOCK columns, WARPS warps; default
+adam_step_triton.COLS_BLOCK x COLS_WARPS). --scale keeps whole groups along axis -2 only where
+the scaled row counts stay multiples of 128 (e.g. 0.25; 4096 x 0.001 = 4 rows pads each group).
 
 The byte floor is the bytes a step must move per param (read param, grad and state; write param
 and state; a chain also reads the gradient for its norm and writes and reads the clipped gradient,
@@ -31,6 +34,7 @@ bandwidth measured here (a jitted x + 1 over a large array, read + write counted
 
   python benchmarks/bench_optimizer.py --profile              # GPU, full size
   python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
+  python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,64x4,64x8
   JAX_PLATFORMS=cpu python benchmarks/bench_optimizer.py --scale 0.001 --steps 3   # smoke check
 """
 from __future__ import annotations
@@ -178,11 +182,25 @@ def main():
                       help="also print top GPU kernels per step and HLO copy counts")
   parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                       help=f"comma-separated optimizers, of {list(CONFIGS)}")
+  parser.add_argument("--cols-tiles", default="",
+                      help="column kernel tiles BLOCKxWARPS,... for the column rows (default: "
+                           "the kernel's COLS_BLOCK x COLS_WARPS)")
   args = parser.parse_args()
   names = [r.strip() for r in args.rows.split(",") if r.strip()]
   bad = [r for r in names if r not in CONFIGS]
   if bad:
     parser.error(f"unknown --rows {bad}; choose from {list(CONFIGS)}")
+  try:
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.cols_tiles.split(",") if t.strip()]
+    assert all(len(t) == 2 and min(t) > 0 and not t[0] & (t[0] - 1) for t in tiles)
+  except (ValueError, AssertionError):
+    parser.error(f"--cols-tiles must be BLOCKxWARPS,... with BLOCK a power of two, got "
+                 f"{args.cols_tiles!r}")
+  from pallas_kernels import adam_step_triton
+  default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS)
+  runs = []   # (row key, column tile or None)
+  for key in names:
+    runs += [(key, t) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None)]
 
   rows = lambda r: max(1, round(r * args.scale))
   shapes = [(rows(r), c) for r, c in SHAPES]
@@ -200,8 +218,14 @@ def main():
   print(f"copy bandwidth (x + 1, read + write): {bw / 1e12:.3f} TB/s", flush=True)
 
   rows_out = []
-  for key in names:
+  for key, tile in runs:
     name, make, backend, extra = CONFIGS[key]
+    if key in COLUMN_ROWS:
+      tile = tile or default_tile
+      # the tile is read when the kernel is traced: clear the traces of the previous one
+      adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS = tile
+      jax.clear_caches()
+      name = f"{name}, tile {adam_step_triton.COLS_BLOCK} cols x {adam_step_triton.COLS_WARPS} warps"
     with kernels.backend(backend):
       ms, piped, bpp, device_ms = bench_optimizer(
           name, make(), params_fn, grads, args.steps, args.profile,

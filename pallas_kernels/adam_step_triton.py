@@ -52,8 +52,11 @@ def available() -> bool:
 
 
 GROUP_AXES = (-1, -2)
-ROWS_BLOCK = 16   # group_axis -1: rows of G per program
-COLS_BLOCK = 32   # group_axis -2: columns per G-row tile (32 FP8 bytes: one DRAM sector per row)
+# Default tiles (read when adam_step is traced; benchmarks/bench_optimizer.py --cols-tiles sweeps
+# the column ones, calling jax.clear_caches() between settings).
+ROWS_BLOCK, ROWS_WARPS = 16, 4   # group_axis -1: rows of G per program, warps
+COLS_BLOCK, COLS_WARPS = 32, 4   # group_axis -2: columns per G-row tile (32 FP8 bytes: one DRAM
+                                 # sector per row), warps
 
 
 def problem(shape, dtype, m_dtype, v_dtype, group_size: int, group_axis: int = -1) -> str | None:
@@ -303,14 +306,15 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
               weight_decay, count, m_fmax: float, v_fmax: float, m_log2_range: float,
               v_log2_range: float, group_size: int, expand: bool, expand_min: int,
               max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
-              block: int | None = None, num_warps: int = 4, alias: bool = False,
+              block: int | None = None, num_warps: int | None = None, alias: bool = False,
               fast_math: bool = False, grad_clamp: float = 2.0**63, group_axis: int = -1):
   """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
 
   group_axis: -1 (groups of G along the last axis, metadata (..., N / G)) or -2 (G consecutive
   rows of each column of a (..., in, out) param, metadata (..., in / G, out): COAT's layout).
-  block: per program, rows of G (group_axis -1, default 16) or columns of a G-row tile
-  (group_axis -2, default COLS_BLOCK); a power of two. alias: write the new param and moments
+  block, num_warps: per program, rows of G (group_axis -1, default ROWS_BLOCK) or columns of a
+  G-row tile (group_axis -2, default COLS_BLOCK), a power of two, and its warps (ROWS_WARPS /
+  COLS_WARPS). alias: write the new param and moments
   into the old ones' buffers (pays off when the caller donates them); fast_math: MUFU
   approximations for the per-element log2 / exp2 / sqrt / division (see `_log2`); grad_clamp:
   finite gradients are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays
@@ -323,10 +327,12 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
       group_size=group_size, output=output, problem=problem, group_axis=group_axis)
   if group_axis == -1:
     block = ROWS_BLOCK if block is None else block
+    num_warps = ROWS_WARPS if num_warps is None else num_warps
     kernel, rows, cols = _adam_kernel, like.size // group_size, None
     grid = -(-rows // block)
   else:   # row groups of G x column tiles of BLOCK
     block = COLS_BLOCK if block is None else block
+    num_warps = COLS_WARPS if num_warps is None else num_warps
     kernel, rows, cols = _adam_cols_kernel, like.size // group_size, like.shape[-1]
     grid = (like.size // (group_size * cols)) * -(-cols // block)
   out_dtype = grad.dtype if output == "update" else param.dtype
