@@ -18,6 +18,14 @@ coat_adamw after clip_by_global_norm in an optax chain (the README's first examp
 coat_adamw_apply (one pass writing the params). "per leaf": one kernel launch per parameter
 (kernel family adam_tree=reference); "tree": the tree kernel (pallas_kernels/adam_tree_triton.py,
 a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again).
+Group axis: the coat rows group along each matrix's last axis (group_axis="last"), except
+coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an (in, out)
+kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
+pallas_kernels/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
+coat_cols with coat_leaf and apply_cols with apply_leaf. --cols-tiles BLOCKxWARPS,... repeats the
+column rows once per tile of the column kernel (G rows x BLOCK columns, WARPS warps; default
+adam_step_triton.COLS_BLOCK x COLS_WARPS). --scale keeps whole groups along axis -2 only where
+the scaled row counts stay multiples of 128 (e.g. 0.25; 4096 x 0.001 = 4 rows pads each group).
 
 The byte floor is the bytes a step must move per param (read param, grad and state; write param
 and state; a chain also reads the gradient for its norm and writes and reads the clipped gradient,
@@ -25,6 +33,8 @@ and coat_adamw's update is written, then read with the param by apply_updates) d
 bandwidth measured here (a jitted x + 1 over a large array, read + write counted).
 
   python benchmarks/bench_optimizer.py --profile              # GPU, full size
+  python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
+  python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,64x4,64x8
   JAX_PLATFORMS=cpu python benchmarks/bench_optimizer.py --scale 0.001 --steps 3   # smoke check
 """
 from __future__ import annotations
@@ -70,12 +80,13 @@ def pipelined_ms(step, args, steps: int) -> tuple[float, tuple]:
   return (time.perf_counter() - t0) * 1e3 / steps, (params, state)
 
 
-def bench_optimizer(name, opt, params_fn, grads, steps, profile=False):
+def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axis="last"):
   """Returns (wall ms, pipelined ms, state bytes per param, GPU kernel ms or None) for one
-  optimizer; frees its buffers."""
+  optimizer; frees its buffers. group_axis: the state's, for coat_adamw_apply (no init)."""
   params = params_fn()
   n = sum(p.size for p in jax.tree.leaves(params))
-  state = jax.jit(opt.init if hasattr(opt, "init") else coat_adamw(1e-3).init)(params)
+  init = opt.init if hasattr(opt, "init") else coat_adamw(1e-3, group_axis=group_axis).init
+  state = jax.jit(init)(params)
   state_bytes = optimizer_state_bytes(state)
 
   def _step(params, state, grads):
@@ -132,27 +143,33 @@ def _columns(params):
 
 
 # --rows key -> (label, make optimizer, kernel backend, bytes per param beyond the one-pass step's)
+LAST = dict(group_axis="last")
 CONFIGS = {
     "optax": ("optax.adamw", lambda: optax.adamw(1e-3, weight_decay=1e-4), "reference", 0),
     "optax_chain": ("chain(clip, optax.adamw)",
                     lambda: _chain(optax.adamw(1e-3, weight_decay=1e-4)), "reference", 4),
-    "coat_leaf": ("coat_adamw + apply_updates, per leaf", lambda: coat_adamw(1e-3),
+    "coat_leaf": ("coat_adamw + apply_updates, per leaf", lambda: coat_adamw(1e-3, **LAST),
                   "adam=pallas,adam_tree=reference", 12),
-    "coat_tree": ("coat_adamw + apply_updates, tree", lambda: coat_adamw(1e-3), "adam=pallas",
-                  12),
-    "coat_cols": ("coat_adamw + apply_updates, per leaf, groups along axis -2 (transposes)",
+    "coat_tree": ("coat_adamw + apply_updates, tree", lambda: coat_adamw(1e-3, **LAST),
+                  "adam=pallas", 12),
+    "coat_cols": ("coat_adamw + apply_updates, per leaf, groups along axis -2 (column kernel)",
                   lambda: coat_adamw(1e-3, group_axis=_columns),
                   "adam=pallas,adam_tree=reference", 12),
-    "chain_leaf": ("chain(clip, coat_adamw), per leaf", lambda: _chain(coat_adamw(1e-3)),
+    "chain_leaf": ("chain(clip, coat_adamw), per leaf", lambda: _chain(coat_adamw(1e-3, **LAST)),
                    "adam=pallas,adam_tree=reference", 4 + 8 + 12),
-    "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3)),
+    "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3, **LAST)),
                    "adam=pallas", 4 + 8 + 12),
-    "apply_leaf": ("coat_adamw_apply, per leaf", lambda: coat_adamw_apply(1e-3),
+    "apply_leaf": ("coat_adamw_apply, per leaf", lambda: coat_adamw_apply(1e-3, **LAST),
                    "adam=pallas,adam_tree=reference", 0),
-    "apply_tree": ("coat_adamw_apply, tree", lambda: coat_adamw_apply(1e-3), "adam=pallas", 0),
-    "apply_jnp": ("coat_adamw_apply, jnp reference", lambda: coat_adamw_apply(1e-3),
+    "apply_cols": ("coat_adamw_apply, per leaf, groups along axis -2 (column kernel)",
+                   lambda: coat_adamw_apply(1e-3, group_axis=_columns),
+                   "adam=pallas,adam_tree=reference", 0),
+    "apply_tree": ("coat_adamw_apply, tree", lambda: coat_adamw_apply(1e-3, **LAST),
+                   "adam=pallas", 0),
+    "apply_jnp": ("coat_adamw_apply, jnp reference", lambda: coat_adamw_apply(1e-3, **LAST),
                   "reference", 0),
 }
+COLUMN_ROWS = ("coat_cols", "apply_cols")
 DEFAULT_ROWS = ["optax", "optax_chain", "coat_tree", "chain_tree", "apply_leaf", "apply_tree"]
 
 
@@ -165,11 +182,25 @@ def main():
                       help="also print top GPU kernels per step and HLO copy counts")
   parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                       help=f"comma-separated optimizers, of {list(CONFIGS)}")
+  parser.add_argument("--cols-tiles", default="",
+                      help="column kernel tiles BLOCKxWARPS,... for the column rows (default: "
+                           "the kernel's COLS_BLOCK x COLS_WARPS)")
   args = parser.parse_args()
   names = [r.strip() for r in args.rows.split(",") if r.strip()]
   bad = [r for r in names if r not in CONFIGS]
   if bad:
     parser.error(f"unknown --rows {bad}; choose from {list(CONFIGS)}")
+  try:
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.cols_tiles.split(",") if t.strip()]
+    assert all(len(t) == 2 and min(t) > 0 and not t[0] & (t[0] - 1) for t in tiles)
+  except (ValueError, AssertionError):
+    parser.error(f"--cols-tiles must be BLOCKxWARPS,... with BLOCK a power of two, got "
+                 f"{args.cols_tiles!r}")
+  from pallas_kernels import adam_step_triton
+  default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS)
+  runs = []   # (row key, column tile or None)
+  for key in names:
+    runs += [(key, t) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None)]
 
   rows = lambda r: max(1, round(r * args.scale))
   shapes = [(rows(r), c) for r, c in SHAPES]
@@ -187,11 +218,18 @@ def main():
   print(f"copy bandwidth (x + 1, read + write): {bw / 1e12:.3f} TB/s", flush=True)
 
   rows_out = []
-  for key in names:
+  for key, tile in runs:
     name, make, backend, extra = CONFIGS[key]
+    if key in COLUMN_ROWS:
+      tile = tile or default_tile
+      # the tile is read when the kernel is traced: clear the traces of the previous one
+      adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS = tile
+      jax.clear_caches()
+      name = f"{name}, tile {adam_step_triton.COLS_BLOCK} cols x {adam_step_triton.COLS_WARPS} warps"
     with kernels.backend(backend):
-      ms, piped, bpp, device_ms = bench_optimizer(name, make(), params_fn, grads, args.steps,
-                                                  args.profile)
+      ms, piped, bpp, device_ms = bench_optimizer(
+          name, make(), params_fn, grads, args.steps, args.profile,
+          group_axis=_columns if key in COLUMN_ROWS else "last")
     moved = 4 + 4 + 4 + 2 * bpp + extra  # read param + grad + state, write param + state
     floor_ms = moved * n / bw * 1e3
     rows_out.append((name, ms, piped, bpp, moved, floor_ms, device_ms))

@@ -23,7 +23,7 @@ until v decays (b2^t). Non-finite gradients still propagate (NaN is never hidden
 
 Moments are `ExpandedMoment`s (FP8 data + per-group amax and k_code, coat_jax.expansion) or
 float32 arrays of the param's shape; a quantized moment is dequantized before and requantized
-(fresh amax and k) after the update.
+(fresh amax and k) after the update, its groups along `group_axis` of the param's own layout.
 """
 from __future__ import annotations
 
@@ -54,22 +54,23 @@ def adam_moments(g, m, v, *, b1, b2, eps, count):
   return m / denom, m, v
 
 
-def load_moment(moment, fmt, group_size, expand_min) -> jax.Array:
+def load_moment(moment, fmt, group_size, expand_min, group_axis=-1) -> jax.Array:
   """A moment as float32 (dequantized when it is an ExpandedMoment)."""
   if isinstance(moment, ExpandedMoment):
-    return expansion.dequantize_expanded(moment, fmt, group_size, expand_min)
+    return expansion.dequantize_expanded(moment, fmt, group_size, expand_min, group_axis)
   return moment.astype(jnp.float32)
 
 
-def store_moment(x, like, fmt, group_size, expand, expand_min):
+def store_moment(x, like, fmt, group_size, expand, expand_min, group_axis=-1):
   """x stored as `like` is: requantized ExpandedMoment, or cast to like's dtype."""
   if isinstance(like, ExpandedMoment):
-    return expansion.quantize_expanded(x, fmt, group_size, expand_min, expand)
+    return expansion.quantize_expanded(x, fmt, group_size, expand_min, expand, group_axis)
   return x.astype(like.dtype)
 
 
 def adam_step_reference(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
-                        v_format, group_size, expand, expand_min, output: str = "param"):
+                        v_format, group_size, expand, expand_min, output: str = "param",
+                        group_axis: int = -1):
   """One parameter's full COAT step (the module docstring's math).
 
   Args:
@@ -79,6 +80,8 @@ def adam_step_reference(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, cou
     lr, b1, b2, eps, weight_decay: scalars (float or float32 arrays).
     count: the step number t >= 1 (int32 array) used for bias correction.
     output: "param" or "update" (what the first result is).
+    group_axis: the axis (negative) the quantized moments group along (-2: COAT's layout for a
+      Flax (in, out) kernel; metadata (..., in/G, out)).
   Returns:
     (new_param = param - lr * (m/denom + wd * param) in param.dtype, or with output="update" the
     optax update -lr * (m/denom + wd * param) in grad.dtype; new_m, new_v).
@@ -87,13 +90,13 @@ def adam_step_reference(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, cou
     raise ValueError(f"adam_step_reference: output must be 'param' or 'update', got {output!r}")
   if param is None and output == "param":
     raise ValueError("adam_step_reference: output='param' needs param")
-  m_f = load_moment(m, m_format, group_size, expand_min)
-  v_f = load_moment(v, v_format, group_size, expand_min)
+  m_f = load_moment(m, m_format, group_size, expand_min, group_axis)
+  v_f = load_moment(v, v_format, group_size, expand_min, group_axis)
   direction, m_f, v_f = adam_moments(grad, m_f, v_f, b1=b1, b2=b2, eps=eps, count=count)
   if param is not None:
     direction = direction + weight_decay * param.astype(jnp.float32)
-  new_m = store_moment(m_f, m, m_format, group_size, expand, expand_min)
-  new_v = store_moment(v_f, v, v_format, group_size, expand, expand_min)
+  new_m = store_moment(m_f, m, m_format, group_size, expand, expand_min, group_axis)
+  new_v = store_moment(v_f, v, v_format, group_size, expand, expand_min, group_axis)
   if output == "update":
     return (-lr * direction).astype(grad.dtype), new_m, new_v
   new_param = param.astype(jnp.float32) - lr * direction

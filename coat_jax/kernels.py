@@ -26,7 +26,8 @@ Which kernel (`implementation(family)`; `pallas`, and `auto` where AUTO_ON_HOPPE
   adam        triton: the jax-triton kernel (adam_step_triton.py) when triton and jax-triton
               import (`pip install coat-jax[gpu]`) and not in interpret mode; otherwise
               pallas_triton (adam_step.py, the deprecated Pallas Triton backend; on a GPU with one
-              warning naming what to install). Moments FP8 or INT8 (pallas_triton only), N % G == 0.
+              warning naming what to install). Moments FP8 or INT8 (pallas_triton only), N % G == 0;
+              groups along axis -2 (COAT's layout): triton only (pallas_triton: the reference).
 Why these (measured speeds): docs/benchmarks.md, "New kernels off the Triton backend".
 
 Meshes: with more than one device, every Pallas call is wrapped by `coat_jax.sharded`
@@ -228,11 +229,11 @@ def interpret_mode() -> bool:
   return jax.default_backend() != "gpu"
 
 
-def _rows(kernel, args, kinds_in, kinds_out, group_size):
+def _rows(kernel, args, kinds_in, kinds_out, group_size, group_axis=-1):
   """kernel(*args) on one device; per shard (coat_jax.sharded.rowwise) with several."""
   if not per_shard():
     return tuple(kernel(*args))
-  return sharded.rowwise(kernel, args, kinds_in, kinds_out, group_size)
+  return sharded.rowwise(kernel, args, kinds_in, kinds_out, group_size, group_axis)
 
 
 def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
@@ -364,17 +365,20 @@ def adam_kernel_limits(m_format, v_format) -> dict:
 
 
 def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
-                   v_format, group_size, expand, expand_min, output="param"):
+                   v_format, group_size, expand, expand_min, output="param", group_axis=-1):
   """See `coat_jax.adam_math.adam_step_reference`: (new_param or update, new_m, new_v), one leaf.
 
   output: "param" (new param, param.dtype) or "update" (optax's u = -lr * (m/denom + wd*p), in
-  grad.dtype; param may then be None: no decay term).
+  grad.dtype; param may then be None: no decay term). group_axis: the moments' group axis
+  (-1, or -2: COAT's layout, metadata (..., in / G, out)).
   Kernel (`implementation("adam")`, both moments ExpandedMoment): triton (jax-triton, FP8
-  moments, G a power of two >= 16) or pallas_triton (adam_step.py); N % G == 0. Shapes the chosen
-  kernel does not take: the reference.
+  moments, G a power of two >= 16; group_axis -1 or -2, that axis' length % G == 0) or
+  pallas_triton (adam_step.py; group_axis -1 only, N % G == 0). Shapes or axes the chosen kernel
+  does not take: the reference.
   """
   kwargs = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
-                group_size=group_size, expand=expand, expand_min=expand_min, output=output)
+                group_size=group_size, expand=expand, expand_min=expand_min, output=output,
+                group_axis=group_axis)
   like = grad if param is None else param
   impl = (implementation("adam") if isinstance(m, ExpandedMoment)
           and isinstance(v, ExpandedMoment) else None)
@@ -382,7 +386,13 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
     from pallas_kernels import adam_step_triton as pk
     if not pk.available():
       raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({INSTALL_HINT})")
-    ok = pk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size)
+    ok = pk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size, group_axis)
+  elif impl == "pallas_triton" and group_axis != -1:
+    ok = False
+    if not interpret_mode():
+      _warn_once("adam_cols", "coat_jax: the Pallas Triton Adam kernel groups along the last "
+                 "axis only, so leaves grouped along another axis (group_axis='coat') take the "
+                 f"jnp reference step; install jax-triton for the fused kernel: {INSTALL_HINT}")
   elif impl == "pallas_triton":
     from pallas_kernels import adam_step as pk
     ok = pk.supported(like, group_size)
@@ -396,7 +406,8 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
                     m_log2_range=limits["m_log2_range"], v_log2_range=limits["v_log2_range"],
                     max_k_code=limits["max_code"], amax_floor=limits["floor"],
                     grad_clamp=limits["grad_clamp"], group_size=group_size, expand=expand,
-                    expand_min=expand_min, output=output, alias=True, fast_math=True)
+                    expand_min=expand_min, output=output, alias=True, fast_math=True,
+                    group_axis=group_axis)
       step = lambda p, g, m3, v3, **h: pk.adam_step(p, g, *m3, *v3, **static, **h)
     else:
       # fast_math: MUFU approximations (errors ~2^-22, far below FP8 rounding). On the H100
@@ -422,14 +433,16 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
 
     args = p_in + [grad, *m, *v] + [jnp.asarray(hyper[k]) for k in traced]
     kinds = ["data"] * (len(p_in) + 1) + ["data", "meta", "meta"] * 2 + ["scalar"] * len(traced)
-    out, *mv = _rows(kernel, args, kinds, ["data"] + ["data", "meta", "meta"] * 2, group_size)
+    out, *mv = _rows(kernel, args, kinds, ["data"] + ["data", "meta", "meta"] * 2, group_size,
+                     group_axis)
     return out, ExpandedMoment(*mv[:3]), ExpandedMoment(*mv[3:])
   return adam_math.adam_step_reference(param, grad, m, v, m_format=m_format, v_format=v_format,
                                        **kwargs)
 
 
-def _tree_kernel_leaves(params, grads, ms, vs, group_size) -> list[int]:
-  """Indices of the leaves the tree kernel takes now (empty when it is not in use)."""
+def _tree_kernel_leaves(params, grads, ms, vs, group_size, group_axes=None) -> list[int]:
+  """Indices of the leaves the tree kernel takes now (empty when it is not in use): last-axis
+  groups only (group_axes: per leaf, None: all -1)."""
   # not on the mesh path (partitioning `always` too): the tree kernel has no per-shard wrapper
   if not (use_pallas("adam") and use_pallas("adam_tree") and not per_shard()
           and not interpret_mode()):
@@ -438,21 +451,24 @@ def _tree_kernel_leaves(params, grads, ms, vs, group_size) -> list[int]:
   if not tk.available():
     return []
   out = []
-  for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs)):
+  group_axes = [-1] * len(grads) if group_axes is None else group_axes
+  for i, (p, g, m, v, a) in enumerate(zip(params, grads, ms, vs, group_axes)):
     like = g if p is None else p
-    if (isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
+    if (a == -1 and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
         and tk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size)):
       out.append(i)
   return out
 
 
 def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight_decay, count,
-                        m_format, v_format, group_size, expand, expand_min, output="param"):
+                        m_format, v_format, group_size, expand, expand_min, output="param",
+                        group_axes=None):
   """Every leaf's step: [(new_param or update, new_m, new_v)] as `coat_adam_step` per leaf with
   weight decay `weight_decay` where decay[i] (0 elsewhere); float32 moments (not ExpandedMoment)
   take `adam_math.adam_step_reference`.
 
   params, grads, ms, vs: equal-length lists (params entries None only with output="update").
+  group_axes: each leaf's moment group axis (None: all -1); the tree kernel takes -1 leaves only.
   On one Hopper GPU with jax-triton installed, the quantized FP8 leaves whose last axis divides
   by group_size go through pallas_kernels/adam_tree_triton.py: one launch per up to
   adam_tree_triton.MAX_LEAVES leaves, fast math and in-place outputs as `coat_adam_step`. The
@@ -460,14 +476,15 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
   go leaf by leaf.
   """
   n = len(grads)
-  if not (len(params) == len(ms) == len(vs) == len(decay) == n):
+  group_axes = [-1] * n if group_axes is None else list(group_axes)
+  if not (len(params) == len(ms) == len(vs) == len(decay) == len(group_axes) == n):
     raise ValueError(f"coat_adam_tree_step: {len(params)} params, {n} grads, {len(ms)} / "
                      f"{len(vs)} moments and {len(decay)} decay flags: lengths must agree")
   common = dict(lr=lr, b1=b1, b2=b2, eps=eps, count=count, m_format=m_format,
                 v_format=v_format, group_size=group_size, expand=expand, expand_min=expand_min,
                 output=output)
   results = [None] * n
-  tree = _tree_kernel_leaves(params, grads, ms, vs, group_size)
+  tree = _tree_kernel_leaves(params, grads, ms, vs, group_size, group_axes)
   if tree:
     from pallas_kernels import adam_tree_triton as tk
     mf, vf = formats.get_format(m_format), formats.get_format(v_format)
@@ -486,7 +503,8 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
     if results[i] is None:
       wd = weight_decay if decay[i] else 0.0
       if isinstance(ms[i], ExpandedMoment) and isinstance(vs[i], ExpandedMoment):
-        results[i] = coat_adam_step(params[i], grads[i], ms[i], vs[i], weight_decay=wd, **common)
+        results[i] = coat_adam_step(params[i], grads[i], ms[i], vs[i], weight_decay=wd,
+                                    group_axis=group_axes[i], **common)
       else:
         results[i] = adam_math.adam_step_reference(params[i], grads[i], ms[i], vs[i],
                                                    weight_decay=wd, **common)

@@ -22,24 +22,27 @@ NaN/inf gradients still propagate (never hidden). See coat_jax.adam_math.
 State: `CoatAdamWState(count, mu, nu, comp)` (comp: Kahan compensation buffers for bfloat16
 master weights with master_rounding="kahan", else None; see `coat_adamw_apply`). A moment leaf is
   - an `ExpandedMoment` (FP8/INT8 data of the param's shape + float32 amax and uint8 k_code per
-    group of G along the last axis; see coat_jax.expansion) for floating params with at least
-    `min_quantized_size` elements, when quantize=True: 1 + 5/G bytes per element per moment;
+    group of G along the leaf's group axis; see coat_jax.expansion) for floating params with at
+    least `min_quantized_size` elements, when quantize=True: 1 + 5/G bytes per element per moment;
   - a float32 array of the param's shape otherwise. Small params (norm scales, biases) stay float32
     because the per-group metadata would be a large share of their bytes and they are a negligible
     share of the model (bitsandbytes keeps tensors under 4096 elements in 32 bit for the same reason).
-Groups along the last axis keep a param's sharding valid for its moments (see `state_shardings`).
-`group_axis="coat"` (or a callable) groups another axis instead, COAT's layout: see `group_axes`.
+The group axis (`group_axes`): by default (group_axis="coat", COAT's layout) a Flax (in, out)
+kernel groups G consecutive input features of each output column (axis -2; metadata
+(..., in / G, out)), other leaves their last axis; group_axis="last" groups every leaf's last
+axis. Moments stay in the param's layout either way, so a param's sharding is valid for its
+moments and scales (see `state_shardings`).
 
 A quantized leaf's step is: dequantize m and v (x = sign(q) mx (|q|/fmt.max)^(1/k) per group),
 the Adam math above in float32, then requantize each with a fresh per-group mx and k (dynamic range
 expansion: q = sign(x) fmt.max (|x|/mx)^k, k the largest multiple of 1/expand_min with
 (max/min)^k <= R of the format). `adam_step_reference` (coat_jax.adam_math) is that step for one param (returning
 the new param, or with output="update" optax's update): the jnp reference for the fused kernel.
-All leaves go through `kernels.coat_adam_tree_step` in one call: on a Hopper GPU with jax-triton
-the quantized leaves share a few launches of one kernel (pallas_kernels/adam_tree_triton.py),
-otherwise ExpandedMoment leaves take `kernels.coat_adam_step` (the fused Pallas kernel where
-`kernels.use_pallas("adam")` and the last axis divides by G, the reference otherwise) and float32
-moments the reference; the choice is made at trace time.
+All leaves go through `kernels.coat_adam_tree_step` in one call: ExpandedMoment leaves take
+`kernels.coat_adam_step` (the fused kernel where `kernels.use_pallas("adam")` and the group axis
+divides by G, the reference otherwise; with `adam_tree=triton` the last-axis leaves share a few
+launches, pallas_kernels/adam_tree_triton.py) and float32 moments the reference; the choice is
+made at trace time.
 `coat_adamw_apply` is the same step writing the new params directly (one pass over memory).
 
 Hyperparameters are plain arguments, so `optax.inject_hyperparams(coat_adamw)` works for the
@@ -59,11 +62,12 @@ from coat_jax import expansion, formats, kernels
 from coat_jax.adam_math import adam_step_reference
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
-from coat_jax.optim_state import (GROUP_AXES, CoatAdamWState, check_group_split,  # noqa: F401
-                                  group_axes, state_shardings, swap_to_last, swapped_shape)
+from coat_jax.optim_state import (DEFAULT_GROUP_AXIS, GROUP_AXES, CoatAdamWState,  # noqa: F401
+                                  check_group_split, group_axes, state_shardings)
 from coat_jax.rounding import MASTER_ROUNDINGS, round_to, split_bf16
 
-__all__ = ["CoatAdamWState", "ExpandedMoment", "GROUP_AXES", "MASTER_ROUNDINGS", "adam_step_reference",
+__all__ = ["CoatAdamWState", "DEFAULT_GROUP_AXIS", "ExpandedMoment", "GROUP_AXES",
+           "MASTER_ROUNDINGS", "adam_step_reference",
            "coat_adamw", "coat_adamw_apply", "group_axes", "optimizer_state_bytes", "state_shardings"]
 
 
@@ -71,7 +75,7 @@ def _is_moment_leaf(x) -> bool:
   return isinstance(x, ExpandedMoment)
 
 
-def _zero_moment(shape, fmt, *, group_size, expand_min, expand) -> ExpandedMoment:
+def _zero_moment(shape, fmt, *, group_size, expand_min, expand, axis=-1) -> ExpandedMoment:
   """`quantize_expanded` of zeros of `shape`, built by broadcasting one zero group's fields.
 
   Quantizing a large all-zero constant under jit makes XLA constant-fold the per-group reductions
@@ -80,7 +84,7 @@ def _zero_moment(shape, fmt, *, group_size, expand_min, expand) -> ExpandedMomen
   one = expansion.quantize_expanded(jnp.zeros((group_size,), jnp.float32), fmt, group_size,
                                     expand_min, expand)
   like = jax.eval_shape(lambda: expansion.quantize_expanded(
-      jnp.zeros(shape, jnp.float32), fmt, group_size, expand_min, expand))
+      jnp.zeros(shape, jnp.float32), fmt, group_size, expand_min, expand, axis))
   return jax.tree.map(lambda v, s: jnp.broadcast_to(v.reshape(-1)[0], s.shape).astype(s.dtype),
                       one, like)
 
@@ -128,7 +132,8 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
                expand_min: int | None = None, quantize: bool = True,
                min_quantized_size: int | None = None,
                master_rounding: str = "nearest",
-               group_axis: str | Callable[[Any], Any] = "last") -> optax.GradientTransformation:
+               group_axis: str | Callable[[Any], Any] = DEFAULT_GROUP_AXIS
+               ) -> optax.GradientTransformation:
   """AdamW whose moments are stored in FP8 with per-group dynamic range expansion (COAT).
 
   Args:
@@ -137,7 +142,7 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
     mask: pytree of bools like params (or a callable params -> such a pytree): where True, apply
       weight decay (as optax.adamw's mask). None: everywhere.
     m_format, v_format: "e4m3" | "e5m2" | "int8" for the first / second moment.
-    group_size: G, group length along each param's last axis (None: 128).
+    group_size: G, group length along each param's group axis (None: 128).
     expand: dynamic range expansion on (False: plain per-group max scaling).
     expand_min: k is a multiple of 1/expand_min (None: 16).
     quantize: False keeps all moments float32 (then this is optax.adamw).
@@ -147,9 +152,10 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       param to the state (`CoatAdamWState.comp`, 2 bytes per param). This transformation's own
       update (optax's update/apply_updates, which rounds p + u to nearest outside it) supports
       only "nearest": it raises ValueError for the others, use `coat_adamw_apply`.
-    group_axis: "last" | "coat" | callable params -> tree of axes: the axis each quantized
-      moment groups along (`group_axes`; the callable is called with the updates when params are
-      None). Not "last": slower (XLA transposes p and g per step), same bytes of state.
+    group_axis: "coat" (default: Flax kernels grouped along their input features, COAT's
+      layout) | "last" | callable params -> tree of axes: the axis each quantized moment groups
+      along (`group_axes`; the callable is called with the updates when params are None). Same
+      bytes of state either way; a state restores only into the group_axis it was made with.
     The three integer knobs default to None (meaning the values above) rather than to ints, so
     that optax.inject_hyperparams, which turns every int/float argument into a traced
     hyperparameter, leaves them static; if you set them under inject_hyperparams, list them in
@@ -211,7 +217,7 @@ def coat_adamw_apply(learning_rate: float | optax.Schedule, *args,
 def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None, *,
                     m_format="e4m3", v_format="e4m3", group_size=None, expand=True,
                     expand_min=None, quantize=True, min_quantized_size=None,
-                    master_rounding="nearest", group_axis="last"):
+                    master_rounding="nearest", group_axis=DEFAULT_GROUP_AXIS):
   """(init_fn, step_fn(updates, state, params=None, *, output)) of `coat_adamw` (same args)."""
   if not callable(group_axis) and group_axis not in GROUP_AXES:
     group_axes(group_axis, {})  # raises the ValueError
@@ -234,7 +240,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
 
   def init_moment(p, fmt, axis):
     if quantized(p):
-      return _zero_moment(swapped_shape(p.shape, axis), fmt, expand=expand, **qargs)
+      return _zero_moment(p.shape, fmt, expand=expand, axis=axis, **qargs)
     return jnp.zeros(p.shape, jnp.float32)
 
   def init_fn(params):
@@ -270,7 +276,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       if decay is None:
         decay = jax.tree.map(lambda _: True, params)
 
-    def rounded_step(g, p, m, v, use_decay, c, index, offset=0):
+    def rounded_step(g, p, m, v, use_decay, c, index, axis, offset=0):
       """A bfloat16 master leaf: the step on its float32 value (p, or p + c with Kahan), rounded
       back to bfloat16 stochastically, or to nearest with the remainder kept in c (Kahan)."""
       p32 = p.astype(jnp.float32)
@@ -279,22 +285,22 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       [(new_p, new_m, new_v)] = kernels.coat_adam_tree_step(
           [p32], [g], [m], [v], [use_decay], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
           weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
-          expand=expand, **qargs)
+          expand=expand, group_axes=[axis], **qargs)
       if kahan:
         hi, lo = split_bf16(new_p)
         return hi, new_m, new_v, lo
       new_p = round_to(new_p, p.dtype, "stochastic", step=count, seed=index, offset=offset)
       return new_p, new_m, new_v, c
 
-    def rounded_leaf(g, p, m, v, use_decay, c, index):
-      if p.ndim < 3:
-        return rounded_step(g, p, m, v, use_decay, c, index)
+    def rounded_leaf(g, p, m, v, use_decay, c, index, axis):
+      if p.ndim < 3 or p.ndim + axis == 0:
+        return rounded_step(g, p, m, v, use_decay, c, index, axis)
       # A stacked (layers, ...) leaf: one layer at a time (lax.map), so that the float32 working
       # copy is one layer's, not the whole stack's (22.6 GB for Llama-2-13B's MLP stack). The
       # rounding bits use the flat element index (offset), so the result is the whole leaf's.
       rows = p.size // p.shape[0]
       return jax.lax.map(
-          lambda a: rounded_step(a[1], a[2], a[3], a[4], use_decay, a[5], index,
+          lambda a: rounded_step(a[1], a[2], a[3], a[4], use_decay, a[5], index, axis,
                                  offset=a[0] * rows),
           (jnp.arange(p.shape[0], dtype=jnp.uint32), g, p, m, v, c))
 
@@ -304,16 +310,17 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
     v_leaves = treedef.flatten_up_to(state.nu)
     d_leaves = treedef.flatten_up_to(decay)
     c_leaves = treedef.flatten_up_to(state.comp) if kahan else [None] * len(g_leaves)
-    # Leaves grouped along another axis than the last run on swapped views (`group_axes`).
+    # Each quantized leaf's group axis (`group_axes`); its moments are in the param's layout.
     axes = treedef.flatten_up_to(group_axes(group_axis, updates if params is None else params))
     axes = [a if _is_moment_leaf(m) else -1 for a, m in zip(axes, m_leaves)]
     for g, m, a in zip(g_leaves, m_leaves, axes):
-      if _is_moment_leaf(m) and m.data.shape != swapped_shape(jnp.shape(g), a):
-        raise ValueError(f"coat_adamw: a moment of shape {m.data.shape} for a parameter of shape "
-                         f"{jnp.shape(g)} with group axis {a}: init the state with the same "
-                         f"group_axis")
-    g_leaves, p_leaves, c_leaves = ([swap_to_last(x, a) for x, a in zip(xs, axes)]
-                                    for xs in (g_leaves, p_leaves, c_leaves))
+      if _is_moment_leaf(m) and (m.data.shape != jnp.shape(g) or m.amax.shape !=
+                                 expansion.metadata_shape(jnp.shape(g), group_size, a)):
+        raise ValueError(f"coat_adamw: a moment of shape {m.data.shape} with scales of shape "
+                         f"{m.amax.shape} for a parameter of shape {jnp.shape(g)} grouped along "
+                         f"axis {a} (group_axis={group_axis!r}): init the state with the same "
+                         f"group_axis (states made before group_axis='coat' became the default "
+                         f"need group_axis='last')")
     # Leaves rounded to bfloat16 master weights (stochastic / kahan) go one by one
     # (`rounded_leaf`);
     # all the others in one dispatch call: on a Hopper GPU the quantized ones share a few launches.
@@ -326,14 +333,13 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
           [m_leaves[i] for i in plain], [v_leaves[i] for i in plain],
           [d_leaves[i] for i in plain], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
           weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
-          expand=expand, **qargs)
+          expand=expand, group_axes=[axes[i] for i in plain], **qargs)
       for i, o in zip(plain, res):
         out[i] = (*o, c_leaves[i])
     for i, r in enumerate(rounded):
       if r:
         out[i] = rounded_leaf(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], d_leaves[i],
-                              c_leaves[i], i)
-    out = [(swap_to_last(o[0], a), o[1], o[2], swap_to_last(o[3], a)) for o, a in zip(out, axes)]
+                              c_leaves[i], i, axes[i])
     new_updates = treedef.unflatten([o[0] for o in out])
     mu = treedef.unflatten([o[1] for o in out])
     nu = treedef.unflatten([o[2] for o in out])

@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from coat_jax import formats, kernels
 from coat_jax.expansion import ExpandedMoment
 
-__all__ = ["CoatAdamWState", "GROUP_AXES", "check_group_split", "group_axes", "state_shardings",
-           "swap_to_last", "swapped_shape"]
+__all__ = ["CoatAdamWState", "DEFAULT_GROUP_AXIS", "GROUP_AXES", "check_group_split",
+           "group_axes", "state_shardings"]
 
 
 class CoatAdamWState(NamedTuple):
@@ -29,6 +29,7 @@ class CoatAdamWState(NamedTuple):
 
 
 GROUP_AXES = formats.OPTIMIZER_GROUP_AXES
+DEFAULT_GROUP_AXIS = formats.OPTIMIZER_GROUP_AXIS
 
 
 def group_axes(group_axis: str | Callable[[Any], Any], params) -> Any:
@@ -36,16 +37,16 @@ def group_axes(group_axis: str | Callable[[Any], Any], params) -> Any:
   negative ints (-1: the last axis).
 
   group_axis:
-    "last": every leaf's last axis (the default; for a Flax (in, out) kernel, the output features).
-    "coat": COAT's layout. A leaf whose last path key is "kernel" with 2+ dims (Flax's Linear
-      kernel, (in, out) or stacked (layers, in, out)) groups along axis -2, the input features;
-      every other leaf (the embedding table (vocab, hidden), norm scales) along its last axis.
+    "coat" (the default, DEFAULT_GROUP_AXIS = formats.OPTIMIZER_GROUP_AXIS): COAT's layout. A
+      leaf whose last path key is "kernel" with 2+ dims (Flax's Linear kernel, (in, out) or
+      stacked (layers, in, out)) groups along axis -2, the input features; every other leaf (the
+      embedding table (vocab, hidden), norm scales) along its last axis.
+    "last": every leaf's last axis (for a Flax (in, out) kernel, the output features).
     a callable params -> tree like params of ints (as optax's `mask`): any axis per leaf.
-  A leaf whose axis is not the last stores its moments for the view jnp.swapaxes(p, axis, -1):
-  ExpandedMoment data of the swapped shape, amax / k_code one per group of its last axis. Its
-  step runs on swapped param / grad views through the same per-leaf dispatch and swaps the result
-  back, so XLA transposes p and g (and, in coat_adamw_apply, the new p) each step: correct
-  everywhere, slower than "last" (the fused kernel groups consecutive elements only).
+  Moments stay in the param's own layout: ExpandedMoment data of the param's shape, amax /
+  k_code of `expansion.metadata_shape(p.shape, G, axis)` ((..., in / G, out) for axis -2), so
+  no step transposes anything. The fused jax-triton kernel takes axes -1 and -2 (a G-row x
+  BLOCK-column tile for -2); other axes, and -2 without jax-triton, take the jnp reference step.
   Raises ValueError for another value or an axis out of a leaf's range.
   """
   if callable(group_axis):
@@ -72,18 +73,6 @@ def group_axes(group_axis: str | Callable[[Any], Any], params) -> Any:
   return treedef.unflatten(out)
 
 
-def swap_to_last(x, axis):
-  """x viewed with `axis` and the last axis exchanged (its own inverse); None stays None."""
-  return x if x is None or axis == -1 else jnp.swapaxes(x, axis, -1)
-
-
-def swapped_shape(shape, axis) -> tuple:
-  shape = list(shape)
-  if axis != -1:
-    shape[axis], shape[-1] = shape[-1], shape[axis]
-  return tuple(shape)
-
-
 def _axis_size(mesh, entry) -> int:
   names = entry if isinstance(entry, tuple) else (entry,)
   size = 1
@@ -104,53 +93,50 @@ def _metadata_sharding(sharding: NamedSharding, shape) -> NamedSharding:
   return NamedSharding(sharding.mesh, PartitionSpec(*out))
 
 
-def check_group_split(path: str, shape, num_groups: int, sharding: NamedSharding) -> None:
-  """ValueError naming the parameter and split when its last-axis split cuts quantization groups.
+def check_group_split(path: str, shape, num_groups: int, sharding: NamedSharding,
+                      axis: int = -1) -> None:
+  """ValueError naming the parameter and split when its split along the group axis `axis`
+  (negative) cuts quantization groups.
 
   The fused Adam kernel runs per shard (coat_jax.sharded) and needs each shard to hold whole
-  groups of G = N / num_groups along the last axis. Shapes the kernel does not take (N not a
+  groups of G = N / num_groups along the group axis. Shapes the kernel does not take (N not a
   multiple of G: a short final group) use the reference step, which takes any split.
   """
-  n = shape[-1] if len(shape) else 1
-  if not len(shape) or n % num_groups:
+  if len(shape) < -axis:
+    return
+  n = shape[axis]
+  if n % num_groups:
     return
   group = n // num_groups
   spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-  entry = spec[-1]
+  entry = spec[axis]
   if entry is None or entry is PartitionSpec.UNCONSTRAINED:
     return
   shards = _axis_size(sharding.mesh, entry)
   if n % shards or (n // shards) % group:
+    which = "last axis" if axis == -1 else f"axis {len(shape) + axis} (its group axis)"
     raise ValueError(
-        f"state_shardings: parameter {path} of shape {tuple(shape)} has its last axis split "
+        f"state_shardings: parameter {path} of shape {tuple(shape)} has its {which} split "
         f"{shards} ways over mesh axes {entry!r} ({n} / {shards} = {n / shards:g} per shard), "
         f"which cuts its optimizer groups of {group}; shard that axis so that each shard holds a "
         f"multiple of {group} elements (or not at all), or use the reference optimizer step")
 
 
-def _swap_sharding(sharding: NamedSharding, ndim: int, axis: int) -> NamedSharding:
-  """The param's sharding for the view swapaxes(p, axis, -1)."""
-  if axis == -1:
-    return sharding
-  spec = list(tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec)))
-  spec[axis], spec[-1] = spec[-1], spec[axis]
-  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
-
-
 def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> CoatAdamWState:
   """NamedShardings for a CoatAdamWState from the params' NamedShardings.
 
-  ExpandedMoment data and float32 moments: the param's sharding. amax / k_code: the param's spec,
-  with any axis whose size is not divisible by its mesh axes' size replicated (groups run along
-  the last axis, so e.g. a last axis sharded 4 ways with 2 groups is replicated). count:
+  ExpandedMoment data and float32 moments: the param's sharding. amax / k_code: the param's spec
+  on the metadata shape (the group axis' N -> N / G; (..., in / G, out) in COAT's layout), with
+  any axis whose size is not divisible by its mesh axes' size replicated (e.g. a group axis
+  sharded 4 ways with 2 groups is replicated): per-group scales stay with their groups. count:
   replicated on the first param sharding's mesh. Meant for meshes with Auto axis types (as
   coat_jax.training.mesh builds); under Explicit axes the group reshape would need explicit shardings.
-  When the fused kernel is in use (`kernels.use_pallas("adam")`; it runs per shard), a last-axis
-  split that cuts a parameter's groups raises ValueError naming the parameter and the split
-  (`check_group_split`).
-  group_axes: for a state of coat_adamw(group_axis=...) other than "last", the tree
-  `group_axes(group_axis, params)`: a swapped moment (data of shape swapaxes(p, axis, -1)) takes
-  the param's spec with those two entries exchanged, and the group check runs on that layout.
+  When the fused kernel is in use (`kernels.use_pallas("adam")`; it runs per shard), a split of
+  the group axis that cuts a parameter's groups raises ValueError naming the parameter and the
+  split (`check_group_split`).
+  group_axes: the tree `group_axes(group_axis, params)` of the state's coat_adamw, the axis the
+  group check runs on; None: read from each moment (the one axis where its scales' shape differs
+  from its data's; -1 where none does).
   """
   is_sharding = lambda x: isinstance(x, NamedSharding)
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)
@@ -163,13 +149,16 @@ def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> 
       raise ValueError(f"state_shardings: expected NamedSharding leaves, got {type(s).__name__}")
 
   per_shard_kernel = kernels.use_pallas("adam")
-  axes = [-1] * len(paths) if group_axes is None else treedef.flatten_up_to(group_axes)
+  axes = [None] * len(paths) if group_axes is None else treedef.flatten_up_to(group_axes)
 
   def moment(path, sharding, leaf, axis):
     if isinstance(leaf, ExpandedMoment):
-      sharding = _swap_sharding(sharding, leaf.data.ndim, axis)
-      if per_shard_kernel:
-        check_group_split(path, leaf.data.shape, leaf.amax.shape[-1], sharding)
+      if axis is None:
+        differ = [i - leaf.data.ndim for i, (a, b) in
+                  enumerate(zip(leaf.data.shape, leaf.amax.shape)) if a != b]
+        axis = differ[0] if len(differ) == 1 else -1
+      if per_shard_kernel and leaf.data.ndim:
+        check_group_split(path, leaf.data.shape, leaf.amax.shape[axis], sharding, axis)
       meta = _metadata_sharding(sharding, leaf.amax.shape)
       return ExpandedMoment(sharding, meta, meta)
     return sharding

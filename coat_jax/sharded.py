@@ -40,22 +40,22 @@ def _axis_size(mesh, entry) -> int:
   return math.prod(mesh.shape[n] for n in names)
 
 
-def local_spec(mesh, spec, shape, group_size: int) -> tuple:
-  """`spec` padded to len(shape), with the last axis replicated unless each shard of it holds
-  whole groups of `group_size`."""
-  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-  spec = tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in spec)
-  if spec and spec[-1] is not None:
-    shards = _axis_size(mesh, spec[-1])
-    if shape[-1] % shards or (shape[-1] // shards) % group_size:
-      spec = spec[:-1] + (None,)
-  return spec
+def local_spec(mesh, spec, shape, group_size: int, group_axis: int = -1) -> tuple:
+  """`spec` padded to len(shape), with the group axis (default the last) replicated unless each
+  shard of it holds whole groups of `group_size`."""
+  spec = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
+  spec = [None if e is PartitionSpec.UNCONSTRAINED else e for e in spec]
+  if len(spec) >= -group_axis and spec[group_axis] is not None:
+    shards = _axis_size(mesh, spec[group_axis])
+    if shape[group_axis] % shards or (shape[group_axis] // shards) % group_size:
+      spec[group_axis] = None
+  return tuple(spec)
 
 
 def _rule(kinds_in: Sequence[str], ranks_in, kinds_out: Sequence[str], ranks_out,
-          group_size: int, n_last: int) -> tuple[str, tuple[str, ...], dict]:
-  """Shardy rule: shared leading factors; data's last axis = (g e) with e = G elements of a
-  group (never sharded), meta's last axis = g; scalars have their own replicated factors."""
+          group_size: int, n_last: int, group_axis: int = -1) -> tuple[str, tuple[str, ...], dict]:
+  """Shardy rule: shared factors; data's group axis (default the last) = (g e) with e = G
+  elements of a group (never sharded), meta's = g; scalars have their own replicated factors."""
   letters = iter(string.ascii_lowercase.replace("g", "").replace("e", ""))
   lead = {}
   repl = []
@@ -65,13 +65,15 @@ def _rule(kinds_in: Sequence[str], ranks_in, kinds_out: Sequence[str], ranks_out
       names = [f"s{len(repl) + i}" for i in range(rank)]
       repl.extend(names)
       return " ".join(names)
-    leading = []
-    for i in range(rank - 1):
+    names = []
+    for i in range(rank):
+      if i == rank + group_axis:
+        names.append("(g e)" if kind == "data" else "g")
+        continue
       if i not in lead:
         lead[i] = next(letters)
-      leading.append(lead[i])
-    last = "(g e)" if kind == "data" else "g"
-    return " ".join(leading + [last])
+      names.append(lead[i])
+    return " ".join(names)
 
   ins = ", ".join(dims(k, r) for k, r in zip(kinds_in, ranks_in))
   outs = ", ".join(dims(k, r) for k, r in zip(kinds_out, ranks_out))
@@ -82,8 +84,11 @@ def _rule(kinds_in: Sequence[str], ranks_in, kinds_out: Sequence[str], ranks_out
 
 
 def rowwise(kernel: Callable, args: Sequence[jax.Array], kinds_in: Sequence[str],
-            kinds_out: Sequence[str], group_size: int):
+            kinds_out: Sequence[str], group_size: int, group_axis: int = -1):
   """kernel(*args) -> tuple of results, run per shard (see the module docstring).
+
+  group_axis: the axis groups run along (-1; -2 for the Adam step in COAT's layout, "data"
+  (..., N, out) and "meta" (..., N / G, out)); the same for every data and meta operand.
 
   Args:
     kernel: a function of the arrays `args` only (close over static parameters), returning a
@@ -102,7 +107,7 @@ def rowwise(kernel: Callable, args: Sequence[jax.Array], kinds_in: Sequence[str]
                      f"{len(kinds_out)}")
 
   def specs(mesh, data_sharding, shapes, kinds):
-    spec = local_spec(mesh, data_sharding.spec, args[first].shape, group_size)
+    spec = local_spec(mesh, data_sharding.spec, args[first].shape, group_size, group_axis)
     out = []
     for s, kind in zip(shapes, kinds):
       if kind == "scalar":
@@ -121,7 +126,8 @@ def rowwise(kernel: Callable, args: Sequence[jax.Array], kinds_in: Sequence[str]
     return mesh, lambda *a: tuple(kernel(*a)), tuple(out_sh), tuple(in_sh)
 
   rule, repl, sizes = _rule(kinds_in, [a.ndim for a in args], kinds_out,
-                            [s.ndim for s in out_shapes], group_size, args[first].shape[-1])
+                            [s.ndim for s in out_shapes], group_size,
+                            args[first].shape[group_axis], group_axis)
   fn = custom_partitioning(lambda *a: tuple(kernel(*a)))
   fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=rule, need_replication_factors=repl, **sizes)

@@ -7,22 +7,26 @@ OUTPUTS = ("param", "update")
 
 
 def check_operands(kernel: str, param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *,
-                   group_size: int, output: str,
-                   problem: Callable[..., str | None]) -> tuple:
+                   group_size: int, output: str, problem: Callable[..., str | None],
+                   group_axis: int = -1) -> tuple:
   """Raises ValueError naming `kernel` and the problem; returns (like, meta_shape).
 
   like: the array that fixes the shapes (param, or grad when there is no param);
-  meta_shape: the per-group metadata shape (..., N / group_size).
+  meta_shape: the per-group metadata shape, the group axis' N replaced by N / group_size:
+  (..., N / G) for group_axis -1, (..., in / G, out) for -2. `problem` takes group_axis when it
+  is not -1.
   """
   if output not in OUTPUTS:
     raise ValueError(f"{kernel}: output must be one of {OUTPUTS}, got {output!r}")
   if param is None and output == "param":
     raise ValueError(f"{kernel}: output='param' needs param")
   like = grad if param is None else param
-  why = problem(like.shape, like.dtype, m_q.dtype, v_q.dtype, group_size)
+  axis_arg = () if group_axis == -1 else (group_axis,)
+  why = problem(like.shape, like.dtype, m_q.dtype, v_q.dtype, group_size, *axis_arg)
   if why is not None:
     raise ValueError(f"{kernel}: {why}")
-  meta_shape = like.shape[:-1] + (like.shape[-1] // group_size,)
+  a = len(like.shape) + group_axis
+  meta_shape = like.shape[:a] + (like.shape[a] // group_size,) + like.shape[a + 1:]
   for name, a, shape in (("grad", grad, like.shape), ("m_q", m_q, like.shape),
                          ("v_q", v_q, like.shape), ("m_amax", m_amax, meta_shape),
                          ("m_code", m_code, meta_shape), ("v_amax", v_amax, meta_shape),

@@ -37,7 +37,7 @@ def _shards(mesh, entry):
 @pytest.mark.parametrize("name", PRESETS)
 def test_llama_splits_keep_optimizer_groups_whole(name):
   params = _abstract_params(name)
-  state = jax.eval_shape(optim.coat_adamw(1e-3, group_size=G).init, params)
+  state = jax.eval_shape(optim.coat_adamw(1e-3, group_size=G, group_axis="last").init, params)
   quantized = 0
   for mesh_cfg in MESHES:
     mesh = mesh_lib.make_mesh(mesh_cfg)

@@ -1,6 +1,7 @@
-"""coat_adamw(group_axis="coat" | callable): moments grouped along another axis than the last (COAT's
-layout: the input features of (in, out) kernels) are the reference quantization of the swapped
-moments; steps match float64 Adam; state bytes, shapes, shardings; bad values."""
+"""coat_adamw(group_axis="coat" (the default) | callable): moments grouped along another axis than
+the last (COAT's layout: the input features of (in, out) kernels), stored in the param's layout
+with scales (..., in / G, out), equal the last-axis quantization of the transposed moments
+transposed back; steps match float64 Adam; state bytes, shapes, shardings; bad values."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +20,9 @@ from tests.conftest import SEED_ENV, _test_seed, base_seed
 # scale (quantized, keeps its last axis) and a small bias (float32 moments).
 SHAPES = {"q": {"kernel": (256, 384)}, "mlp": {"kernel": (2, 128, 128)},
           "embed": {"embedding": (32, 256)}, "norm": {"scale": (40, 128)}, "b": {"bias": (7,)}}
-SWAPPED = {"q": {"kernel": (384, 256)}, "mlp": {"kernel": (2, 128, 128)},
-           "embed": {"embedding": (32, 256)}, "norm": {"scale": (40, 128)}, "b": {"bias": (7,)}}
+# the scales' shapes in COAT's layout: (..., in / G, out) for kernels, (..., N / G) otherwise
+META = {"q": {"kernel": (2, 384)}, "mlp": {"kernel": (2, 1, 128)},
+        "embed": {"embedding": (32, 2)}, "norm": {"scale": (40, 1)}}
 KW = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)
 
 
@@ -51,11 +53,10 @@ def run():
   rng = np.random.default_rng(seed)
   params = _params(rng)
   grads = [_grads(rng, params) for _ in range(7)]
-  opt = _opt(group_axis="coat")
+  opt = _opt()   # the default: group_axis="coat"
   state0 = jax.jit(opt.init)(params)
   first = jax.jit(opt.update)(grads[0], state0, params)
-  apply = jax.jit(coat_adamw_apply(KW["lr"], KW["b1"], KW["b2"], KW["eps"], KW["weight_decay"],
-                                   group_axis="coat"))
+  apply = jax.jit(coat_adamw_apply(KW["lr"], KW["b1"], KW["b2"], KW["eps"], KW["weight_decay"]))
   return params, grads, state0, first, apply
 
 
@@ -65,35 +66,46 @@ def test_group_axes_and_state_layout(run):
                                               "embed": {"embedding": -1}, "norm": {"scale": -1},
                                               "b": {"bias": -1}}
   assert set(jax.tree.leaves(optim.group_axes("last", params))) == {-1}
-  last = jax.eval_shape(_opt().init, params)
+  last = jax.eval_shape(_opt(group_axis="last").init, params)
   is_m = lambda x: isinstance(x, ExpandedMoment)
   for path, m in jax.tree_util.tree_leaves_with_path(coat.mu, is_leaf=is_m):
-    want = SWAPPED[path[0].key][path[1].key]
+    shape = SHAPES[path[0].key][path[1].key]
     if path[0].key == "b":
-      assert m.shape == want and m.dtype == jnp.float32
-    else:
-      assert m.data.shape == want and m.amax.shape == want[:-1] + (want[-1] // 128,)
+      assert m.shape == shape and m.dtype == jnp.float32
+    else:   # data in the param's layout, no transposed copy
+      meta = META[path[0].key][path[1].key]
+      assert m.data.shape == shape and m.amax.shape == m.k_code.shape == meta
   # same bytes: every dim here is a multiple of G, so the group count is the same either way
   assert optim.optimizer_state_bytes(coat) == optim.optimizer_state_bytes(last)
+  quantized = [(m, v) for m, v in zip(jax.tree.leaves(coat.mu, is_leaf=is_m),
+                                      jax.tree.leaves(coat.nu, is_leaf=is_m)) if is_m(m)]
+  size = sum(m.data.size for m, _ in quantized)
+  assert optim.optimizer_state_bytes(quantized) / size <= 2.10   # 2 + 2 x 5 / 128
 
 
-def test_moments_are_reference_quantization_of_swapped_moments(run):
-  """One step from zero: m = (1 - b1) g, v = (1 - b2) g^2; the stored moments are
-  expansion.quantize_expanded of their float32 transposes (grouped along the input features)."""
+def _transposed(m: ExpandedMoment) -> ExpandedMoment:
+  return ExpandedMoment(*(jnp.swapaxes(a, -1, -2) for a in m))
+
+
+def test_moments_are_reference_quantization_of_transposed_moments(run):
+  """One step from zero: m = (1 - b1) g, v = (1 - b2) g^2; the stored moments (param layout,
+  scales (..., in / G, out)) are the last-axis quantization of their float32 transposes,
+  transposed back (groups of the input features), and not the last-axis quantization."""
   _, (grads, *_), _, (_, state), _ = run
 
   @jax.jit
-  def references(g):  # the reference on the transposed moments; the last-axis layout's codes
-    x = {"m": (1 - KW["b1"]) * jnp.swapaxes(g, -1, -2), "v": (1 - KW["b2"]) * jnp.swapaxes(g * g, -1, -2)}
-    return ({k: ex.quantize_expanded(a, "e4m3", 128, 16) for k, a in x.items()},
-            {k: jnp.swapaxes(ex.quantize_expanded(jnp.swapaxes(a, -1, -2), "e4m3", 128, 16).data,
-                             -1, -2) for k, a in x.items()})
+  def references(g):  # last-axis quantization of the transposed moments; of the moments
+    x = {"m": (1 - KW["b1"]) * g, "v": (1 - KW["b2"]) * (g * g)}
+    return ({k: _transposed(ex.quantize_expanded(jnp.swapaxes(a, -1, -2), "e4m3", 128, 16))
+             for k, a in x.items()},
+            {k: ex.quantize_expanded(a, "e4m3", 128, 16).data for k, a in x.items()})
 
   for name in ("q", "mlp"):
     wants, others = references(grads[name]["kernel"])
     for got, want, other in ((state.mu[name]["kernel"], wants["m"], others["m"]),
                              (state.nu[name]["kernel"], wants["v"], others["v"])):
       # x is rounded once more or less in the fused step: amax to 1 ulp, codes and k almost all
+      assert got.amax.shape == want.amax.shape
       np.testing.assert_allclose(got.amax, want.amax, rtol=3e-7)
       assert np.mean(np.asarray(got.k_code) == np.asarray(want.k_code)) > 0.99
       a, b = np.asarray(got.data, np.float32), np.asarray(want.data, np.float32)
@@ -103,8 +115,8 @@ def test_moments_are_reference_quantization_of_swapped_moments(run):
 
 
 def test_step_equals_reference_on_transposed_arrays(run):
-  """Second step (non-zero FP8 moments): coat_adamw_apply's new param is adam_step_reference run
-  on the transposed param, grad and stored moments, transposed back."""
+  """Second step (non-zero FP8 moments): coat_adamw_apply's new param is the last-axis
+  adam_step_reference run on the transposed param, grad and stored moments, transposed back."""
   params, (_, grads, *_), _, (_, state), apply = run
   new_p, new_state = apply(grads, state, params)
   kw = dict(KW, count=new_state.count, m_format="e4m3", v_format="e4m3", group_size=128,
@@ -112,11 +124,11 @@ def test_step_equals_reference_on_transposed_arrays(run):
   t = lambda x: jnp.swapaxes(x, -1, -2)
   p, g = params["q"]["kernel"], grads["q"]["kernel"]
   ref_p, ref_m, _ = jax.jit(lambda *a: adam_step_reference(*a, **kw))(
-      t(p), t(g), state.mu["q"]["kernel"], state.nu["q"]["kernel"])
+      t(p), t(g), _transposed(state.mu["q"]["kernel"]), _transposed(state.nu["q"]["kernel"]))
   ulp = float(np.spacing(np.max(np.abs(np.asarray(p)))))
   np.testing.assert_allclose(new_p["q"]["kernel"], t(ref_p), rtol=1e-6, atol=ulp)
   assert np.mean(np.asarray(new_state.mu["q"]["kernel"].data, np.float32)
-                 == np.asarray(ref_m.data, np.float32)) > 0.999
+                 == np.asarray(t(ref_m.data), np.float32)) > 0.999
 
 
 def _adam64(params, grads_list, lr, b1, b2, eps, wd, decay):
@@ -153,21 +165,21 @@ def test_steps_match_float64_adam(run):
 
 
 def test_sharded_step_and_state_shardings(run):
-  """On fsdp 4 x tensor 2 the swapped moments take the param's spec with the two axes exchanged,
-  and the jitted sharded step gives the single-device result (per leaf: a subtree's step equals
-  the full tree's there)."""
+  """On fsdp 4 x tensor 2 the moments take the param's spec and their scales (in / G, out) the
+  param's spec where the mesh divides them, and the jitted sharded step gives the single-device
+  result (per leaf: a subtree's step equals the full tree's there)."""
   mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
   sub = lambda t: {k: t[k] for k in ("q", "embed")}
   params0, (grads, *_), state0, (u_one, st_one), _ = run
   params, grads = sub(params0), sub(grads)
-  opt = _opt(group_axis="coat")
+  opt = _opt()
   state = optim.CoatAdamWState(state0.count, sub(state0.mu), sub(state0.nu))
   axes = optim.group_axes("coat", params)
   p_sh = mesh_lib.param_shardings(params, mesh)  # the plain rules (the reference step takes any split)
   assert p_sh["q"]["kernel"].spec == P("fsdp", "tensor")
   s_sh = optim.state_shardings(p_sh, state, axes)
-  assert s_sh.mu["q"]["kernel"].data.spec == P("tensor", "fsdp")
-  assert s_sh.mu["q"]["kernel"].amax.spec == P("tensor", None)  # 2 groups: fsdp 4 does not divide
+  assert s_sh.mu["q"]["kernel"].data == p_sh["q"]["kernel"]
+  assert s_sh.mu["q"]["kernel"].amax.spec == P(None, "tensor")  # 2 groups: fsdp 4 does not divide
   assert s_sh.mu["embed"]["embedding"].data == p_sh["embed"]["embedding"]
   step = jax.jit(opt.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
   u_mesh, st_mesh = step(grads, state, params)
@@ -185,9 +197,10 @@ def test_group_check_uses_the_grouped_axis():
   axes = optim.group_axes("coat", params)
   state = jax.eval_shape(_opt(group_axis="coat").init, params)
   forced = {"q": {"kernel": NamedSharding(mesh, P(("fsdp", "tensor"), None))}}
-  with kernels.backend("pallas"), pytest.raises(
-      ValueError, match=r"\['q'\]\['kernel'\] of shape \(384, 256\).*split 8 ways"):
-    optim.state_shardings(forced, state, axes)
+  for given in (axes, None):   # None: the group axis read from the moments' shapes
+    with kernels.backend("pallas"), pytest.raises(
+        ValueError, match=r"\['q'\]\['kernel'\] of shape \(256, 384\) has its axis 0 .*split 8 ways"):
+      optim.state_shardings(forced, state, given)
   fitted = mesh_lib.param_shardings(params, mesh, group_size=128, group_axes=axes)
   spec = fitted["q"]["kernel"].spec
   assert spec[0] != ("fsdp", "tensor") and spec[0] != "fsdp"
@@ -219,9 +232,111 @@ def test_bad_values_raise_one_line(rng):
     _opt(group_axis="rows")
   with pytest.raises(ValueError, match=r"\['b'\]\['bias'\] of shape \(7,\) must be an int axis"):
     _opt(group_axis=lambda p: jax.tree.map(lambda x: x.ndim, p)).init(params)
-  state = jax.eval_shape(_opt().init, params)  # "last" state stepped as "coat"
+  state = jax.eval_shape(_opt(group_axis="last").init, params)  # "last" state stepped as "coat"
   with pytest.raises(ValueError, match=r"init the state with the same group_axis"):
     jax.eval_shape(_opt(group_axis="coat").update, params, state, params)
   with pytest.raises(ValueError, match=r"optimizer.group_axis.*got 'hidden'"):
     schema.load(None, ["optimizer.group_axis=hidden"])
-  assert schema.load(None, ["optimizer.group_axis=coat"]).optimizer.group_axis == "coat"
+  assert schema.load(None, []).optimizer.group_axis == "coat"   # the default
+  assert schema.load(None, ["optimizer.group_axis=last"]).optimizer.group_axis == "last"
+
+
+def test_per_shard_wrapper_keeps_column_groups_local(rng):
+  """sharded.rowwise(group_axis=-2), the wrapper the column kernel runs in on a mesh, with the jnp
+  reference step standing in for the kernel (Triton cannot run on CPU): on fsdp 4 x tensor 2 each
+  device steps its own (in / 4, out / 2) block with its (in / 4G, out / 2) scales, and the result
+  equals the single-device step."""
+  from coat_jax import sharded
+  mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+  shape = (512, 96)
+  p = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+  g = jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 1e-2)
+  m = ex.quantize_expanded(jnp.asarray(rng.standard_normal(shape).astype(np.float32)) * 1e-3,
+                           "e4m3", 128, 16, True, -2)
+  v = ex.quantize_expanded(jnp.asarray(rng.standard_normal(shape).astype(np.float32)) ** 2 * 1e-6,
+                           "e4m3", 128, 16, True, -2)
+  seen = []
+
+  def kernel(p, g, md, ma, mk, vd, va, vk):
+    seen.append((p.shape, ma.shape))
+    out, m3, v3 = adam_step_reference(
+        p, g, ExpandedMoment(md, ma, mk), ExpandedMoment(vd, va, vk), count=jnp.int32(2),
+        m_format="e4m3", v_format="e4m3", group_size=128, expand=True, expand_min=16,
+        group_axis=-2, **KW)
+    return (out, *m3, *v3)
+
+  kinds = ["data", "data", "data", "meta", "meta", "data", "meta", "meta"]
+  args = (p, g, *m, *v)
+  data_sh = NamedSharding(mesh, P("fsdp", "tensor"))
+  sh = [data_sh if k == "data" else NamedSharding(mesh, P("fsdp", "tensor")) for k in kinds]
+  with kernels.partitioning("always"):
+    got = jax.jit(lambda *a: sharded.rowwise(kernel, a, kinds, kinds[:1] + kinds[2:], 128, -2),
+                  in_shardings=sh)(*args)
+  want = jax.jit(kernel)(*args)
+  assert ((128, 48), (1, 48)) in seen, seen   # the per-device blocks
+  assert got[2].sharding.spec == P("fsdp", "tensor")   # scales stay sharded like the param
+  # XLA fuses the per-shard and the whole step differently (float32 rounding): the param to
+  # float32 rounding of the update, scales to a few ulp, codes all but a few at rounding boundaries
+  got, want = ([np.asarray(a, np.float32) for a in x] for x in (got, want))
+  d_got, d_want = got[0] - np.asarray(p), want[0] - np.asarray(p)
+  assert np.linalg.norm(d_got - d_want) / np.linalg.norm(d_want) < 1e-4
+  for i in (2, 5):
+    np.testing.assert_allclose(got[i], want[i], rtol=2e-6)
+  for i in (1, 3, 4, 6):
+    assert np.mean(got[i] == want[i]) > 0.999
+
+
+def test_dispatch_without_column_kernel_is_the_reference(rng):
+  """kernels.coat_adam_step(group_axis=-2) where no column kernel runs (CPU: the Pallas Triton
+  kernel in interpret mode, which has no column variant) is the jnp reference step."""
+  shape = (256, 48)
+  p, g = (jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(2))
+  m = ex.quantize_expanded(g * 1e-2, "e4m3", 128, 16, True, -2)
+  v = ex.quantize_expanded(g * g * 1e-4, "e4m3", 128, 16, True, -2)
+  kw = dict(KW, count=jnp.int32(2), m_format="e4m3", v_format="e4m3", group_size=128,
+            expand=True, expand_min=16, group_axis=-2)
+  with kernels.backend("pallas"):
+    assert kernels.implementation("adam") == "pallas_triton"
+    got = jax.jit(lambda *a: kernels.coat_adam_step(*a, **kw))(p, g, m, v)
+  want = jax.jit(lambda *a: adam_step_reference(*a, **kw))(p, g, m, v)
+  assert got[1].amax.shape == (2, 48)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("partitioning", ["auto", "always"])
+def test_gpu_column_kernel_step_equals_reference(rng, partitioning):
+  """On the GPU (jax-triton): coat_adamw_apply with the default group_axis runs the column kernel
+  (no transpose in the compiled step), one device or per shard (partitioning `always`), and
+  matches the jnp reference step over 3 steps."""
+  params = {"q": {"kernel": jnp.asarray(rng.standard_normal((512, 384)).astype(np.float32))},
+            "mlp": {"kernel": jnp.asarray(rng.standard_normal((2, 256, 200)).astype(np.float32))}}
+  grads = [_grads(rng, params) for _ in range(3)]
+  apply = coat_adamw_apply(KW["lr"], KW["b1"], KW["b2"], KW["eps"], KW["weight_decay"])
+  state0 = _opt().init(params)
+  results = {}
+  for backend in ("adam=triton,adam_tree=reference", "reference"):
+    with kernels.backend(backend), kernels.partitioning(partitioning):
+      step = jax.jit(apply)
+      if backend != "reference":
+        hlo = step.lower(grads[0], state0, params).compile().as_text()
+        assert " transpose(" not in hlo and "custom-call" in hlo
+      p, s = params, state0
+      for g in grads:
+        p, s = step(g, s, p)
+      results[backend] = (p, s)
+  (p_k, s_k), (p_r, s_r) = results.values()
+  for name in ("q", "mlp"):
+    p0 = np.asarray(params[name]["kernel"], np.float64)
+    d_k = np.asarray(p_k[name]["kernel"], np.float64) - p0
+    d_r = np.asarray(p_r[name]["kernel"], np.float64) - p0
+    assert np.linalg.norm(d_k - d_r) / np.linalg.norm(d_r) < 1e-3, name
+    for mk, mr in ((s_k.mu[name]["kernel"], s_r.mu[name]["kernel"]),
+                   (s_k.nu[name]["kernel"], s_r.nu[name]["kernel"])):
+      assert mk.amax.shape == mr.amax.shape == META_GPU[name]
+      np.testing.assert_allclose(np.asarray(mk.amax), np.asarray(mr.amax), rtol=1e-4)
+      assert np.mean(np.asarray(mk.data, np.float32) == np.asarray(mr.data, np.float32)) > 0.99
+
+
+META_GPU = {"q": (4, 384), "mlp": (2, 2, 200)}

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_SIZE
+from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_AXIS, OPTIMIZER_GROUP_SIZE
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
 from coat_jax.rounding import MASTER_ROUNDINGS
@@ -82,8 +82,10 @@ class OptimizerConfig:
 
   `m_format`/`v_format`/`group_size`/`expand`/`expand_min`/`min_quantized_size`/`group_axis` are
   used by "coat_adamw" only (params with fewer elements than `min_quantized_size` keep float32
-  moments; expansion exponents are multiples of 1/`expand_min`; `group_axis` "last" or "coat",
-  the axis of the moment groups: `coat_jax.optim.group_axes`).
+  moments; expansion exponents are multiples of 1/`expand_min`; `group_axis` "coat" (default:
+  COAT's layout, Linear kernels grouped along their input features) or "last", the axis of the
+  moment groups: `coat_jax.optim.group_axes`; a checkpoint resumes only with the group_axis it
+  was saved with).
   `decay_1d=False` leaves 1-D parameters (norm scales, biases) out of weight decay.
   `accumulate`: microbatches per optimizer step (gradient accumulation); `data.batch_size` is the
   global batch of one step and is split into `accumulate` microbatches, run one after another, with
@@ -128,7 +130,7 @@ class OptimizerConfig:
   accumulate_dtype: str = "float32"
   master_rounding: str = "nearest"
   grad_dtype: str = "param"
-  group_axis: str = "last"
+  group_axis: str = OPTIMIZER_GROUP_AXIS
 
 
 @dataclasses.dataclass
