@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import gzip
 import json
@@ -111,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seconds-budget", type=float, default=None)
   p.add_argument("--json", default=None)
   p.add_argument("--logs", default=None, help="folder for the children's XLA logs (gzipped)")
+  p.add_argument("--parallel", type=int, default=1,
+                 help="children at a time (XLA's passes run on one core: 2 fit a 16-core host, "
+                      "each compile somewhat slower)")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one variant
   args = p.parse_args(argv)
   try:
@@ -500,18 +504,28 @@ def main(argv=None) -> dict:
       f"{args.remat}, {len(args.parsed)} variants"
       + (f", budget {args.seconds_budget:.0f} s" if args.seconds_budget else ""))
   report = dict(args={k: v for k, v in vars(args).items() if k not in ("one", "parsed")}, rows=[])
-  for variant in args.parsed:
+  rows = [None] * len(args.parsed)
+
+  def one(i: int) -> None:
+    variant = args.parsed[i]
     if budget.left() < 15:
-      report["rows"].append(dict(variant=variant["name"], status="skipped (budget)"))
-      continue
+      rows[i] = dict(variant=variant["name"], status="skipped (budget)")
+      return
     r = run_child(args, variant, budget)
     say(f"[breakdown] {variant['name']}: {r['status']} in {r['wall_s']:.0f} s"
         + (f" (lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s)"
            if r["status"] == "ok" else ""))
-    report["rows"].append(r)
+    rows[i] = r
+    report["rows"] = [r for r in rows if r is not None]
     if args.json:
       Path(args.json).parent.mkdir(parents=True, exist_ok=True)
       Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+
+  with concurrent.futures.ThreadPoolExecutor(max(args.parallel, 1)) as pool:
+    list(pool.map(one, range(len(args.parsed))))
+  report["rows"] = rows
+  if args.json:
+    Path(args.json).write_text(json.dumps(report, indent=1, default=str))
   print_table(report["rows"], args.top)
   return report
 
