@@ -259,8 +259,10 @@ def hlo_stats(text: str) -> dict:
         if col == "other":
           targets[f"other:{name}"] += 1
   targets["xla-triton fusions"] = len(re.findall(r'"kind":"__triton', text))
+  ops = collections.Counter(op for body in comps.values() for _, op, _, _ in body)
   return dict(instructions=sum(len(b) for b in comps.values()), computations=len(comps),
-              kernels=kernels, custom_calls=dict(targets))
+              kernels=kernels, custom_calls=dict(targets), opt_barriers=ops["opt-barrier"],
+              while_loops=ops["while"], fusions=ops["fusion"])
 
 
 def phase(name: str) -> None:
@@ -473,6 +475,11 @@ def print_table(rows: list[dict], top: int) -> None:
       say(f"\n{r['variant']}: {len(ws)} Mosaic GPU kernels compiled alone in "
           f"{r['prewarm_s']:.1f} s ({r['prewarm_same']} produced the step's own module); slowest: "
           + ", ".join(f"{w['name']} {w['compile_s']:.2f} s" for w in ws[:5]))
+    if r.get("hlo"):
+      h = r["hlo"]
+      say(f"\n{r['variant']}: optimized HLO: {h['instructions']} instructions in "
+          f"{h['computations']} computations, {h['fusions']} fusions, {h['while_loops']} while "
+          f"loops, {h['opt_barriers']} optimization barriers")
     if r.get("pallas_by_name"):
       say(f"\n{r['variant']}: distinct pallas_call signatures by kernel: {r['pallas_by_name']}")
     if log.get("passes"):
