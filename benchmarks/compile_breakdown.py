@@ -477,9 +477,9 @@ def print_table(rows: list[dict], top: int) -> None:
           + ", ".join(f"{w['name']} {w['compile_s']:.2f} s" for w in ws[:5]))
     if r.get("hlo"):
       h = r["hlo"]
-      say(f"\n{r['variant']}: optimized HLO: {h['instructions']} instructions in "
-          f"{h['computations']} computations, {h['fusions']} fusions, {h['while_loops']} while "
-          f"loops, {h['opt_barriers']} optimization barriers")
+      say(f"\n{r['variant']}: optimized HLO: {h.get('instructions')} instructions in "
+          f"{h.get('computations')} computations, {h.get('fusions')} fusions, "
+          f"{h.get('while_loops')} while loops, {h.get('opt_barriers')} optimization barriers")
     if r.get("pallas_by_name"):
       say(f"\n{r['variant']}: distinct pallas_call signatures by kernel: {r['pallas_by_name']}")
     if log.get("passes"):
