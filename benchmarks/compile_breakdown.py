@@ -5,37 +5,38 @@ compilation cache off, GPU memory not preallocated: it can run beside another GP
 builds the real train step as bench_e2e does (`coat_jax.training.build.build`) and lowers and
 compiles it on abstract arguments (no parameters are allocated). Measured per variant:
 
-  trace s / lower s / compile s   jitted.trace(), .lower() (StableHLO: the Pallas kernels are
-                                  lowered to Mosaic GPU MLIR here, jax-triton kernels compiled by
-                                  Triton here) and XLA's .compile()
-  pallas                          pallas_call lowerings (distinct signatures) and their seconds
-  mosaic                          distinct Mosaic GPU kernel modules (each compiled once per process
-                                  by the Mosaic GPU runtime, keyed on its hash, inside XLA's compile)
-  triton                          jax-triton kernel requests, Triton compiles (cache misses) and
-                                  their seconds (jax_triton.triton_lib.get_or_create_triton_kernel)
-  custom calls                    in the optimized HLO by target: mosaic_gpu, jax-triton, Pallas
-                                  Triton (XLA-compiled), cuDNN, cuBLAS; plus XLA's own Triton fusions
-  HLO                             instructions after optimization (all computations) and kernels
-                                  (top-level fusions and custom calls, counted once per while body)
-  passes                          XLA's per-pass times from its own log (TF_CPP_VMODULE=
-                                  hlo_pass_pipeline=1: "HLO pass: NAME time: ..."), of the step's
-                                  module only, pipelines (containers) left out; autotuning
-                                  sub-compiles are counted inside the pass that runs them.
-                                  gpu_compiler / nvptx_compiler timers (RunHloPasses, RunBackend,
-                                  CompileToPtx, ...) likewise
-  prewarm (variant option)        every distinct Mosaic GPU kernel compiled alone first (its seconds
-                                  each), so the step's compile finds them in the Mosaic GPU cache:
-                                  compile s then excludes them
+  trace s / lower s / compile s  jitted.trace(), .lower() (StableHLO: the Pallas kernels are
+                                 lowered to Mosaic GPU MLIR here, jax-triton kernels compiled by
+                                 Triton here) and XLA's .compile()
+  pallas                         Pallas kernel lowerings (pallas_call / mpmd_map), their distinct
+                                 signatures and seconds
+  mosaic                         Mosaic GPU kernel modules made by the lowering: the Mosaic GPU
+                                 runtime compiles each distinct one (by hash) inside XLA's compile
+  triton                         jax-triton kernel requests, Triton compiles (cache misses) and
+                                 their seconds (jax_triton.triton_lib.get_or_create_triton_kernel)
+  custom calls                   in the optimized HLO by target: mosaic_gpu, jax-triton, Pallas
+                                 Triton (XLA-compiled), cuDNN, cuBLAS; XLA's own Triton fusions
+  HLO                            instructions after optimization (all computations), kernels
+                                 (top-level fusions and custom calls), fusions, while loops
+  passes                         XLA's per-pass times from its own log (TF_CPP_VMODULE=
+                                 hlo_pass_pipeline=1: "HLO pass: NAME time: ..."), of the step's
+                                 module only, pipelines (containers) left out; autotuning
+                                 sub-compiles count inside the pass that runs them.
+                                 gpu_compiler / nvptx_compiler timers (RunHloPasses, ...) likewise
+  prewarm (variant option)       every new Mosaic GPU kernel compiled alone first (seconds each),
+                                 so the step's compile finds them in the Mosaic GPU cache: its
+                                 compile s then leaves them out
 
 Variants: PRECISION:OPTIMIZER[/option...], options `kernels=SPEC` (COAT_JAX_KERNELS, e.g.
 kernels=gemm=reference), `remat=POLICY`, `set=KEY=VALUE` (a config override), `xla=FLAG` (added
 to XLA_FLAGS), `prewarm`.
 
-GPU (one H100, ~5.5 min with the default variants; beside another job compile times are noisy,
-bf16 runs first as the yardstick):
-  python3 benchmarks/compile_breakdown.py --seconds-budget 330 --json $OUT/compile_breakdown.json \
-      --logs $OUT/compile_logs
-CPU smoke (~30 s):
+GPU (one H100, <= 5.5 min; beside another job compile times are noisier: bf16 runs in the same
+call as the yardstick; carry .whl for jax-triton):
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+  PYTHONPATH=/tmp/site python3 benchmarks/compile_breakdown.py --parallel 2 --seconds-budget 320 \
+      --json $OUT/compile_breakdown.json --logs $OUT/compile_logs
+CPU smoke (~1 min):
   JAX_PLATFORMS=cpu python benchmarks/compile_breakdown.py --preset tiny --seq-len 32 --batch 2 \
       --set model.num_layers=1 --variants bf16:adamw coat:coat_adamw
 """

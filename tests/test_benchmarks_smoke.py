@@ -1,5 +1,5 @@
-"""Smoke tests of benchmarks/{bench_e2e,accuracy,stability,compile_breakdown}.py: tiny shapes, outputs exist, finite;
-benchmarks/_common.py; and the scripts' import rules (only the underscored modules are shared, no sys.path edits)."""
+"""Smoke tests of benchmarks/{bench_e2e,accuracy,stability,compile_breakdown}.py: tiny shapes,
+outputs exist, finite; benchmarks/_common.py; and the scripts' import rules (only the underscored modules are shared, no sys.path edits)."""
 import importlib.util
 import json
 import math
@@ -189,12 +189,13 @@ def test_common_timing_and_budget(rng):
 def test_compile_breakdown_child():
   """benchmarks/compile_breakdown.py: one child in-process (tiny coat step, remat full)."""
   cb = _load("compile_breakdown")
-  args = cb.parse_args(["--one", "coat:coat_adamw/remat=full", "--preset", "tiny", "--seq-len", "16",
-                        "--batch", "8", "--set", "model.num_layers=1", "--set",
+  args = cb.parse_args(["--one", "coat:coat_adamw/remat=full", "--preset", "tiny",
+                        "--seq-len", "16", "--batch", "8", "--set", "model.num_layers=1", "--set",
                         "model.hidden_size=64", "--set", "model.intermediate_size=128"])
   r = cb.measure_one(args)
   assert r["status"] == "ok", r.get("error")
-  assert r["compile_s"] > 0 and r["lower_s"] > 0 and r["hlo"]["instructions"] > r["hlo"]["kernels"] > 0
+  assert r["compile_s"] > 0 and r["lower_s"] > 0
+  assert r["hlo"]["instructions"] > r["hlo"]["kernels"] > 0
 
 
 def test_compile_breakdown_kernel_counts_and_pass_log():
