@@ -314,6 +314,11 @@ def _measure(args, v, out) -> None:
     lowered = traced.lower()
     t2 = time.perf_counter()
   recs = list(st["kernels"].values())
+  text = lowered.as_text()
+  out["stablehlo"] = dict(
+      chars=len(text), opt_barriers=text.count("stablehlo.optimization_barrier"),
+      custom_calls=dict(collections.Counter(re.findall(r'call_target_name = "([^"]+)"', text))))
+  del text
   out.update(trace_s=t1 - t0, lower_s=t2 - t1, pallas_lowerings=st["pallas_lowerings"],
              pallas_distinct=len(recs), pallas_lower_s=st["pallas_lower_s"],
              mosaic_kernels=st["mosaic_kernels"], triton_requests=st["triton_requests"],
@@ -480,7 +485,9 @@ def print_table(rows: list[dict], top: int) -> None:
       h = r["hlo"]
       say(f"\n{r['variant']}: optimized HLO: {h.get('instructions')} instructions in "
           f"{h.get('computations')} computations, {h.get('fusions')} fusions, "
-          f"{h.get('while_loops')} while loops, {h.get('opt_barriers')} optimization barriers")
+          f"{h.get('while_loops')} while loops; before optimization (StableHLO): "
+          f"{(r.get('stablehlo') or {}).get('opt_barriers')} optimization barriers, custom calls "
+          f"{(r.get('stablehlo') or {}).get('custom_calls')}")
     if r.get("pallas_by_name"):
       say(f"\n{r['variant']}: distinct pallas_call signatures by kernel: {r['pallas_by_name']}")
     if log.get("passes"):
