@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.extend.core import jaxpr_as_fun
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rows_mgpu import MAX_CTAS, ROW_QUANTUM, launch, pad_scalars
@@ -95,6 +96,29 @@ def _check(problem: str | None, what: str):
 def _check_float(dtype, what: str):
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{what}: expected a floating-point array, got dtype {dtype}")
+
+
+def _shared_trace(launcher):
+  """`launcher(*arrays, **static)` run from one trace per (static, array shapes and dtypes).
+
+  Callers with different views of one kernel input (e.g. x of (16384, 2048) and of
+  (8, 2048, 2048), or an operand carrying a sharding annotation) would otherwise each trace the
+  kernel anew, and every trace is lowered to its own Mosaic GPU module (each trace's source
+  locations differ), which the GPU compile then compiles once per module. Here the kernel is
+  traced once on plain abstract inputs and every call binds that trace (a `jit` of it: JAX lowers
+  it once per step)."""
+  @functools.lru_cache(maxsize=None)
+  def traced(static, types):
+    fn = jax.jit(functools.partial(launcher, **dict(static)))
+    return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(s, d) for s, d in types])
+
+  @functools.wraps(launcher)
+  def run(*arrays, **static):
+    closed = traced(tuple(sorted(static.items())),
+                    tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in arrays))
+    return jaxpr_as_fun(closed)(*arrays)
+
+  return run
 
 
 def _row_blocks(r: int, group: int):
@@ -157,16 +181,24 @@ def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float,
   _check_float(x.dtype, "quantize_per_group")
   _check(_rows_problem(x.shape, x.dtype, group_size), "quantize_per_group")
   rows = x.size // group_size
+  q, s = _per_group_launch(x.reshape(rows, group_size), out_dtype=jnp.dtype(out_dtype),
+                           fmax=float(fmax), floor=float(floor), interpret=interpret, block=block,
+                           max_ctas=max_ctas, stages=stages)
+  return q.reshape(x.shape), s.reshape(*x.shape[:-1], x.shape[-1] // group_size)
+
+
+@_shared_trace
+def _per_group_launch(x2, *, out_dtype, fmax, floor, interpret, block, max_ctas, stages):
+  rows, group_size = x2.shape
   r = _block_rows(rows, block)
   big, small = _row_blocks(r, group_size)
-  q, s = launch(
+  return launch(
       functools.partial(_per_group_kernel, fmax=fmax, floor=floor, interpret=interpret),
-      inputs=[x.reshape(rows, group_size)], in_blocks=[big],
-      out_shapes=[jax.ShapeDtypeStruct((rows, group_size), jnp.dtype(out_dtype)),
+      inputs=[x2], in_blocks=[big],
+      out_shapes=[jax.ShapeDtypeStruct((rows, group_size), out_dtype),
                   jax.ShapeDtypeStruct((rows,), jnp.float32)],
       out_blocks=[big, small], num_blocks=rows // r, interpret=interpret, max_ctas=max_ctas,
       stages=stages, name="coat_quantize_per_group_mgpu")
-  return q.reshape(x.shape), s.reshape(*x.shape[:-1], x.shape[-1] // group_size)
 
 
 def _dequant_kernel(q_ref, s_ref, o_ref):
@@ -186,16 +218,22 @@ def dequantize_per_group(q: jax.Array, scale: jax.Array, *, group_size: int, dty
   if scale.size != rows:
     raise ValueError(f"dequantize_per_group: scale of shape {scale.shape} does not hold one value "
                      f"per group of {group_size} of data shape {q.shape}")
+  [out] = _dequant_launch(q.reshape(rows, group_size), scale.astype(jnp.float32).reshape(rows),
+                          dtype=jnp.dtype(dtype), interpret=interpret, block=block,
+                          max_ctas=max_ctas, stages=stages)
+  return out.reshape(q.shape)
+
+
+@_shared_trace
+def _dequant_launch(q2, s1, *, dtype, interpret, block, max_ctas, stages):
+  rows, group_size = q2.shape
   r = _block_rows(rows, block)
   big, small = _row_blocks(r, group_size)
-  [out] = launch(
-      _dequant_kernel,
-      inputs=[q.reshape(rows, group_size), scale.astype(jnp.float32).reshape(rows)],
-      in_blocks=[big, small],
-      out_shapes=[jax.ShapeDtypeStruct((rows, group_size), jnp.dtype(dtype))],
+  return launch(
+      _dequant_kernel, inputs=[q2, s1], in_blocks=[big, small],
+      out_shapes=[jax.ShapeDtypeStruct((rows, group_size), dtype)],
       out_blocks=[big], num_blocks=rows // r, interpret=interpret, max_ctas=max_ctas,
       stages=stages, name="coat_dequantize_per_group_mgpu")
-  return out.reshape(q.shape)
 
 
 def _tile_amax_kernel(x_ref, p_ref):
@@ -213,14 +251,21 @@ def tile_amax(x: jax.Array, *, interpret: bool = False, block: int = 128,
   _check_float(x.dtype, "tile_amax")
   _check(_rows_problem(x.shape, x.dtype, STAGE1_TILE), "tile_amax")
   rows = x.size // STAGE1_TILE
+  [p] = _tile_amax_launch(x.reshape(rows, STAGE1_TILE), interpret=interpret, block=block,
+                          max_ctas=max_ctas, stages=stages)
+  return p.reshape(*x.shape[:-1], x.shape[-1] // STAGE1_TILE)
+
+
+@_shared_trace
+def _tile_amax_launch(x2, *, interpret, block, max_ctas, stages):
+  rows = x2.shape[0]
   r = _block_rows(rows, block)
   big, small = _row_blocks(r, STAGE1_TILE)
-  [p] = launch(
-      _tile_amax_kernel, inputs=[x.reshape(rows, STAGE1_TILE)], in_blocks=[big],
+  return launch(
+      _tile_amax_kernel, inputs=[x2], in_blocks=[big],
       out_shapes=[jax.ShapeDtypeStruct((rows,), jnp.float32)], out_blocks=[small],
       num_blocks=rows // r, interpret=interpret, max_ctas=max_ctas, stages=stages,
       name="coat_tile_amax_mgpu")
-  return p.reshape(*x.shape[:-1], x.shape[-1] // STAGE1_TILE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,27 +333,35 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
   else:
     width = 128 if x.shape[-1] % 128 == 0 and (x.size // 128) % ROW_QUANTUM == 0 else 64
     x3 = x.reshape(1, -1, width)              # any row view will do without the transpose
+  outs = _per_tensor_launch(
+      pad_scalars([scale]), x3, out_dtype=jnp.dtype(out_dtype), fmax=float(fmax),
+      with_transpose=with_transpose, interpret=interpret,
+      block_rows=block_rows or (128 if with_transpose else 64), block_cols=block_cols or 128,
+      max_ctas=max_ctas, stages=stages)
+  q = outs[0].reshape(x.shape)
+  q_t = (outs[1].reshape(*x.shape[:-2], x.shape[-1], x.shape[-2]) if with_transpose else None)
+  return q, scale, q_t
+
+
+@_shared_trace
+def _per_tensor_launch(scalars, x3, *, out_dtype, fmax, with_transpose, interpret, block_rows,
+                       block_cols, max_ctas, stages):
   b, m, n = x3.shape
-  block_rows = block_rows or (128 if with_transpose else 64)
-  block_cols = block_cols or 128
   bm = _block_rows(m, block_rows)
   bn = max(d for d in (256, 128, 64) if d <= max(block_cols, 64) and n % d == 0)
   gi, gj = m // bm, n // bn
   kij = lambda blk: (blk // (gi * gj), (blk // gj) % gi, blk % gj)    # block id -> (k, i, j)
   where = lambda blk: (lambda k, i, j: (k, pl.ds(i * bm, bm), pl.ds(j * bn, bn)))(*kij(blk))
   out_blocks = [((None, bm, bn), where)]
-  out_shapes = [jax.ShapeDtypeStruct((b, m, n), jnp.dtype(out_dtype))]
+  out_shapes = [jax.ShapeDtypeStruct((b, m, n), out_dtype)]
   if with_transpose:
     out_blocks.append(((None, bn, bm), lambda blk: (
         lambda k, i, j: (k, pl.ds(j * bn, bn), pl.ds(i * bm, bm)))(*kij(blk))))
-    out_shapes.append(jax.ShapeDtypeStruct((b, n, m), jnp.dtype(out_dtype)))
-  outs = launch(
+    out_shapes.append(jax.ShapeDtypeStruct((b, n, m), out_dtype))
+  return launch(
       functools.partial(_tensor_kernel, fmax=fmax, interpret=interpret,
                         transpose=with_transpose),
-      scalars=[pad_scalars([scale])], inputs=[x3], in_blocks=[((None, bm, bn), where)],
+      scalars=[scalars], inputs=[x3], in_blocks=[((None, bm, bn), where)],
       out_shapes=out_shapes, out_blocks=out_blocks, num_blocks=b * gi * gj,
       interpret=interpret, max_ctas=max_ctas, stages=stages,
       name="coat_quantize_per_tensor_mgpu")
-  q = outs[0].reshape(x.shape)
-  q_t = (outs[1].reshape(*x.shape[:-2], x.shape[-1], x.shape[-2]) if with_transpose else None)
-  return q, scale, q_t

@@ -1,5 +1,5 @@
-"""Smoke tests of benchmarks/{bench_e2e,accuracy,stability}.py: tiny shapes, outputs exist, finite;
-benchmarks/_common.py; and the scripts' import rules (only the underscored modules are shared, no sys.path edits)."""
+"""Smoke tests of benchmarks/{bench_e2e,accuracy,stability,compile_breakdown}.py: tiny shapes,
+outputs exist, finite; benchmarks/_common.py; and the scripts' import rules (only the underscored modules are shared, no sys.path edits)."""
 import importlib.util
 import json
 import math
@@ -183,3 +183,51 @@ def test_common_timing_and_budget(rng):
   assert common.Budget(None).left() == math.inf and common.Budget(None).deadline() is None
   assert common.Budget(0.0, reserve=0.0).left() <= 0
   assert 0 <= b.elapsed() < 5 and time.time() >= b.t0
+
+
+@pytest.mark.slow
+def test_compile_breakdown_child():
+  """benchmarks/compile_breakdown.py: one child in-process (tiny coat step, remat full)."""
+  cb = _load("compile_breakdown")
+  args = cb.parse_args(["--one", "coat:coat_adamw/remat=full", "--preset", "tiny",
+                        "--seq-len", "16", "--batch", "8", "--set", "model.num_layers=1", "--set",
+                        "model.hidden_size=64", "--set", "model.intermediate_size=128"])
+  r = cb.measure_one(args)
+  assert r["status"] == "ok", r.get("error")
+  assert r["compile_s"] > 0 and r["lower_s"] > 0
+  assert r["hlo"]["instructions"] > r["hlo"]["kernels"] > 0
+
+
+def test_compile_breakdown_kernel_counts_and_pass_log():
+  """benchmarks/compile_breakdown.py: the Pallas lowering counter on an interpreted Mosaic GPU
+  kernel (same shape twice: one signature; another shape: a second one), XLA pass-log parsing
+  (lines in XLA's format) and variant parsing."""
+  cb = _load("compile_breakdown")
+  from pallas_kernels import quantize_mgpu as qm
+  kw = dict(group_size=16, out_dtype=jnp.float8_e4m3fn, fmax=448.0, floor=1e-10, interpret=True)
+  f = lambda x, y: [qm.quantize_per_group(a, **kw)[0] for a in (x, 2 * x, y)]
+  with cb.instrument() as st:
+    jax.jit(f).lower(jax.ShapeDtypeStruct((64, 16), jnp.float32),
+                     jax.ShapeDtypeStruct((128, 16), jnp.float32))
+  assert st["pallas_lowerings"] >= 2 and len(st["kernels"]) == 2 and st["pallas_lower_s"] > 0
+
+  tid = "I1123 18:32:33.769186   28367 hlo_pass_pipeline.cc:{}] {}"
+  lines = [cb.PHASE_TAG + "lower", tid.format(206, "HLO pass: dce time: 9 s (9 s)"),
+           cb.PHASE_TAG + "compile",
+           tid.format(302, "Running HLO pass pipeline on module jit_train_step: simplification"),
+           tid.format(206, "HLO pass: algsimp time: 1.5 ms (1.5 ms) (cumulative: 2 ms)"),
+           tid.format(206, "HLO pass: algsimp time: 2.5 s (2.5 s)"),
+           tid.format(206, "HLO pass: simplification time: 3 s (3 s)"),
+           tid.format(302, "Running HLO pass pipeline on module gemm_fusion_autotuning: p"),
+           tid.format(206, "HLO pass: fusion time: 1.2 min (1.2 min)"),
+           "I1123 18:32:34.000000   28367 gpu_compiler.cc:1] GpuCompiler::RunHloPasses for "
+           "jit_train_step time: 40 s (cumulative: 40 s)"]
+  log = cb.parse_log(lines)
+  assert log["passes"] == {"algsimp": pytest.approx(2.5015)}   # the lower phase's dce left out
+  assert log["pipelines"] == {"simplification": 3.0}
+  assert log["other_modules"] == {"gemm_fusion_autotuning": pytest.approx(72.0)}
+  assert log["timers"] == {"GpuCompiler::RunHloPasses": 40.0}
+  v = cb.parse_variant("coat:coat_adamw/kernels=gemm=reference/set=model.num_layers=1/prewarm")
+  assert (v["kernels"], v["sets"], v["prewarm"]) == ("gemm=reference", ["model.num_layers=1"], True)
+  with pytest.raises(ValueError, match="unknown option"):
+    cb.parse_variant("coat:coat_adamw/bogus=1")

@@ -65,6 +65,35 @@ def _dot64(a, b, dn):
   return np.tensordot(x, y, axes=(list(lc), list(rc)))
 
 
+def _kernel_traces(fn, *args) -> list:
+  """The traced kernel of each GEMM call in fn's jaxpr (the `jit` wrapping the Mosaic GPU kernel),
+  in call order: one object per trace, shared when a trace is reused."""
+  out = []
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      sub = eqn.params.get("jaxpr")
+      if sub is not None and "wgmma" in str(sub):
+        out.append(sub)
+      else:
+        for j in jax.extend.core.jaxprs_in_params(eqn.params):
+          visit(j)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
+def test_kernel_traced_once_per_signature(rng):
+  """Calls of one GEMM signature reuse one traced kernel (so JAX lowers it once per step: its
+  lowering cache is keyed on the traced jaxpr); another shape gets its own."""
+  a, b, c = _fp8(rng, (128, 256)), _fp8(rng, (64, 256)), _fp8(rng, (192, 256))
+  s = jnp.float32(0.5)
+  mm = lambda x, y: fm.fp8_matmul_tn(x, y, s, jnp.float32, config=SMALL, interpret=_interp())
+  traces = _kernel_traces(lambda a, b, c: (mm(a, b), mm(a, b) * 2, mm(c, b)), a, b, c)
+  assert len(traces) == 3
+  assert traces[0] is traces[1] and traces[2] is not traces[0]
+
+
 @pytest.mark.parametrize("m,n,k,out_dtype,dtypes", [
     (200, 136, 300, jnp.float32, (jnp.float8_e4m3fn, jnp.float8_e4m3fn)),   # no tile divides
     (128, 192, 256, jnp.bfloat16, (jnp.float8_e4m3fn, jnp.float8_e5m2)),    # aligned, mixed fp8

@@ -174,6 +174,36 @@ def test_quantize_per_tensor_given_amax_and_nan():
   assert np.isnan(np.asarray(s_nan))
 
 
+def _kernel_eqns(fn, *args) -> list:
+  """The Pallas kernel equation reached by each kernel call in fn's jaxpr, in call order: calls
+  that reuse one trace reach the same equation object."""
+  out = []
+
+  def visit(jaxpr):
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+      if eqn.primitive.name in ("mpmd_map", "pallas_call"):
+        out.append(eqn)
+        continue
+      for j in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(j)
+
+  visit(jax.make_jaxpr(fn)(*args))
+  return out
+
+
+def test_one_kernel_trace_per_kernel_view():
+  """Inputs of different shapes with one kernel view ((128, 64) and (2, 64, 64) are both 512
+  tiles of 16, or one (1, 64, 128) block row) share one kernel trace, so a step lowers (and the
+  GPU compiles) one Mosaic GPU module for them, not one per caller; another view gets its own."""
+  kw = dict(out_dtype=jnp.float8_e4m3fn, fmax=448.0, floor=1e-10, interpret=True)
+  a, b, c = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((128, 64), (2, 64, 64), (256, 64)))
+  for f in (lambda x: qm.tile_amax(x, interpret=True),
+            lambda x: qm.quantize_per_tensor(x, scale=jnp.float32(0.5), **kw)[0]):
+    eqns = _kernel_eqns(lambda a, b, c: (f(a), f(b), f(c)), a, b, c)
+    assert len(eqns) == 3
+    assert eqns[0] is eqns[1] and eqns[2] is not eqns[0]
+
+
 def test_supported_and_clear_errors():
   assert qm.supported_per_group((4, 256), jnp.float32, 16)
   assert not qm.supported_per_group((4, 250), jnp.float32, 16)      # N % G

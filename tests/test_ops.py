@@ -279,3 +279,31 @@ def test_bad_inputs():
     ops.attention(q, q, q, residuals="fp4")
   with pytest.raises(ValueError, match="one dtype"):
     ops.attention(q, q.astype(jnp.float32), q, residuals="fp8")
+
+
+def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
+  """With the quantize kernels on (interpreted here), a coat linear's forward and backward run the
+  stage-1 tile-maxima kernel for x and dY only: a weight's amax is an XLA reduction (one Mosaic
+  GPU module less per weight shape in a compiled step); values and gradients as the reference's."""
+  x = jnp.asarray(rng.standard_normal((64, 64)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((64, 64)) * 0.1, jnp.float32)
+  loss = lambda x, w: jnp.sum(ops.linear(x, w, mode="coat").astype(jnp.float32) ** 2)
+  step = jax.value_and_grad(loss, argnums=(0, 1))
+
+  def kernel_names(jaxpr, out):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in ("mpmd_map", "pallas_call"):
+        out.append(eqn.params.get("name"))
+      for j in jax.extend.core.jaxprs_in_params(eqn.params):
+        kernel_names(getattr(j, "jaxpr", j), out)
+    return out
+
+  with kernels.backend("quantize=mosaic"):
+    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
+    got = step(x, w)
+  assert names.count("coat_tile_amax_mgpu") == 2
+  assert names.count("coat_quantize_per_tensor_mgpu") == 4
+  with kernels.backend("reference"):
+    ref = step(x, w)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

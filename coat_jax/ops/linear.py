@@ -87,6 +87,14 @@ def linear_options(*, weight_quant: str = "per_use", amax: str = "kernel"):
     _OPTIONS.update(old)
 
 
+def _weight_amax(w):
+  """max|w| of a weight for its per-tensor quantize, as an XLA reduction (fusable into the cast
+  that makes w): the quantize then skips its stage-1 kernel. The same value as the kernel's
+  two-stage max (NaN propagates), and weights are small, so it costs no time; it saves a Mosaic
+  GPU module per weight shape, each compiled with the step."""
+  return jnp.max(jnp.abs(w))
+
+
 def _fwd_gemm(xq, w, out_dtype):
   """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K).
 
@@ -95,10 +103,11 @@ def _fwd_gemm(xq, w, out_dtype):
   """
   wc = w.astype(out_dtype)
   if _OPTIONS["weight_quant"] == "once":
-    q = kernels.quantize_per_tensor(wc, "e4m3", with_transpose=True)
+    q = kernels.quantize_per_tensor(wc, "e4m3", with_transpose=True, amax=_weight_amax(wc))
     wq, kept = QuantizedArray(q.data_t, q.scale, "e4m3"), name_residuals((q.data, q.scale))
   else:
-    wq, kept = kernels.quantize_per_tensor(jnp.swapaxes(wc, 0, 1), "e4m3"), None
+    wq = kernels.quantize_per_tensor(jnp.swapaxes(wc, 0, 1), "e4m3", amax=_weight_amax(wc))
+    kept = None
   dn = (((xq.data.ndim - 1,), (1,)), ((), ()))
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype), kept
 
@@ -112,8 +121,11 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   k, n = w.shape
   gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g))
   # (K, N): contracts N (TN); the forward's copy when it kept one.
-  wq = (QuantizedArray(*kept, "e4m3") if kept is not None
-        else kernels.quantize_per_tensor(w.astype(g.dtype), "e4m3"))
+  if kept is not None:
+    wq = QuantizedArray(*kept, "e4m3")
+  else:
+    wc = w.astype(g.dtype)
+    wq = kernels.quantize_per_tensor(wc, "e4m3", amax=_weight_amax(wc))
   tn = (((1,), (1,)), ((), ()))
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
   x_tq = QuantizedArray(x_t, x_scale, "e4m3")
