@@ -84,3 +84,22 @@ def test_no_intact_checkpoint_is_a_one_line_error(tmp_path, rng):
   assert "\n" not in msg and msg.startswith(f"no intact checkpoint in {tmp_path}; tried step 4 (")
   assert "; step 2 (" in msg
   ck.close()
+
+
+def test_another_layout_is_a_one_line_error_and_stays_in_place(tmp_path, rng):
+  # E.g. coat_adamw moments written with group_axis "last" ((in, out/G) scales) read by a run
+  # with "coat" ((in/G, out) scales): readable, so not set aside as unreadable.
+  ck = Checkpointer(tmp_path, every=2, keep=5, async_save=False)
+  amax = jnp.asarray(rng.uniform(0.1, 1.0, (64, 2)), jnp.float32)
+  assert ck.save(2, {"opt": {"mu": {"w": amax}}}, {"step": 2})
+  ck.close()
+  ck = Checkpointer(tmp_path, every=2, keep=5, async_save=False)
+  with pytest.raises(ValueError) as e:
+    ck.restore_intact({"opt": {"mu": {"w": jnp.zeros((1, 128), jnp.float32)}}}, log=lambda _: None)
+  msg = str(e.value)
+  assert "\n" not in msg and "has shape (64, 2), this run expects (1, 128)" in msg
+  assert "optimizer.group_axis" in msg
+  assert ck.all_steps() == [2] and not list(tmp_path.glob("2.*"))  # left in place
+  state, _, step = ck.restore_intact({"opt": {"mu": {"w": jnp.zeros((64, 2), jnp.float32)}}})
+  assert step == 2 and np.array_equal(np.asarray(state["opt"]["mu"]["w"]), np.asarray(amax))
+  ck.close()

@@ -154,6 +154,8 @@ class Checkpointer:
     in one line through `log` and renamed `<step>.unreadable` (kept for inspection, out of the
     manager's way so the step can be saved again); the next older one is tried. ValueError (one
     line, listing every step tried and why) when none is intact, or `step` does not exist.
+    A readable checkpoint whose arrays do not fit `template` (another model or optimizer layout)
+    raises CheckpointMismatch (a ValueError, one line) and is left in place.
     With `step`, newer checkpoints are renamed `<step>.superseded` (the run continues from `step`
     and will write those steps again).
     """
@@ -172,6 +174,8 @@ class Checkpointer:
     for s in steps:
       try:
         return self.restore(template, s)
+      except CheckpointMismatch:
+        raise  # readable, but another run's layout: stop, rename nothing
       except Exception as e:  # orbax/tensorstore/json raise many types; all mean "unreadable" here
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         tried.append(f"step {s} ({reason})")
@@ -199,8 +203,22 @@ class Checkpointer:
     self._manager = None
 
 
+class CheckpointMismatch(ValueError):
+  """A readable checkpoint of another model or optimizer layout than this run's (keys, shapes or
+  dtypes differ): never set aside as unreadable, the run stops instead."""
+
+
+def _mismatch_hint(key: str) -> str:
+  if re.search(r"(^|\.)(mu|nu)(\.|$)", key):
+    return (" (optimizer state: was it written with another optimizer.group_axis, group_size or "
+            "m/v format? coat_adamw groups along 'coat' by default since 2026-11-23; resume "
+            "with --set optimizer.group_axis=last for an older run)")
+  return ""
+
+
 def _check_compatible(target: dict[str, Any], stored: Any, where: Path) -> None:
-  """Raises ValueError when the stored arrays' keys, shapes or dtypes differ from the run's."""
+  """Raises CheckpointMismatch when the stored arrays' keys, shapes or dtypes differ from the
+  run's."""
   try:
     stored = dict(stored)
   except (TypeError, ValueError):
@@ -208,7 +226,7 @@ def _check_compatible(target: dict[str, Any], stored: Any, where: Path) -> None:
   extra = sorted(set(stored) - set(target))
   missing = sorted(set(target) - set(stored))
   if extra or missing:
-    raise ValueError(f"checkpoint {where} does not match this run's model/optimizer: "
+    raise CheckpointMismatch(f"checkpoint {where} does not match this run's model/optimizer: "
                      f"{len(missing)} entries missing (e.g. {missing[:3]}), "
                      f"{len(extra)} unexpected (e.g. {extra[:3]})")
   for key, want in target.items():
@@ -216,8 +234,8 @@ def _check_compatible(target: dict[str, Any], stored: Any, where: Path) -> None:
     shape = getattr(got, "shape", None)
     dtype = getattr(got, "dtype", None)
     if shape is not None and tuple(shape) != tuple(want.shape):
-      raise ValueError(f"checkpoint {where}: {key} has shape {tuple(shape)}, this run expects "
-                       f"{tuple(want.shape)}")
+      raise CheckpointMismatch(f"checkpoint {where}: {key} has shape {tuple(shape)}, this run "
+                               f"expects {tuple(want.shape)}{_mismatch_hint(key)}")
     if dtype is not None and np.dtype(dtype) != np.dtype(want.dtype):
-      raise ValueError(f"checkpoint {where}: {key} has dtype {np.dtype(dtype)}, this run expects "
-                       f"{np.dtype(want.dtype)}")
+      raise CheckpointMismatch(f"checkpoint {where}: {key} has dtype {np.dtype(dtype)}, this run "
+                               f"expects {np.dtype(want.dtype)}{_mismatch_hint(key)}")
