@@ -201,8 +201,8 @@ def _interpreter_check():
   outs = [np.zeros_like(p)] + [np.zeros_like(np.asarray(a)) for a in (*m_state, *v_state)]
   rows = p.size // G
   at._adam_kernel[(-(-rows // block),)](
-      *map(_HostTensor, ins + outs), **at.kernel_constants(
-          rows, G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
+      *map(_HostTensor, ins), rows, *map(_HostTensor, outs), **at.kernel_constants(
+          G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
           m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=True,
           expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63))
   rel = np.linalg.norm((outs[0] - p) - (out - p)) / np.linalg.norm(out - p)
@@ -233,10 +233,10 @@ def _interpreter_check_cols():
   outs = [np.zeros_like(p)] + [np.zeros_like(a) for a in (*m_state, *v_state)]
   row_groups, cols = p.size // (G * shape[-1]), shape[-1]
   at._adam_cols_kernel[(row_groups * -(-cols // block),)](
-      *map(_HostTensor, ins + outs), **at.kernel_constants(
-          0, G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
+      *map(_HostTensor, ins), cols, *map(_HostTensor, outs), **at.kernel_constants(
+          G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
           m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=True,
-          expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63, cols=cols))
+          expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63))
   _check_cols(outs, p, out, m_new, v_new, "param", carry_ok=True)
   print("interpreter check passed")
 
@@ -259,11 +259,4 @@ def test_interpreter_cols_matches_float64_reference():
 
 @pytest.mark.skipif(at.triton is None, reason="triton is not installed")
 def test_interpreter_matches_float64_reference():
-  import os
-  import subprocess
-  import sys
-  env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-  code = "from tests.test_kernels_adam_triton import _interpreter_check; _interpreter_check()"
-  run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
-  assert run.returncode == 0 and "passed" in run.stdout, run.stderr[-3000:]
+  _run_interpreted("_interpreter_check")
