@@ -292,7 +292,7 @@ def _tensor_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
   if transpose:
     # A strided-layout load of the transposed view fails verification ("'vector.load' op most
     # minor memref dim must have unit stride"); the WGMMA layout, unoptimized, loads it.
-    xt_ref = plgpu.transpose_ref(x_ref, (1, 0))
+    xt_ref = x_ref.transpose((1, 0))
     xt = plgpu.load(xt_ref, layout=_WGMMA, optimized=False).astype(jnp.float32)
     qt = _saturate(_div(xt, jnp.broadcast_to(scale, xt.shape), interpret), fmax)
     out_refs[1][...] = qt.astype(out_refs[1].dtype)
