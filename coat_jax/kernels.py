@@ -36,7 +36,8 @@ the caller only has to jit with sharded inputs (in_shardings, or arrays placed w
 NamedSharding on a mesh with Auto axes, as coat_jax.training.mesh builds). Semantics do not depend on
 the mesh: a per-tensor scale is the amax of the whole logical tensor (the stage-1 tile maxima are
 local, their max is XLA's global reduction), per-group scales are local and groups never straddle
-a shard boundary (a last axis whose shards would split groups is gathered for the kernel), and
+a shard boundary (a last axis whose shards would split groups is gathered for the kernel), the
+per-tensor quantize writes each shard's block of the transposed copy (`sharded.transposing`), and
 the optimizer step runs per shard on the local moments. The FP8 GEMM (`sharded.matmul_tn`)
 keeps M and N sharded (column-parallel outputs stay sharded) and all-gathers an FSDP weight's
 rows as FP8 codes; a contracting axis split over other mesh axes (a row-parallel product, a
@@ -46,10 +47,13 @@ on that shard. In interpret mode (CPU) the Mosaic GPU kernels (GEMM, quantize) a
 like any others.
 
 Partitioning switch: `auto` (default) wraps the kernels only when jax.device_count() > 1;
-`always` takes the sharded path on one device too (the code path of a mesh run: per-tensor
-quantize without the fused transpose, the GEMM through `sharded.matmul_tn`, the optimizer step
-per leaf instead of the tree kernel), to measure its cost on one GPU. On one device custom_partitioning lowers its function inline, so `always`
-costs only what the sharded path computes differently. Set it with COAT_JAX_PARTITIONING
+`always` takes the sharded path on one device too (the code path of a mesh run: every kernel
+through custom_partitioning, the GEMM through `sharded.matmul_tn`), to measure its cost on one
+GPU. On one device custom_partitioning lowers its function inline and each kernel gets the whole
+array, so `always` runs the single-device kernels: the per-tensor quantize writes the transposed
+copy in the same pass (`sharded.transposing`: on a mesh each shard writes its local block of
+it). One difference is left: the tree kernel (`adam_tree`, off under `auto`) has no per-shard
+wrapper, so a forced `adam_tree=triton` runs per leaf on the sharded path. Set it with COAT_JAX_PARTITIONING
 (read at import), `set_partitioning(...)` or the `partitioning(...)` context manager; like the
 backend it is a JAX user context, part of jit's cache key.
 """
@@ -269,14 +273,24 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
       if not per_shard() or interpret_mode():
         data, _, data_t = qm.quantize_per_tensor(x, scale=scale, floor=floor,
                                                  with_transpose=with_transpose, **kw)
-      else:   # per shard; the transposed copy by XLA (a shard's transpose is not local)
+      else:   # per shard (a shard the kernel does not take: the reference on that shard)
         def quant(a, am, s):
           if qm.supported_per_tensor(a.shape, a.dtype, False):
             return (qm.quantize_per_tensor(a, scale=s, floor=floor, **kw)[0],)
           return (quantize.quantize_per_tensor(a, f, amax=am, floor=floor).data,)
 
-        (data,) = _rows(quant, [x, amax, scale], ["data", "scalar", "scalar"], ["data"], tile)
-        data_t = jnp.swapaxes(data, -1, -2) if with_transpose else None
+        def quant_t(a, am, s):   # each shard's codes and their local transpose (its block of
+          if qm.supported_per_tensor(a.shape, a.dtype, True):   # data_t), fused when it can
+            q, _, q_t = qm.quantize_per_tensor(a, scale=s, floor=floor, with_transpose=True, **kw)
+            return q, q_t
+          (q,) = quant(a, am, s)
+          return q, jnp.swapaxes(q, -1, -2)
+
+        if with_transpose:
+          data, data_t = sharded.transposing(quant_t, x, [amax, scale])
+        else:
+          (data,) = _rows(quant, [x, amax, scale], ["data", "scalar", "scalar"], ["data"], tile)
+          data_t = None
       return QuantizedArray(data, scale, f.name, 0, data_t)
   return quantize.quantize_per_tensor(x, f, amax=amax, with_transpose=with_transpose, floor=floor)
 
