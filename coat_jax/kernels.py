@@ -247,6 +247,23 @@ def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
   return _rows(kernel, args, kinds_in, kinds_out, group_size)
 
 
+# The Mosaic GPU row kernels (quantize, tile maxima, dequantize) in interpret mode (CPU tests)
+# take the largest blocks (rows_mgpu: 1024 rows) and at most 2 CTAs, as the GEMM's interpret
+# default: the interpreter simulates every CTA and block step with host callbacks, so the GPU's
+# tuning (128-row blocks, up to 528 CTAs) made a CPU call of a (128, 256) per-group quantize
+# ~25x slower (0.64 s vs 0.024 s CPU time). The kernels' own tests cover their other settings.
+INTERPRET_ROW_KERNEL = dict(block=1024, max_ctas=2)
+
+
+def _row_kernel_kw(block_name: str = "block") -> dict:
+  """interpret (and in interpret mode INTERPRET_ROW_KERNEL) for the Mosaic GPU row kernels; the
+  per-tensor quantize names its block `block_rows`."""
+  if not interpret_mode():
+    return dict(interpret=False)
+  kw = dict(INTERPRET_ROW_KERNEL)
+  return dict(interpret=True, max_ctas=kw["max_ctas"], **{block_name: kw["block"]})
+
+
 def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
                         floor=formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
   """See `coat_jax.quantize.quantize_per_tensor`.
@@ -258,11 +275,12 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
   if implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes():
     from pallas_kernels import quantize_mgpu as qm  # local: keeps Pallas out of reference-only imports.
     if qm.supported_per_tensor(x.shape, x.dtype, with_transpose):
-      tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max, interpret=interpret_mode())
+      tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max,
+                                      **_row_kernel_kw("block_rows"))
 
       def stage1(a):   # per shard; a shard the kernel does not take: the reference's maxima
         if qm.supported_per_group(a.shape, a.dtype, tile):
-          return (qm.tile_amax(a, interpret=kw["interpret"]),)
+          return (qm.tile_amax(a, **_row_kernel_kw()),)
         return (quantize.group_amax(a, tile),)
 
       if amax is None:   # stage 1 per shard; stage 2 (jnp.max, global, propagates NaN) by XLA
@@ -302,12 +320,10 @@ def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", 
   if implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes():
     from pallas_kernels import quantize_mgpu as qm
     if qm.supported_per_group(x.shape, x.dtype, group_size):
-      interp = interpret_mode()
-
       def kernel(a):   # per shard; a shard the kernel does not take: the reference
         if qm.supported_per_group(a.shape, a.dtype, group_size):
           return qm.quantize_per_group(a, group_size=group_size, out_dtype=f.dtype, fmax=f.max,
-                                       floor=floor, interpret=interp)
+                                       floor=floor, **_row_kernel_kw())
         ref = quantize.quantize_per_group(a, group_size, f, floor=floor)
         return ref.data, ref.scale
 
@@ -324,12 +340,12 @@ def dequantize(q: QuantizedArray, dtype):
       and jnp.issubdtype(out_dtype, jnp.floating)):
     from pallas_kernels import quantize_mgpu as qm
     if qm.supported_per_group(q.data.shape, q.data.dtype, q.group_size):
-      interp, g = interpret_mode(), q.group_size
+      g = q.group_size
 
       def kernel(d, sc):
         if qm.supported_per_group(d.shape, d.dtype, g):
           return (qm.dequantize_per_group(d, sc, group_size=g, dtype=out_dtype,
-                                          interpret=interp),)
+                                          **_row_kernel_kw()),)
         return (quantize.dequantize(QuantizedArray(d, sc, q.fmt, g), out_dtype),)
 
       (out,) = _mosaic(kernel, [q.data, q.scale], ["data", "meta"], ["data"], g)
