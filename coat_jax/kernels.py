@@ -53,9 +53,9 @@ GPU. On one device custom_partitioning lowers its function inline and each kerne
 array, so `always` runs the single-device kernels: the per-tensor quantize writes the transposed
 copy in the same pass (`sharded.transposing`: on a mesh each shard writes its local block of
 it). One difference is left: the tree kernel (`adam_tree`, off under `auto`) has no per-shard
-wrapper, so a forced `adam_tree=triton` runs per leaf on the sharded path. Set it with COAT_JAX_PARTITIONING
-(read at import), `set_partitioning(...)` or the `partitioning(...)` context manager; like the
-backend it is a JAX user context, part of jit's cache key.
+wrapper, so a forced `adam_tree=triton` runs per leaf on the sharded path. Set the switch with
+COAT_JAX_PARTITIONING (read at import), `set_partitioning(...)` or the `partitioning(...)` context
+manager; like the backend it is a JAX user context, part of jit's cache key.
 """
 from __future__ import annotations
 
@@ -248,20 +248,21 @@ def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
 
 
 # The Mosaic GPU row kernels (quantize, tile maxima, dequantize) in interpret mode (CPU tests)
-# take the largest blocks (rows_mgpu: 1024 rows) and at most 2 CTAs, as the GEMM's interpret
+# take the largest blocks (rows_mgpu: 1024 rows; the per-tensor quantize keeps its own, its
+# transposing blocks are sized for shared memory) and at most 2 CTAs, as the GEMM's interpret
 # default: the interpreter simulates every CTA and block step with host callbacks, so the GPU's
 # tuning (128-row blocks, up to 528 CTAs) made a CPU call of a (128, 256) per-group quantize
 # ~25x slower (0.64 s vs 0.024 s CPU time). The kernels' own tests cover their other settings.
 INTERPRET_ROW_KERNEL = dict(block=1024, max_ctas=2)
 
 
-def _row_kernel_kw(block_name: str = "block") -> dict:
-  """interpret (and in interpret mode INTERPRET_ROW_KERNEL) for the Mosaic GPU row kernels; the
-  per-tensor quantize names its block `block_rows`."""
+def _row_kernel_kw(block: bool = True) -> dict:
+  """interpret (and in interpret mode INTERPRET_ROW_KERNEL) for the Mosaic GPU row kernels;
+  block=False: max_ctas only (the per-tensor quantize keeps its blocks)."""
   if not interpret_mode():
     return dict(interpret=False)
-  kw = dict(INTERPRET_ROW_KERNEL)
-  return dict(interpret=True, max_ctas=kw["max_ctas"], **{block_name: kw["block"]})
+  return dict(interpret=True, **{k: v for k, v in INTERPRET_ROW_KERNEL.items()
+                                 if block or k != "block"})
 
 
 def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
@@ -276,7 +277,7 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
     from pallas_kernels import quantize_mgpu as qm  # local: keeps Pallas out of reference-only imports.
     if qm.supported_per_tensor(x.shape, x.dtype, with_transpose):
       tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max,
-                                      **_row_kernel_kw("block_rows"))
+                                      **_row_kernel_kw(block=False))
 
       def stage1(a):   # per shard; a shard the kernel does not take: the reference's maxima
         if qm.supported_per_group(a.shape, a.dtype, tile):

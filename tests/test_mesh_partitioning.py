@@ -3,10 +3,10 @@ several devices, `always` on one device too) and the partitioned FP8 GEMM (shard
 
 On one device custom_partitioning lowers its function inline, so `always` must give exactly the
 unwrapped results (bit for bit), the per-tensor quantize's transposed copy included (the kernel
-writes it, sharded.transposing: per shard on a mesh). Interpret mode (CPU) never wraps the GEMM kernel
-(its ordered callbacks cannot pass custom_partitioning), so matmul_tn is tested here with an
-XLA kernel of the same signature, and through the dispatch with that kernel standing in for the
-Mosaic one. The GPU test runs the real kernel (lead: JAX_PLATFORMS=cuda pytest -m gpu)."""
+writes it, sharded.transposing: per shard on a mesh). Interpret mode (CPU) never wraps the Mosaic
+GPU kernels (their ordered callbacks cannot pass custom_partitioning), so matmul_tn and the
+per-tensor quantize are tested here with XLA kernels of the same contracts, also through the
+dispatch with them standing in for the Mosaic ones. The GPU test runs the real kernel (lead: JAX_PLATFORMS=cuda pytest -m gpu)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,3 +279,26 @@ def test_gpu_sharded_gemm_and_linear_equal_unsharded(rng):
       for a, b in zip(grads, want[1][1]):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+
+
+@pytest.mark.gpu
+def test_gpu_transposing_quantize_equals_unwrapped(rng):
+  """Hopper: the Mosaic per-tensor quantize with the transposed copy (bf16 input, the fused
+  kernel) through sharded.transposing (`always` on one GPU; with 2+ GPUs also row-split over an
+  FSDP mesh of them) equals the unwrapped kernel bit for bit."""
+  assert jax.default_backend() == "gpu"
+  x = jnp.asarray(rng.standard_normal((512, 1024)) * np.exp2(rng.integers(-6, 6, (512, 1024))),
+                  jnp.bfloat16)
+  quant = lambda a: kernels.quantize_per_tensor(a, "e4m3", with_transpose=True)
+  with kernels.backend("pallas"):
+    want = jax.jit(quant)(x)
+    with kernels.partitioning("always"):
+      assert "custom_partitioning" in str(jax.make_jaxpr(quant)(x))
+      got = jax.jit(quant)(x)
+    _assert_same((got.data, got.data_t, got.scale), (want.data, want.data_t, want.scale))
+    n = jax.device_count()
+    if n > 1:
+      mesh = _mesh({"fsdp": n})
+      got = jax.jit(quant)(jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
+      _assert_same((got.data, got.data_t, got.scale), (want.data, want.data_t, want.scale))
+      assert got.data_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "fsdp")), 2)
