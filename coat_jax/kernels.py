@@ -37,7 +37,8 @@ the caller only has to jit with sharded inputs (in_shardings, or arrays placed w
 NamedSharding on a mesh with Auto axes, as coat_jax.training.mesh builds). Semantics do not depend on
 the mesh: a per-tensor scale is the amax of the whole logical tensor (the stage-1 tile maxima are
 local, their max is XLA's global reduction), per-group scales are local and groups never straddle
-a shard boundary (a last axis whose shards would split groups is gathered for the kernel), and
+a shard boundary (a last axis whose shards would split groups is gathered for the kernel), the
+per-tensor quantize writes each shard's block of the transposed copy (`sharded.transposing`), and
 the optimizer step runs per shard on the local moments. The FP8 GEMM (`sharded.matmul_tn`)
 keeps M and N sharded (column-parallel outputs stay sharded) and all-gathers an FSDP weight's
 rows as FP8 codes; a contracting axis split over other mesh axes (a row-parallel product, a
@@ -47,12 +48,15 @@ on that shard. In interpret mode (CPU) the Mosaic GPU kernels (GEMM, quantize) a
 like any others.
 
 Partitioning switch: `auto` (default) wraps the kernels only when jax.device_count() > 1;
-`always` takes the sharded path on one device too (the code path of a mesh run: per-tensor
-quantize without the fused transpose, the GEMM through `sharded.matmul_tn`, the optimizer step
-per leaf instead of the tree kernel), to measure its cost on one GPU. On one device custom_partitioning lowers its function inline, so `always`
-costs only what the sharded path computes differently. Set it with COAT_JAX_PARTITIONING
-(read at import), `set_partitioning(...)` or the `partitioning(...)` context manager; like the
-backend it is a JAX user context, part of jit's cache key.
+`always` takes the sharded path on one device too (the code path of a mesh run: every kernel
+through custom_partitioning, the GEMM through `sharded.matmul_tn`), to measure its cost on one
+GPU. On one device custom_partitioning lowers its function inline and each kernel gets the whole
+array, so `always` runs the single-device kernels: the per-tensor quantize writes the transposed
+copy in the same pass (`sharded.transposing`: on a mesh each shard writes its local block of
+it). One difference is left: the tree kernel (`adam_tree`, off under `auto`) has no per-shard
+wrapper, so a forced `adam_tree=triton` runs per leaf on the sharded path. Set the switch with
+COAT_JAX_PARTITIONING (read at import), `set_partitioning(...)` or the `partitioning(...)` context
+manager; like the backend it is a JAX user context, part of jit's cache key.
 """
 from __future__ import annotations
 
@@ -244,6 +248,24 @@ def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
   return _rows(kernel, args, kinds_in, kinds_out, group_size)
 
 
+# The Mosaic GPU row kernels (quantize, tile maxima, dequantize) in interpret mode (CPU tests)
+# take the largest blocks (rows_mgpu: 1024 rows; the per-tensor quantize keeps its own, its
+# transposing blocks are sized for shared memory) and at most 2 CTAs, as the GEMM's interpret
+# default: the interpreter simulates every CTA and block step with host callbacks, so the GPU's
+# tuning (128-row blocks, up to 528 CTAs) made a CPU call of a (128, 256) per-group quantize
+# ~25x slower (0.64 s vs 0.024 s CPU time). The kernels' own tests cover their other settings.
+INTERPRET_ROW_KERNEL = dict(block=1024, max_ctas=2)
+
+
+def _row_kernel_kw(block: bool = True) -> dict:
+  """interpret (and in interpret mode INTERPRET_ROW_KERNEL) for the Mosaic GPU row kernels;
+  block=False: max_ctas only (the per-tensor quantize keeps its blocks)."""
+  if not interpret_mode():
+    return dict(interpret=False)
+  return dict(interpret=True, **{k: v for k, v in INTERPRET_ROW_KERNEL.items()
+                                 if block or k != "block"})
+
+
 def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
                         floor=formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
   """See `coat_jax.quantize.quantize_per_tensor`.
@@ -255,11 +277,12 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
   if implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes():
     from pallas_kernels import quantize_mgpu as qm  # local: keeps Pallas out of reference-only imports.
     if qm.supported_per_tensor(x.shape, x.dtype, with_transpose):
-      tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max, interpret=interpret_mode())
+      tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max,
+                                      **_row_kernel_kw(block=False))
 
       def stage1(a):   # per shard; a shard the kernel does not take: the reference's maxima
         if qm.supported_per_group(a.shape, a.dtype, tile):
-          return (qm.tile_amax(a, interpret=kw["interpret"]),)
+          return (qm.tile_amax(a, **_row_kernel_kw()),)
         return (quantize.group_amax(a, tile),)
 
       if amax is None:   # stage 1 per shard; stage 2 (jnp.max, global, propagates NaN) by XLA
@@ -270,14 +293,24 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
       if not per_shard() or interpret_mode():
         data, _, data_t = qm.quantize_per_tensor(x, scale=scale, floor=floor,
                                                  with_transpose=with_transpose, **kw)
-      else:   # per shard; the transposed copy by XLA (a shard's transpose is not local)
+      else:   # per shard (a shard the kernel does not take: the reference on that shard)
         def quant(a, am, s):
           if qm.supported_per_tensor(a.shape, a.dtype, False):
             return (qm.quantize_per_tensor(a, scale=s, floor=floor, **kw)[0],)
           return (quantize.quantize_per_tensor(a, f, amax=am, floor=floor).data,)
 
-        (data,) = _rows(quant, [x, amax, scale], ["data", "scalar", "scalar"], ["data"], tile)
-        data_t = jnp.swapaxes(data, -1, -2) if with_transpose else None
+        def quant_t(a, am, s):   # each shard's codes and their local transpose (its block of
+          if qm.supported_per_tensor(a.shape, a.dtype, True):   # data_t), fused when it can
+            q, _, q_t = qm.quantize_per_tensor(a, scale=s, floor=floor, with_transpose=True, **kw)
+            return q, q_t
+          (q,) = quant(a, am, s)
+          return q, jnp.swapaxes(q, -1, -2)
+
+        if with_transpose:
+          data, data_t = sharded.transposing(quant_t, x, [amax, scale])
+        else:
+          (data,) = _rows(quant, [x, amax, scale], ["data", "scalar", "scalar"], ["data"], tile)
+          data_t = None
       return QuantizedArray(data, scale, f.name, 0, data_t)
   return quantize.quantize_per_tensor(x, f, amax=amax, with_transpose=with_transpose, floor=floor)
 
@@ -289,12 +322,10 @@ def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", 
   if implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes():
     from pallas_kernels import quantize_mgpu as qm
     if qm.supported_per_group(x.shape, x.dtype, group_size):
-      interp = interpret_mode()
-
       def kernel(a):   # per shard; a shard the kernel does not take: the reference
         if qm.supported_per_group(a.shape, a.dtype, group_size):
           return qm.quantize_per_group(a, group_size=group_size, out_dtype=f.dtype, fmax=f.max,
-                                       floor=floor, interpret=interp)
+                                       floor=floor, **_row_kernel_kw())
         ref = quantize.quantize_per_group(a, group_size, f, floor=floor)
         return ref.data, ref.scale
 
@@ -311,12 +342,12 @@ def dequantize(q: QuantizedArray, dtype):
       and jnp.issubdtype(out_dtype, jnp.floating)):
     from pallas_kernels import quantize_mgpu as qm
     if qm.supported_per_group(q.data.shape, q.data.dtype, q.group_size):
-      interp, g = interpret_mode(), q.group_size
+      g = q.group_size
 
       def kernel(d, sc):
         if qm.supported_per_group(d.shape, d.dtype, g):
           return (qm.dequantize_per_group(d, sc, group_size=g, dtype=out_dtype,
-                                          interpret=interp),)
+                                          **_row_kernel_kw()),)
         return (quantize.dequantize(QuantizedArray(d, sc, q.fmt, g), out_dtype),)
 
       (out,) = _mosaic(kernel, [q.data, q.scale], ["data", "meta"], ["data"], g)

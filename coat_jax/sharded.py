@@ -17,6 +17,10 @@ partitioner (Shardy splits the mesh axis across the group factor before `partiti
 the axis whole); `coat_jax.optim.state_shardings` therefore names any parameter whose split would
 do that, and activation splits (hidden / tensor) are multiples of 16 in practice.
 
+`transposing` does the same for the per-tensor quantize with the transposed copy: each shard's
+kernel writes its codes and their transpose, which is its block of the transposed array (sharded
+like the codes with the last two axes swapped). `matmul_tn` partitions the FP8 GEMM.
+
 The mesh comes from the operands' shardings at partitioning time (after jit's sharding
 propagation); nothing needs to be set at trace time for these kernels.
 """
@@ -27,6 +31,7 @@ import string
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -132,6 +137,48 @@ def rowwise(kernel: Callable, args: Sequence[jax.Array], kinds_in: Sequence[str]
   fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=rule, need_replication_factors=repl, **sizes)
   return fn(*args)
+
+
+def _padded(spec, rank: int) -> tuple:
+  spec = tuple(spec) + (None,) * (rank - len(spec))
+  return tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in spec)
+
+
+def transposing(kernel: Callable, x: jax.Array, scalars: Sequence[jax.Array]):
+  """kernel(x, *scalars) -> (y (..., M, N), y_t (..., N, M)), run per shard, for an elementwise
+  kernel that also writes its result with the last two axes swapped (the per-tensor quantize
+  with the transposed copy).
+
+  y keeps x's sharding, y_t the same with the last two entries swapped: a shard's block,
+  transposed, is the transposed array's block, so each device's kernel writes its local y_t and
+  no collective is added, whichever axes are split. `scalars` are replicated; the kernel must be
+  correct on any block of x (a block shape it does not take: transpose locally).
+  """
+  if x.ndim < 2:
+    raise ValueError(f"transposing: x needs at least 2 axes, got shape {x.shape}")
+
+  def specs(mesh, x_sharding):
+    s = _padded(x_sharding.spec, x.ndim)
+    return (NamedSharding(mesh, PartitionSpec(*s)),
+            NamedSharding(mesh, PartitionSpec(*s[:-2], s[-1], s[-2])))
+
+  def infer(mesh, arg_shapes, result_shape):
+    return specs(mesh, arg_shapes[0].sharding)
+
+  def partition(mesh, arg_shapes, result_shape):
+    out_sh = specs(mesh, arg_shapes[0].sharding)
+    in_sh = (out_sh[0],) + tuple(NamedSharding(mesh, PartitionSpec()) for _ in scalars)
+    return mesh, lambda *a: tuple(kernel(*a)), out_sh, in_sh
+
+  lead = " ".join(string.ascii_lowercase[:x.ndim - 2])
+  count = iter(range(sum(jnp.ndim(a) for a in scalars)))
+  repl = [[f"s{next(count)}" for _ in range(jnp.ndim(a))] for a in scalars]
+  ins = ", ".join([f"{lead} m n"] + [" ".join(r) for r in repl])
+  rule = f"{ins} -> {lead} m n, {lead} n m"
+  fn = custom_partitioning(lambda *a: tuple(kernel(*a)))
+  fn.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                   need_replication_factors=tuple(f for r in repl for f in r))
+  return fn(x, *scalars)
 
 
 def _drop_axes(entry, used):

@@ -2,18 +2,18 @@
 several devices, `always` on one device too) and the partitioned FP8 GEMM (sharded.matmul_tn).
 
 On one device custom_partitioning lowers its function inline, so `always` must give exactly the
-unwrapped results (bit for bit): the per-tensor quantize's transposed copy then comes from XLA
-instead of the kernel, the codes are the same. Interpret mode (CPU) never wraps the GEMM kernel
-(its ordered callbacks cannot pass custom_partitioning), so matmul_tn is tested here with an
-XLA kernel of the same signature, and through the dispatch with that kernel standing in for the
-Mosaic one. The GPU test runs the real kernel (lead: JAX_PLATFORMS=cuda pytest -m gpu)."""
+unwrapped results (bit for bit), the per-tensor quantize's transposed copy included (the kernel
+writes it, sharded.transposing: per shard on a mesh). Interpret mode (CPU) never wraps the Mosaic
+GPU kernels (their ordered callbacks cannot pass custom_partitioning), so matmul_tn and the
+per-tensor quantize are tested here with XLA kernels of the same contracts, also through the
+dispatch with them standing in for the Mosaic ones. The GPU test runs the real kernel (lead: JAX_PLATFORMS=cuda pytest -m gpu)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from coat_jax import kernels, ops, optim, quantize, sharded
+from coat_jax import formats, kernels, ops, optim, quantize, sharded
 
 F32 = jnp.float32
 
@@ -77,20 +77,88 @@ def test_always_wraps_row_kernels_on_one_device_bit_exactly(rng, monkeypatch):
     return jax.tree.map(jnp.add, p, u), s
 
   calls = []
-  real = sharded.rowwise
-  monkeypatch.setattr(sharded, "rowwise", lambda *a: calls.append(1) or real(*a))
+  for name in ("rowwise", "transposing"):
+    real = getattr(sharded, name)
+    monkeypatch.setattr(sharded, name, lambda *a, real=real: calls.append(1) or real(*a))
   results = {}
   with kernels.backend("pallas"):
     for mode in ("auto", "always"):
       with kernels.partitioning(mode):
         results[mode] = (jax.jit(quant)(x), jax.jit(adam)(params))
-      # wrapped: 2 per-tensor (tile maxima, quantize), 1 per-group, 1 dequantize, 1 Adam step;
-      # in interpret mode (CPU) the Mosaic GPU quantize kernels are not wrapped (kernels._mosaic):
-      # only the Adam step is.
+      # wrapped: 2 per-tensor (tile maxima, quantize + transpose), 1 per-group, 1 dequantize,
+      # 1 Adam step; in interpret mode (CPU) the Mosaic GPU quantize kernels are not wrapped
+      # (kernels._mosaic): only the Adam step is.
       wrapped = 1 if kernels.interpret_mode() else 5
       assert len(calls) == (wrapped if mode == "always" else 0)
   _assert_same(results["always"], results["auto"])
   assert np.isfinite(np.asarray(results["always"][1][0]["w"])).all()
+
+
+def _xla_quantize_per_tensor(calls, x, *, out_dtype, fmax, floor, scale, with_transpose=False,
+                             interpret=None, **_):
+  """The Mosaic per-tensor quantize's contract (given the scale) in XLA, logging (shape,
+  with_transpose) per trace; the transposed codes are quantized from the transposed input."""
+  calls.append((x.shape, with_transpose))
+  fmt = "e4m3" if jnp.dtype(out_dtype) == jnp.float8_e4m3fn else "e5m2"
+  assert float(jnp.finfo(out_dtype).max) == fmax
+  q = lambda v: formats.saturating_cast(v.astype(F32) / scale, fmt)
+  return q(x), scale, q(jnp.swapaxes(x, -1, -2)) if with_transpose else None
+
+
+@pytest.mark.parametrize("axes,shape,spec,fused", [
+    ({}, (256, 128), None, True),                                      # one device, `always`
+    ({"fsdp": 4, "tensor": 2}, (8, 64, 128), P("fsdp"), True),         # last two axes unsplit
+    ({"fsdp": 4, "tensor": 2}, (256, 128), P("fsdp", "tensor"), True),  # split: (64, 64) shards
+    ({"fsdp": 4, "tensor": 2}, (128, 128), P("fsdp", "tensor"), False),  # (32, 64): no kernel
+], ids=["one-device", "unsplit", "split", "split-reference"])
+def test_per_tensor_quantize_writes_transposed_copy_per_shard(rng, monkeypatch, axes, shape, spec,
+                                                               fused):
+  """kernels.quantize_per_tensor(with_transpose=True) on the sharded path (the Mosaic kernels
+  replaced by their XLA contracts, as on a GPU): each shard's kernel writes its codes and their
+  transpose (traced with the shard's shape and with_transpose=True; no transpose of FP8 codes
+  outside the kernel in the jaxpr), data_t is sharded like data with the last two axes swapped,
+  no gather; a shard the kernel does not take is quantized by the reference and transposed
+  locally. Codes and scale equal the unwrapped single-device run bit for bit (global amax)."""
+  from pallas_kernels import quantize_mgpu as qm
+  calls = []
+  monkeypatch.setattr(qm, "quantize_per_tensor",
+                      lambda *a, **k: _xla_quantize_per_tensor(calls, *a, **k))
+  monkeypatch.setattr(qm, "tile_amax", lambda x, **_: quantize.group_amax(x, qm.STAGE1_TILE))
+  monkeypatch.setattr(kernels, "interpret_mode", lambda: False)
+  x = jnp.asarray(rng.standard_normal(shape) * np.exp2(rng.integers(-5, 5, shape)), jnp.bfloat16)
+  quant = lambda a: kernels.quantize_per_tensor(a, "e5m2", with_transpose=True)
+  f = jax.jit(quant)
+  with kernels.backend("pallas"):
+    with monkeypatch.context() as one, kernels.partitioning("auto"):
+      one.setattr(jax, "device_count", lambda *a: 1)   # one device, unwrapped
+      assert not kernels.per_shard()
+      want = f(jax.device_put(x, jax.devices()[0]))
+    assert calls == [(shape, True)]   # the kernel's fused transpose
+    calls.clear()
+    if not axes:
+      monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+    with kernels.partitioning("always"):
+      if axes:
+        mesh = _mesh(axes)
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+      else:
+        xs = jax.device_put(x, jax.devices()[0])
+      got = f(xs)
+      eqns = jax.make_jaxpr(quant)(xs).jaxpr.eqns
+      hlo = f.lower(xs).compile().as_text()
+  assert ((xs.sharding.shard_shape(shape), True) in calls) == fused, calls
+  assert not any(e.primitive.name == "transpose" for e in eqns), [e.primitive for e in eqns]
+  assert sum(e.primitive.name == "custom_partitioning" for e in eqns) == 2   # amax, quantize
+  _assert_same((got.data, got.data_t, got.scale), (want.data, want.data_t, want.scale))
+  np.testing.assert_array_equal(_bits(got.data_t), _bits(jnp.swapaxes(got.data, -1, -2)))
+  assert np.isfinite(np.asarray(got.data, F32)).all()
+  if axes:
+    s = tuple(spec) + (None,) * (len(shape) - len(spec))
+    assert got.data.sharding.is_equivalent_to(NamedSharding(mesh, P(*s)), len(shape))
+    assert got.data_t.sharding.is_equivalent_to(NamedSharding(mesh, P(*s[:-2], s[-1], s[-2])),
+                                                len(shape))
+    for op in ("all-gather", "all-to-all", "collective-permute"):   # the amax's all-reduce only
+      assert op not in hlo
 
 
 def _xla_tn(a, b, s, out_dtype=F32, interpret=None, **_):
@@ -211,3 +279,26 @@ def test_gpu_sharded_gemm_and_linear_equal_unsharded(rng):
       for a, b in zip(grads, want[1][1]):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+
+
+@pytest.mark.gpu
+def test_gpu_transposing_quantize_equals_unwrapped(rng):
+  """Hopper: the Mosaic per-tensor quantize with the transposed copy (bf16 input, the fused
+  kernel) through sharded.transposing (`always` on one GPU; with 2+ GPUs also row-split over an
+  FSDP mesh of them) equals the unwrapped kernel bit for bit."""
+  assert jax.default_backend() == "gpu"
+  x = jnp.asarray(rng.standard_normal((512, 1024)) * np.exp2(rng.integers(-6, 6, (512, 1024))),
+                  jnp.bfloat16)
+  quant = lambda a: kernels.quantize_per_tensor(a, "e4m3", with_transpose=True)
+  with kernels.backend("pallas"):
+    want = jax.jit(quant)(x)
+    with kernels.partitioning("always"):
+      assert "custom_partitioning" in str(jax.make_jaxpr(quant)(x))
+      got = jax.jit(quant)(x)
+    _assert_same((got.data, got.data_t, got.scale), (want.data, want.data_t, want.scale))
+    n = jax.device_count()
+    if n > 1:
+      mesh = _mesh({"fsdp": n})
+      got = jax.jit(quant)(jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
+      _assert_same((got.data, got.data_t, got.scale), (want.data, want.data_t, want.scale))
+      assert got.data_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "fsdp")), 2)
