@@ -157,7 +157,7 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       along (`group_axes`; the callable is called with the updates when params are None). Same
       bytes of state either way; a state restores only into the group_axis it was made with.
     max_grad_norm: None, or clip the gradients to this global norm inside the step: the step
-      computes the float32 global norm n of the incoming gradients (optax.global_norm) and the
+      computes the float32 global norm n of the incoming gradients (optax.tree.norm) and the
       fused kernel multiplies each gradient element by s = where(n < max_grad_norm, 1,
       max_grad_norm / n) (`adam_math.clip_scale`) as it loads it. The same as
       optax.chain(optax.clip_by_global_norm(max_grad_norm), coat_adamw(...)) up to float32
@@ -280,7 +280,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
     count = optax.safe_increment(state.count)
     # Fused global-norm clipping: one scale for every leaf, applied as the kernel loads g.
     grad_scale = None if max_grad_norm is None else clip_scale(
-        optax.global_norm(jax.tree.map(lambda g: g.astype(jnp.float32), updates)), max_grad_norm)
+        optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), updates)), max_grad_norm)
     if params is None:
       params_or_none = jax.tree.map(lambda _: None, updates)
       decay = jax.tree.map(lambda _: False, updates)
@@ -367,7 +367,8 @@ def _check_max_grad_norm(max_grad_norm):
   """ValueError unless max_grad_norm is None or > 0 (traced values, inject_hyperparams', pass)."""
   if max_grad_norm is None or isinstance(max_grad_norm, jax.core.Tracer):
     return
-  ok = not isinstance(max_grad_norm, bool)
+  ok = not isinstance(max_grad_norm, bool) and (isinstance(max_grad_norm, (int, float)) or
+                                                hasattr(max_grad_norm, "dtype"))
   try:
     ok = ok and jnp.ndim(max_grad_norm) == 0 and float(max_grad_norm) > 0
   except (TypeError, ValueError):
