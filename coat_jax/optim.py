@@ -9,7 +9,9 @@ the one definition is coat_jax.adam_math):
 
 m / denom = m_hat / (sqrt(v_hat) + eps) with m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t), which
 is optax.adamw's update (eps outside the square root, eps_root = 0), so quantize=False reproduces
-optax.adamw to float32 rounding.
+optax.adamw to float32 rounding. With `max_grad_norm` c, g is first scaled by
+min(1, c / global norm of the gradients) inside the step (clip_by_global_norm fused; see
+`coat_adamw`).
 
 Huge gradients: a finite gradient element with |g| > ~1.8e19 overflows g^2 in float32; unguarded,
 one such element made its v group's amax inf and every later param NaN, for good. Finite
