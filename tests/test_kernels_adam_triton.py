@@ -299,3 +299,40 @@ def test_interpreter_matches_float64_reference():
 def test_interpreter_applies_the_grad_scale_slot():
   """Fused clipping: the kernel multiplies each gradient by the step scalars' slot 9."""
   _run_interpreted("_interpreter_check", "grad_scale=0.3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_axis", ["coat", "last"])
+def test_gpu_fused_clip_matches_chain(group_axis):
+  """coat_adamw(max_grad_norm) and coat_adamw_apply(max_grad_norm) through the jax-triton kernel
+  (the scale in the step scalars) against chain(clip_by_global_norm, coat_adamw) + apply_updates,
+  in relative L2 of the param change (see tests/test_optim_clip.py for the tolerance)."""
+  import optax
+  from coat_jax import kernels
+  from coat_jax.optim import coat_adamw, coat_adamw_apply
+  rng = np.random.default_rng(59)
+  print("seed 59")
+  params = {"w": jnp.asarray(rng.standard_normal((512, 256)), jnp.float32) * 0.1,
+            "u": jnp.asarray(rng.standard_normal((256, 384)), jnp.float32) * 0.1}
+  kw = dict(weight_decay=0.1, group_axis=group_axis)
+  with kernels.backend("adam=pallas"):
+    chain = optax.chain(optax.clip_by_global_norm(1.0), coat_adamw(1e-2, **kw))
+    fused = coat_adamw(1e-2, max_grad_norm=1.0, **kw)
+    apply = jax.jit(coat_adamw_apply(1e-2, max_grad_norm=1.0, **kw))
+    kernel = "triton_kernel_call" if jax.default_backend() == "gpu" else "pallas_call"
+    assert kernel in str(jax.make_jaxpr(apply)(params, fused.init(params), params))
+    want, got_u, got_a = params, params, params
+    sw, su, sa = chain.init(params), fused.init(params), fused.init(params)
+    for norm in (40.0, 0.3, 7.0):
+      g = {k: jnp.asarray(rng.standard_normal(p.shape), jnp.float32) for k, p in params.items()}
+      g = jax.tree.map(lambda x: x * (norm / optax.tree.norm(g)), g)
+      u, sw = jax.jit(chain.update)(g, sw, want)
+      want = optax.apply_updates(want, u)
+      u, su = jax.jit(fused.update)(g, su, got_u)
+      got_u = optax.apply_updates(got_u, u)
+      got_a, sa = apply(g, sa, got_a)
+  for k in params:
+    change = np.asarray(want[k]) - np.asarray(params[k])
+    for got in (got_u, got_a):
+      rel = np.linalg.norm(np.asarray(got[k]) - np.asarray(want[k])) / np.linalg.norm(change)
+      assert rel < 5e-3, (k, rel)
