@@ -14,8 +14,11 @@ optimizer's top GPU kernels (device time per step) and counts the copies in its 
 
 Rows (--rows picks some; the default leaves out the per-leaf chains and the jnp reference):
 optax.adamw; coat_adamw (writes the update, optax.apply_updates adds it); optax.adamw and
-coat_adamw after clip_by_global_norm in an optax chain (the README's first example);
-coat_adamw_apply (one pass writing the params). "per leaf": one kernel launch per parameter
+coat_adamw after clip_by_global_norm in an optax chain (the chain form of the README's first
+example); coat_clip / apply_clip: coat_adamw / coat_adamw_apply with max_grad_norm=1.0, the same
+clipping fused into the step (the README's first example: the global norm reads the gradient,
+the kernel scales it as it loads it, no clipped gradient is written); coat_adamw_apply (one pass
+writing the params). "per leaf": one kernel launch per parameter
 (kernel family adam_tree=reference); "tree": the tree kernel (pallas_kernels/adam_tree_triton.py,
 a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again).
 Group axis: the coat rows group along each matrix's last axis (group_axis="last"), except
@@ -29,12 +32,14 @@ the scaled row counts stay multiples of 128 (e.g. 0.25; 4096 x 0.001 = 4 rows pa
 
 The byte floor is the bytes a step must move per param (read param, grad and state; write param
 and state; a chain also reads the gradient for its norm and writes and reads the clipped gradient,
-and coat_adamw's update is written, then read with the param by apply_updates) divided by the copy
+a fused clip (max_grad_norm) only reads it for its norm, and coat_adamw's update is written, then
+read with the param by apply_updates) divided by the copy
 bandwidth measured here (a jitted x + 1 over a large array, read + write counted).
 
   python benchmarks/bench_optimizer.py --profile              # GPU, full size
   python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
   python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,64x4,64x8
+  python benchmarks/bench_optimizer.py --rows optax_chain,chain_leaf,coat_clip,apply_clip --profile
   JAX_PLATFORMS=cpu python benchmarks/bench_optimizer.py --scale 0.001 --steps 3   # smoke check
 """
 from __future__ import annotations
@@ -159,8 +164,14 @@ CONFIGS = {
                    "adam=pallas,adam_tree=reference", 4 + 8 + 12),
     "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3, **LAST)),
                    "adam=pallas", 4 + 8 + 12),
+    "coat_clip": ("coat_adamw(max_grad_norm=1) + apply_updates, per leaf",
+                  lambda: coat_adamw(1e-3, max_grad_norm=1.0, **LAST),
+                  "adam=pallas,adam_tree=reference", 4 + 12),
     "apply_leaf": ("coat_adamw_apply, per leaf", lambda: coat_adamw_apply(1e-3, **LAST),
                    "adam=pallas,adam_tree=reference", 0),
+    "apply_clip": ("coat_adamw_apply(max_grad_norm=1), per leaf",
+                   lambda: coat_adamw_apply(1e-3, max_grad_norm=1.0, **LAST),
+                   "adam=pallas,adam_tree=reference", 4),
     "apply_cols": ("coat_adamw_apply, per leaf, groups along axis -2 (column kernel)",
                    lambda: coat_adamw_apply(1e-3, group_axis=_columns),
                    "adam=pallas,adam_tree=reference", 0),

@@ -2,7 +2,9 @@
 
 Per parameter p with gradient g at step t (t = 1, 2, ...), all arithmetic in float32 (COAT's):
 
-  g' = clamp(g, +-2^63) where g is finite (NaN and inf pass unchanged),
+  g' = clamp(s g, +-2^63) where s g is finite (NaN and inf pass unchanged), s the optional
+       gradient scale (`grad_scale`, 1 when None: global-norm clipping fused into the step,
+       see `clip_scale`),
   m = b1 m + (1 - b1) g',         v = b2 v + (1 - b2) g'^2,
   denom = (sqrt(v) / sqrt(1 - b2^t) + eps) * (1 - b1^t),
   direction = m / denom + wd * p,
@@ -42,9 +44,27 @@ def clamp_gradient(g: jax.Array) -> jax.Array:
   return jnp.where(jnp.abs(g) < jnp.inf, jnp.clip(g, -GRAD_CLAMP, GRAD_CLAMP), g)
 
 
-def adam_moments(g, m, v, *, b1, b2, eps, count):
-  """Adam's moment update (g clamped) and direction m / denom: float32 (direction, m, v)."""
-  g = clamp_gradient(g.astype(jnp.float32))
+def clip_scale(grad_norm, max_norm) -> jax.Array:
+  """The gradient scale of clipping to global norm `max_norm`: float32
+  where(grad_norm < max_norm, 1, max_norm / grad_norm).
+
+  optax.clip_by_global_norm computes where(grad_norm < max_norm, g, (g / grad_norm) * max_norm)
+  per element; g * clip_scale(...) differs from that by float32 rounding only (one rounding of
+  max_norm / grad_norm instead of the per-element division). A NaN norm gives scale NaN and an
+  inf norm scale 0, so the scaled gradient is NaN / 0 (NaN at an inf element), as optax's is.
+  """
+  grad_norm = jnp.asarray(grad_norm, jnp.float32)
+  max_norm = jnp.asarray(max_norm, jnp.float32)
+  return jnp.where(grad_norm < max_norm, jnp.float32(1.0), max_norm / grad_norm)
+
+
+def adam_moments(g, m, v, *, b1, b2, eps, count, grad_scale=None):
+  """Adam's moment update (g scaled by grad_scale unless None, then clamped) and direction
+  m / denom: float32 (direction, m, v)."""
+  g = g.astype(jnp.float32)
+  if grad_scale is not None:
+    g = g * jnp.asarray(grad_scale, jnp.float32)
+  g = clamp_gradient(g)
   m = b1 * m + (1.0 - b1) * g
   v = b2 * v + (1.0 - b2) * (g * g)
   t = count.astype(jnp.float32)
@@ -70,7 +90,7 @@ def store_moment(x, like, fmt, group_size, expand, expand_min, group_axis=-1):
 
 def adam_step_reference(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
                         v_format, group_size, expand, expand_min, output: str = "param",
-                        group_axis: int = -1):
+                        group_axis: int = -1, grad_scale=None):
   """One parameter's full COAT step (the module docstring's math).
 
   Args:
@@ -82,6 +102,8 @@ def adam_step_reference(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, cou
     output: "param" or "update" (what the first result is).
     group_axis: the axis (negative) the quantized moments group along (-2: COAT's layout for a
       Flax (in, out) kernel; metadata (..., in/G, out)).
+    grad_scale: None or a float32 scalar s: the step uses s * grad (in float32), e.g.
+      `clip_scale(global norm, max_norm)` for clipping fused into the step.
   Returns:
     (new_param = param - lr * (m/denom + wd * param) in param.dtype, or with output="update" the
     optax update -lr * (m/denom + wd * param) in grad.dtype; new_m, new_v).
@@ -92,7 +114,8 @@ def adam_step_reference(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, cou
     raise ValueError("adam_step_reference: output='param' needs param")
   m_f = load_moment(m, m_format, group_size, expand_min, group_axis)
   v_f = load_moment(v, v_format, group_size, expand_min, group_axis)
-  direction, m_f, v_f = adam_moments(grad, m_f, v_f, b1=b1, b2=b2, eps=eps, count=count)
+  direction, m_f, v_f = adam_moments(grad, m_f, v_f, b1=b1, b2=b2, eps=eps, count=count,
+                                     grad_scale=grad_scale)
   if param is not None:
     direction = direction + weight_decay * param.astype(jnp.float32)
   new_m = store_moment(m_f, m, m_format, group_size, expand, expand_min, group_axis)

@@ -396,20 +396,23 @@ def adam_kernel_limits(m_format, v_format) -> dict:
 
 
 def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
-                   v_format, group_size, expand, expand_min, output="param", group_axis=-1):
+                   v_format, group_size, expand, expand_min, output="param", group_axis=-1,
+                   grad_scale=None):
   """See `coat_jax.adam_math.adam_step_reference`: (new_param or update, new_m, new_v), one leaf.
 
   output: "param" (new param, param.dtype) or "update" (optax's u = -lr * (m/denom + wd*p), in
   grad.dtype; param may then be None: no decay term). group_axis: the moments' group axis
-  (-1, or -2: COAT's layout, metadata (..., in / G, out)).
+  (-1, or -2: COAT's layout, metadata (..., in / G, out)). grad_scale: None or a float32 scalar
+  the step multiplies the gradient by (fused global-norm clipping, `adam_math.clip_scale`).
   Kernel (`implementation("adam")`, both moments ExpandedMoment): triton (jax-triton, FP8
-  moments, G a power of two >= 16; group_axis -1 or -2, that axis' length % G == 0) or
-  pallas_triton (adam_step.py; group_axis -1 only, N % G == 0). Shapes or axes the chosen kernel
-  does not take: the reference.
+  moments, G a power of two >= 16; group_axis -1 or -2, that axis' length % G == 0; applies
+  grad_scale as it loads the gradient) or pallas_triton (adam_step.py; group_axis -1 only,
+  N % G == 0; takes the gradient scaled beforehand, grad * grad_scale in grad's dtype: correct,
+  not fused). Shapes or axes the chosen kernel does not take: the reference.
   """
   kwargs = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
                 group_size=group_size, expand=expand, expand_min=expand_min, output=output,
-                group_axis=group_axis)
+                group_axis=group_axis, grad_scale=grad_scale)
   like = grad if param is None else param
   impl = (implementation("adam") if isinstance(m, ExpandedMoment)
           and isinstance(v, ExpandedMoment) else None)
@@ -447,12 +450,16 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
       static = dict(group_size=group_size, expand=expand, expand_min=expand_min, output=output,
                     interpret=interpret_mode(), fast_math=True, alias=True, **limits)
 
-      def step(p, g, m3, v3, **h):
+      def step(p, g, m3, v3, grad_scale=None, **h):
+        if grad_scale is not None:   # no scale operand in this kernel: scaled beforehand
+          g = (g.astype(jnp.float32) * grad_scale).astype(g.dtype)
         out, m3, v3 = pk.adam_step(p, g, m3, v3, **static, **h)
         return (out, *m3, *v3)
     # Python numbers stay Python numbers; arrays (schedules, inject_hyperparams, count) are
     # replicated scalar operands.
     hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count)
+    if grad_scale is not None:
+      hyper["grad_scale"] = jnp.asarray(grad_scale, jnp.float32)
     traced = [k for k, x in hyper.items() if not isinstance(x, (int, float))]
     fixed = {k: x for k, x in hyper.items() if k not in traced}
     p_in = [] if param is None else [param]
@@ -493,13 +500,15 @@ def _tree_kernel_leaves(params, grads, ms, vs, group_size, group_axes=None) -> l
 
 def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight_decay, count,
                         m_format, v_format, group_size, expand, expand_min, output="param",
-                        group_axes=None):
+                        group_axes=None, grad_scale=None):
   """Every leaf's step: [(new_param or update, new_m, new_v)] as `coat_adam_step` per leaf with
   weight decay `weight_decay` where decay[i] (0 elsewhere); float32 moments (not ExpandedMoment)
   take `adam_math.adam_step_reference`.
 
   params, grads, ms, vs: equal-length lists (params entries None only with output="update").
   group_axes: each leaf's moment group axis (None: all -1); the tree kernel takes -1 leaves only.
+  grad_scale: None or a float32 scalar every leaf's gradient is multiplied by (as
+  `coat_adam_step`; the tree kernel applies it as it loads the gradient).
   On one Hopper GPU with jax-triton installed, the quantized FP8 leaves whose last axis divides
   by group_size go through pallas_kernels/adam_tree_triton.py: one launch per up to
   adam_tree_triton.MAX_LEAVES leaves, fast math and in-place outputs as `coat_adam_step`. The
@@ -513,7 +522,7 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
                      f"{len(vs)} moments and {len(decay)} decay flags: lengths must agree")
   common = dict(lr=lr, b1=b1, b2=b2, eps=eps, count=count, m_format=m_format,
                 v_format=v_format, group_size=group_size, expand=expand, expand_min=expand_min,
-                output=output)
+                output=output, grad_scale=grad_scale)
   results = [None] * n
   tree = _tree_kernel_leaves(params, grads, ms, vs, group_size, group_axes)
   if tree:
@@ -527,7 +536,8 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
         v_fmax=float(vf.max), m_log2_range=limits["m_log2_range"],
         v_log2_range=limits["v_log2_range"], group_size=group_size, expand=expand,
         expand_min=expand_min, max_k_code=limits["max_code"], amax_floor=limits["floor"],
-        grad_clamp=limits["grad_clamp"], output=output, fast_math=True, alias=True)
+        grad_clamp=limits["grad_clamp"], output=output, fast_math=True, alias=True,
+        grad_scale=grad_scale)
     for i, (out, m3, v3) in zip(tree, outs):
       results[i] = (out, ExpandedMoment(*m3), ExpandedMoment(*v3))
   for i in range(n):

@@ -9,7 +9,9 @@ the one definition is coat_jax.adam_math):
 
 m / denom = m_hat / (sqrt(v_hat) + eps) with m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t), which
 is optax.adamw's update (eps outside the square root, eps_root = 0), so quantize=False reproduces
-optax.adamw to float32 rounding.
+optax.adamw to float32 rounding. With `max_grad_norm` c, g is first scaled by
+min(1, c / global norm of the gradients) inside the step (clip_by_global_norm fused; see
+`coat_adamw`).
 
 Huge gradients: a finite gradient element with |g| > ~1.8e19 overflows g^2 in float32; unguarded,
 one such element made its v group's amax inf and every later param NaN, for good. Finite
@@ -59,7 +61,7 @@ import jax.numpy as jnp
 import optax
 
 from coat_jax import expansion, formats, kernels
-from coat_jax.adam_math import adam_step_reference
+from coat_jax.adam_math import adam_step_reference, clip_scale
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
 from coat_jax.optim_state import (DEFAULT_GROUP_AXIS, GROUP_AXES, CoatAdamWState,  # noqa: F401
@@ -132,8 +134,8 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
                expand_min: int | None = None, quantize: bool = True,
                min_quantized_size: int | None = None,
                master_rounding: str = "nearest",
-               group_axis: str | Callable[[Any], Any] = DEFAULT_GROUP_AXIS
-               ) -> optax.GradientTransformation:
+               group_axis: str | Callable[[Any], Any] = DEFAULT_GROUP_AXIS,
+               max_grad_norm: float | None = None) -> optax.GradientTransformation:
   """AdamW whose moments are stored in FP8 with per-group dynamic range expansion (COAT).
 
   Args:
@@ -156,19 +158,27 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       layout) | "last" | callable params -> tree of axes: the axis each quantized moment groups
       along (`group_axes`; the callable is called with the updates when params are None). Same
       bytes of state either way; a state restores only into the group_axis it was made with.
+    max_grad_norm: None, or clip the gradients to this global norm inside the step: the step
+      computes the float32 global norm n of the incoming gradients (optax.tree.norm) and the
+      fused kernel multiplies each gradient element by s = where(n < max_grad_norm, 1,
+      max_grad_norm / n) (`adam_math.clip_scale`) as it loads it. The same as
+      optax.chain(optax.clip_by_global_norm(max_grad_norm), coat_adamw(...)) up to float32
+      rounding (optax scales each element as (g / n) * max_grad_norm), without writing the
+      clipped gradients and reading them back (8 bytes per float32 param). Same state.
     The three integer knobs default to None (meaning the values above) rather than to ints, so
     that optax.inject_hyperparams, which turns every int/float argument into a traced
     hyperparameter, leaves them static; if you set them under inject_hyperparams, list them in
     its `static_args`.
   Returns:
     optax.GradientTransformation with state CoatAdamWState. Raises ValueError for an unknown
-    format, group_size <= 0, expand_min <= 0, or (at init) a non-float parameter.
+    format, group_size <= 0, expand_min <= 0, max_grad_norm <= 0, or (at init) a non-float
+    parameter.
   """
   init_fn, step_fn = _coat_adamw_fns(
       learning_rate, b1, b2, eps, weight_decay, mask, m_format=m_format, v_format=v_format,
       group_size=group_size, expand=expand, expand_min=expand_min, quantize=quantize,
       min_quantized_size=min_quantized_size, master_rounding=master_rounding,
-      group_axis=group_axis)
+      group_axis=group_axis, max_grad_norm=max_grad_norm)
   return optax.GradientTransformation(init_fn, functools.partial(step_fn, output="update"))
 
 
@@ -182,8 +192,9 @@ def coat_adamw_apply(learning_rate: float | optax.Schedule, *args,
   `coat_adamw(<same arguments>).init(params)`. With the Pallas kernel each quantized leaf is one
   pass (read p, g, m, v; write p, m, v) instead of writing the update and reading it back with p
   in apply_updates (12 fewer bytes per float32 param). Being no GradientTransformation, it does
-  not compose with optax wrappers (chain, apply_if_finite, MultiSteps, ...): clip or check the
-  gradients before calling it. Params are required.
+  not compose with optax wrappers (chain, apply_if_finite, MultiSteps, ...): check the gradients
+  before calling it, and clip them with `max_grad_norm` (as `coat_adamw`'s: inside the step,
+  equal to clip_by_global_norm first up to float32 rounding). Params are required.
 
   For bfloat16 master weights (2 instead of 4 bytes per parameter), `master_rounding`:
     "nearest" (default): the new param is rounded to nearest; an update below half a bfloat16
@@ -217,8 +228,10 @@ def coat_adamw_apply(learning_rate: float | optax.Schedule, *args,
 def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, mask=None, *,
                     m_format="e4m3", v_format="e4m3", group_size=None, expand=True,
                     expand_min=None, quantize=True, min_quantized_size=None,
-                    master_rounding="nearest", group_axis=DEFAULT_GROUP_AXIS):
+                    master_rounding="nearest", group_axis=DEFAULT_GROUP_AXIS,
+                    max_grad_norm=None):
   """(init_fn, step_fn(updates, state, params=None, *, output)) of `coat_adamw` (same args)."""
+  _check_max_grad_norm(max_grad_norm)
   if not callable(group_axis) and group_axis not in GROUP_AXES:
     group_axes(group_axis, {})  # raises the ValueError
   if master_rounding not in MASTER_ROUNDINGS:
@@ -267,6 +280,9 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       raise ValueError("coat_adamw: params are required for weight decay (pass params to update)")
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     count = optax.safe_increment(state.count)
+    # Fused global-norm clipping: one scale for every leaf, applied as the kernel loads g.
+    grad_scale = None if max_grad_norm is None else clip_scale(
+        optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), updates)), max_grad_norm)
     if params is None:
       params_or_none = jax.tree.map(lambda _: None, updates)
       decay = jax.tree.map(lambda _: False, updates)
@@ -285,7 +301,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       [(new_p, new_m, new_v)] = kernels.coat_adam_tree_step(
           [p32], [g], [m], [v], [use_decay], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
           weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
-          expand=expand, group_axes=[axis], **qargs)
+          expand=expand, group_axes=[axis], grad_scale=grad_scale, **qargs)
       if kahan:
         hi, lo = split_bf16(new_p)
         return hi, new_m, new_v, lo
@@ -333,7 +349,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
           [m_leaves[i] for i in plain], [v_leaves[i] for i in plain],
           [d_leaves[i] for i in plain], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
           weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
-          expand=expand, group_axes=[axes[i] for i in plain], **qargs)
+          expand=expand, group_axes=[axes[i] for i in plain], grad_scale=grad_scale, **qargs)
       for i, o in zip(plain, res):
         out[i] = (*o, c_leaves[i])
     for i, r in enumerate(rounded):
@@ -347,6 +363,21 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
     return new_updates, CoatAdamWState(count, mu, nu, comp)
 
   return init_fn, step_fn
+
+
+def _check_max_grad_norm(max_grad_norm):
+  """ValueError unless max_grad_norm is None or > 0 (traced values, inject_hyperparams', pass)."""
+  if max_grad_norm is None or isinstance(max_grad_norm, jax.core.Tracer):
+    return
+  ok = not isinstance(max_grad_norm, bool) and (isinstance(max_grad_norm, (int, float)) or
+                                                hasattr(max_grad_norm, "dtype"))
+  try:
+    ok = ok and jnp.ndim(max_grad_norm) == 0 and float(max_grad_norm) > 0
+  except (TypeError, ValueError):
+    ok = False
+  if not ok:
+    raise ValueError(f"coat_adamw: max_grad_norm must be None or a number > 0, got "
+                     f"{max_grad_norm!r}")
 
 
 def optimizer_state_bytes(state) -> int:

@@ -169,8 +169,9 @@ if triton is not None:
                  EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
                  NOEXP_K: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
     """The step on one 2-D tile (element offsets `offs`, groups along tile axis AXIS with their
-    metadata at `meta_idx`), weight decay `wd`. Finite gradients are clamped to +-GCLAMP (NaN
-    and inf pass), as coat_jax.adam_math.clamp_gradient."""
+    metadata at `meta_idx`), weight decay `wd`. Gradients are multiplied by the gradient scale
+    (scalar 9: fused global-norm clipping, 1 without) as they are loaded, then finite ones are
+    clamped to +-GCLAMP (NaN and inf pass), as coat_jax.adam_math.adam_moments."""
     lr = tl.load(s_ptr + 0)
     b1 = tl.load(s_ptr + 1)
     omb1 = tl.load(s_ptr + 2)
@@ -181,7 +182,7 @@ if triton is not None:
     bc1 = tl.load(s_ptr + 8)
     m = _dequant(mq_ptr, ma_ptr, mk_ptr, offs, meta_idx, mask, meta_mask, M_FMAX, EM, FAST, AXIS)
     v = _dequant(vq_ptr, va_ptr, vk_ptr, offs, meta_idx, mask, meta_mask, V_FMAX, EM, FAST, AXIS)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr + 9)
     g = tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -GCLAMP), GCLAMP), g)
     m = b1 * m + omb1 * g
     v = b2 * v + omb2 * (g * g)
@@ -273,12 +274,15 @@ if triton is not None:
               V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
 
-def step_scalars(lr, b1, b2, eps, weight_decay, count) -> jax.Array:
-  """The step's scalars as the reference computes them (plus 1 / sqrt(bc2)): float32 (16,)."""
+def step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale=None) -> jax.Array:
+  """The step's scalars as the reference computes them (plus 1 / sqrt(bc2)): float32 (16,).
+  Slots: lr, b1, 1 - b1, b2, 1 - b2, eps, weight_decay, 1 / sqrt(bc2), bc1, grad_scale (1.0
+  when None), then zeros."""
   t = jnp.asarray(count).astype(jnp.float32)
   bc1 = 1.0 - jnp.power(jnp.asarray(b1, jnp.float32), t)
   bc2 = 1.0 - jnp.power(jnp.asarray(b2, jnp.float32), t)
-  vals = [lr, b1, 1.0 - b1, b2, 1.0 - b2, eps, weight_decay, 1.0 / jnp.sqrt(bc2), bc1]
+  scale = 1.0 if grad_scale is None else grad_scale
+  vals = [lr, b1, 1.0 - b1, b2, 1.0 - b2, eps, weight_decay, 1.0 / jnp.sqrt(bc2), bc1, scale]
   vals = [jnp.asarray(x, jnp.float32).reshape(()) for x in vals]
   return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
 
@@ -307,7 +311,8 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
               v_log2_range: float, group_size: int, expand: bool, expand_min: int,
               max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
               block: int | None = None, num_warps: int | None = None, alias: bool = False,
-              fast_math: bool = False, grad_clamp: float = 2.0**63, group_axis: int = -1):
+              fast_math: bool = False, grad_clamp: float = 2.0**63, group_axis: int = -1,
+              grad_scale=None):
   """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
 
   group_axis: -1 (groups of G along the last axis, metadata (..., N / G)) or -2 (G consecutive
@@ -318,7 +323,8 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   into the old ones' buffers (pays off when the caller donates them); fast_math: MUFU
   approximations for the per-element log2 / exp2 / sqrt / division (see `_log2`); grad_clamp:
   finite gradients are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays
-  finite; inf: none).
+  finite; inf: none); grad_scale: None or a float32 scalar the kernel multiplies each gradient
+  element by as it loads it (fused global-norm clipping: coat_jax.adam_math.clip_scale).
   """
   if not available():
     raise ValueError("adam_step_triton: triton / jax-triton are not installed (GPU only)")
@@ -337,8 +343,8 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
     grid = (like.size // (group_size * cols)) * -(-cols // block)
   out_dtype = grad.dtype if output == "update" else param.dtype
   p_arg = grad if param is None else param
-  operands = [step_scalars(lr, b1, b2, eps, weight_decay, count), p_arg, grad, m_q, m_amax,
-              m_code, v_q, v_amax, v_code]
+  operands = [step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale), p_arg, grad, m_q,
+              m_amax, m_code, v_q, v_amax, v_code]
   aliases = {}
   if alias:
     if output == "param":

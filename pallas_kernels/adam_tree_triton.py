@@ -147,12 +147,13 @@ def tree_step(params, grads, m_states, v_states, decay, *, lr, b1, b2, eps, weig
               group_size: int, expand: bool, expand_min: int, max_k_code: int = 255,
               amax_floor: float = 1e-30, output: str = "param", block: int = 16,
               num_warps: int = 4, alias: bool = True, fast_math: bool = True,
-              grad_clamp: float = float("inf"), max_leaves: int = MAX_LEAVES):
+              grad_clamp: float = float("inf"), max_leaves: int = MAX_LEAVES, grad_scale=None):
   """adam_step_triton.adam_step on every leaf, in ceil(n / max_leaves) launches (per dtype set).
 
   params, grads: lists of arrays (params entries None only with output="update": no decay);
   m_states, v_states: lists of (data, amax, code) triples; decay: list of bools (weight decay on
-  that leaf). Other arguments as adam_step_triton.adam_step (one set for all leaves). Returns a
+  that leaf). Other arguments as adam_step_triton.adam_step (one set for all leaves, grad_scale
+  included: one scale for the whole tree, in the step scalars `adam_rows` reads). Returns a
   list of (out, (m data, amax, code), (v data, amax, code)) per leaf.
   """
   if not available():
@@ -170,7 +171,7 @@ def tree_step(params, grads, m_states, v_states, decay, *, lr, b1, b2, eps, weig
            jnp.dtype(v[0].dtype)) for p, g, m, v, (l, _) in zip(params, grads, m_states, v_states,
                                                                 metas)]
   rows = [like.size // group_size for like, _ in metas]
-  scalars = single.step_scalars(lr, b1, b2, eps, weight_decay, count)
+  scalars = single.step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale)
   static = dict(G=group_size, BLOCK=block, OUT_PARAM=output == "param", M_FMAX=float(m_fmax),
                 V_FMAX=float(v_fmax), M_LOG2R=float(np.float32(m_log2_range)),
                 V_LOG2R=float(np.float32(v_log2_range)), EXPAND=bool(expand),

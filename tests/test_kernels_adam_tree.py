@@ -347,3 +347,36 @@ def test_gpu_coat_adamw_apply_takes_one_launch_for_the_tree(rng):
       np.testing.assert_allclose(np.asarray(p1[n]), np.asarray(p0[n]), rtol=1e-6)
       continue
     compare_steps((p1[n], s1.mu[n], s1.nu[n]), (p0[n], s0.mu[n], s0.nu[n]), params[n])
+
+
+def test_tree_step_puts_the_grad_scale_in_the_step_scalars(monkeypatch):
+  """Fused clipping: tree_step's scalars operand (the one `adam_rows` reads) carries grad_scale
+  in slot 9 (1.0 without), and the dispatch forwards its grad_scale to tree_step."""
+  scalars = []
+
+  class FakeJT:
+    @staticmethod
+    def triton_call(*operands, kernel, out_shape, grid, input_output_aliases, **meta):
+      scalars.append(np.asarray(operands[0]))
+      return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+  monkeypatch.setattr(tk, "available", lambda: True)
+  monkeypatch.setattr(tk, "_kernel", lambda rows, starts, decay: None)
+  monkeypatch.setattr(tk.single, "jt", FakeJT)
+  f8 = jnp.float8_e4m3fn
+  m = (jnp.zeros((2, 128), f8), jnp.ones((2, 1)), jnp.ones((2, 1), jnp.uint8))
+  kw = dict(count=jnp.int32(1), m_fmax=448.0, v_fmax=448.0, m_log2_range=16.6, v_log2_range=16.6,
+            group_size=G, expand=True, expand_min=EM, **HYPER)
+  for scale in (None, jnp.float32(0.3)):
+    tk.tree_step([jnp.ones((2, 128))], [jnp.ones((2, 128))], [m], [m], [True], grad_scale=scale,
+                 **kw)
+  assert scalars[0][9] == 1.0 and scalars[1][9] == np.float32(0.3)
+  np.testing.assert_array_equal(scalars[0][:9], scalars[1][:9])
+
+  seen = {}
+  monkeypatch.setattr(kernels, "_tree_kernel_leaves", lambda *a: [0])
+  monkeypatch.setattr(tk, "tree_step", lambda *a, **k: seen.update(k) or [(a[1][0], m, m)])
+  em = expansion.ExpandedMoment(*m)
+  kernels.coat_adam_tree_step([jnp.ones((2, 128))], [jnp.ones((2, 128))], [em], [em], [True],
+                              count=jnp.int32(1), grad_scale=jnp.float32(0.3), **STEP)
+  assert float(seen["grad_scale"]) == np.float32(0.3)

@@ -116,6 +116,32 @@ def test_gpu_matches_float64_reference(shape, output):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group_axis", [-1, -2])
+def test_gpu_grad_scale_equals_prescaled_gradient(group_axis):
+  """grad_scale (fused clipping) gives the step on grad_scale * g (float32 rounding: the scaled
+  gradient is rounded once either way), and differs from the unscaled step."""
+  p, g, m0, v0 = _state((256, 384), seed=53)
+  m_state, v_state = _np_quantize(m0, "e4m3", True)[:3], _np_quantize(v0, "e4m3", True)[:3]
+  kw = dict(count=jnp.int32(3), m_fmax=448.0, v_fmax=448.0, m_log2_range=_log2_range(448.0),
+            v_log2_range=_log2_range(448.0), group_size=G, expand=True, expand_min=EM,
+            output="param", group_axis=group_axis, fast_math=True, **HYPER)
+  ms, vs = [jnp.asarray(a) for a in m_state], [jnp.asarray(a) for a in v_state]
+  scale = jnp.float32(0.3)
+  fused = at.adam_step(jnp.asarray(p), jnp.asarray(g), *ms, *vs, grad_scale=scale, **kw)
+  pre = at.adam_step(jnp.asarray(p), jnp.asarray(g) * scale, *ms, *vs, **kw)
+  plain = at.adam_step(jnp.asarray(p), jnp.asarray(g), *ms, *vs, **kw)
+  np.testing.assert_allclose(np.asarray(fused[0]), np.asarray(pre[0]), rtol=1e-6, atol=0)
+  for i in (1, 2, 3, 4, 5, 6):   # moments: amax to float32 rounding, codes and k (nearly) equal
+    a, b = np.asarray(fused[i]), np.asarray(pre[i])
+    if a.dtype == np.float32:
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+    else:
+      assert np.mean(a.astype(np.float32) == b.astype(np.float32)) > 0.999
+  step = np.asarray(pre[0]) - p
+  assert np.linalg.norm(np.asarray(plain[0]) - np.asarray(pre[0])) / np.linalg.norm(step) > 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape,output", [((2, 256, 200), "param"), ((384, 96), "update")])
 def test_gpu_cols_matches_float64_reference(shape, output):
   """The column kernel (group_axis=-2): stacked and plain kernels, column counts that leave the
@@ -182,22 +208,29 @@ class _HostTensor:
     return tuple(s // self.arr.itemsize for s in self.arr.strides)
 
 
-def _interpreter_check():
+def _interpreter_check(grad_scale=None):
   """Runs in a process started with TRITON_INTERPRET=1 (read when @triton.jit decorates, so it
   must be set before pallas_kernels.adam_step_triton is imported). libdevice calls are mapped to
   tl.math: the interpreter leaves libdevice's stubs unimplemented (they return None). e5m2
   moments: the interpreter's float32 -> e4m3 cast also rounds ties away from zero and flushes
-  subnormals (seen with triton 3.6.0), so its e4m3 codes would differ more."""
+  subnormals (seen with triton 3.6.0), so its e4m3 codes would differ more. grad_scale: the
+  step scalars' gradient scale (slot 9, fused clipping); the float64 reference steps with
+  grad_scale * g, and must differ from the unscaled step (the check could fail without it)."""
   for name in ("exp2", "log2"):
     setattr(at.libdevice, name, lambda x, name=name: getattr(at.tl.math, name)(x))
   shape, block = (7, 256), 4                       # 14 groups: the last program is masked
   p, g, m0, v0 = _state(shape, seed=41)
   m_state, v_state = _np_quantize(m0, "e5m2", True)[:3], _np_quantize(v0, "e5m2", True)[:3]
+  scale = 1.0 if grad_scale is None else float(np.float32(grad_scale))
   out, *_, (mq, ma, mk, my), (vq, va, vk, vy) = _np_step(
-      p.astype(np.float64), g.astype(np.float64), m_state, v_state, 3, "e5m2", "e5m2", True,
-      "param")
-  ins = [np.asarray(at.step_scalars(count=3, **HYPER)), p, g, *map(np.asarray, m_state),
-         *map(np.asarray, v_state)]
+      p.astype(np.float64), g.astype(np.float64) * scale, m_state, v_state, 3, "e5m2", "e5m2",
+      True, "param")
+  if grad_scale is not None:
+    unscaled = _np_step(p.astype(np.float64), g.astype(np.float64), m_state, v_state, 3, "e5m2",
+                        "e5m2", True, "param")[0]
+    assert np.linalg.norm(unscaled - out) / np.linalg.norm(out - p) > 1e-2
+  ins = [np.asarray(at.step_scalars(count=3, grad_scale=grad_scale, **HYPER)), p, g,
+         *map(np.asarray, m_state), *map(np.asarray, v_state)]
   outs = [np.zeros_like(p)] + [np.zeros_like(np.asarray(a)) for a in (*m_state, *v_state)]
   rows = p.size // G
   at._adam_kernel[(-(-rows // block),)](
@@ -241,12 +274,12 @@ def _interpreter_check_cols():
   print("interpreter check passed")
 
 
-def _run_interpreted(check: str):
+def _run_interpreted(check: str, args: str = ""):
   import os
   import subprocess
   import sys
   env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-  code = f"from tests.test_kernels_adam_triton import {check}; {check}()"
+  code = f"from tests.test_kernels_adam_triton import {check}; {check}({args})"
   run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
   assert run.returncode == 0 and "passed" in run.stdout, run.stderr[-3000:]
@@ -260,3 +293,46 @@ def test_interpreter_cols_matches_float64_reference():
 @pytest.mark.skipif(at.triton is None, reason="triton is not installed")
 def test_interpreter_matches_float64_reference():
   _run_interpreted("_interpreter_check")
+
+
+@pytest.mark.skipif(at.triton is None, reason="triton is not installed")
+def test_interpreter_applies_the_grad_scale_slot():
+  """Fused clipping: the kernel multiplies each gradient by the step scalars' slot 9."""
+  _run_interpreted("_interpreter_check", "grad_scale=0.3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_axis", ["coat", "last"])
+def test_gpu_fused_clip_matches_chain(group_axis):
+  """coat_adamw(max_grad_norm) and coat_adamw_apply(max_grad_norm) through the jax-triton kernel
+  (the scale in the step scalars) against chain(clip_by_global_norm, coat_adamw) + apply_updates,
+  in relative L2 of the param change (see tests/test_optim_clip.py for the tolerance)."""
+  import optax
+  from coat_jax import kernels
+  from coat_jax.optim import coat_adamw, coat_adamw_apply
+  rng = np.random.default_rng(59)
+  print("seed 59")
+  params = {"w": jnp.asarray(rng.standard_normal((512, 256)), jnp.float32) * 0.1,
+            "u": jnp.asarray(rng.standard_normal((256, 384)), jnp.float32) * 0.1}
+  kw = dict(weight_decay=0.1, group_axis=group_axis)
+  with kernels.backend("adam=pallas"):
+    chain = optax.chain(optax.clip_by_global_norm(1.0), coat_adamw(1e-2, **kw))
+    fused = coat_adamw(1e-2, max_grad_norm=1.0, **kw)
+    apply = jax.jit(coat_adamw_apply(1e-2, max_grad_norm=1.0, **kw))
+    kernel = "triton_kernel_call" if jax.default_backend() == "gpu" else "pallas_call"
+    assert kernel in str(jax.make_jaxpr(apply)(params, fused.init(params), params))
+    want, got_u, got_a = params, params, params
+    sw, su, sa = chain.init(params), fused.init(params), fused.init(params)
+    for norm in (40.0, 0.3, 7.0):
+      g = {k: jnp.asarray(rng.standard_normal(p.shape), jnp.float32) for k, p in params.items()}
+      g = jax.tree.map(lambda x: x * (norm / optax.tree.norm(g)), g)
+      u, sw = jax.jit(chain.update)(g, sw, want)
+      want = optax.apply_updates(want, u)
+      u, su = jax.jit(fused.update)(g, su, got_u)
+      got_u = optax.apply_updates(got_u, u)
+      got_a, sa = apply(g, sa, got_a)
+  for k in params:
+    change = np.asarray(want[k]) - np.asarray(params[k])
+    for got in (got_u, got_a):
+      rel = np.linalg.norm(np.asarray(got[k]) - np.asarray(want[k])) / np.linalg.norm(change)
+      assert rel < 5e-3, (k, rel)

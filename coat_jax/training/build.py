@@ -127,23 +127,24 @@ def optax_apply(tx: optax.GradientTransformation):
 def build_apply(opt: OptimizerConfig, tx, schedule):
   """apply(grads, opt_state, params) -> (new params, new opt_state) for `build_optimizer`'s tx.
 
-  Equal to tx.update + optax.apply_updates (same state structure, so checkpoints are shared). For
-  coat_adamw the last link is `coat_adamw_apply`: its fused kernel writes the new params in one
-  pass instead of writing an update that apply_updates reads back (on the H100 7.9 vs 12.0 ms of
-  kernel time per step for 1.21e9 params, docs/benchmarks.md).
+  Equal to tx.update + optax.apply_updates up to float32 rounding, with the same state structure
+  (so checkpoints are shared). For coat_adamw the step is `coat_adamw_apply`: its fused kernel
+  writes the new params in one pass instead of writing an update that apply_updates reads back
+  (on the H100 7.9 vs 12.0 ms of kernel time per step for 1.21e9 params, docs/benchmarks.md),
+  and with opt.clip > 0 it clips inside the step (`max_grad_norm=opt.clip`: the gradients' global
+  norm, then a scale the kernel applies as it loads them) instead of writing clipped gradients.
+  The state stays build_optimizer's chain state, (clip's EmptyState, CoatAdamWState) with clip,
+  the clip's empty entry passed through unchanged.
   """
   if opt.name != "coat_adamw":
     return optax_apply(tx)
   from coat_jax.optim import coat_adamw_apply
   args, kwargs = _coat_arguments(opt)
-  core = coat_adamw_apply(schedule, *args, **kwargs)
-  clip = optax.clip_by_global_norm(opt.clip) if opt.clip > 0 else None
+  core = coat_adamw_apply(schedule, *args, max_grad_norm=opt.clip if opt.clip > 0 else None,
+                          **kwargs)
 
   def apply(grads, opt_state, params):
-    *pre, core_state = opt_state   # optax.chain's state: one entry per link
-    if clip is not None:
-      grads, clip_state = clip.update(grads, pre[0], params)
-      pre = [clip_state]
+    *pre, core_state = opt_state   # optax.chain's state: one entry per link (clip's is empty)
     params, core_state = core(grads, core_state, params)
     return params, tuple(pre) + (core_state,)
   return apply
