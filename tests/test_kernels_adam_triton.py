@@ -120,8 +120,12 @@ def test_gpu_matches_float64_reference(shape, output):
 def test_gpu_grad_scale_equals_prescaled_gradient(group_axis):
   """grad_scale (fused clipping) gives the step on grad_scale * g (float32 rounding: the scaled
   gradient is rounded once either way), and differs from the unscaled step."""
-  p, g, m0, v0 = _state((256, 384), seed=53)
-  m_state, v_state = _np_quantize(m0, "e4m3", True)[:3], _np_quantize(v0, "e4m3", True)[:3]
+  if group_axis == -1:
+    p, g, m0, v0 = _state((256, 384), seed=53)
+    m_state, v_state = _np_quantize(m0, "e4m3", True)[:3], _np_quantize(v0, "e4m3", True)[:3]
+  else:   # moments in the column layout: scales (in / G, out)
+    p, g, m_state, v_state = _np_cols_case((256, 384), 53, "e4m3", "param")[:4]
+    m_state, v_state = ([np.ascontiguousarray(a) for a in s] for s in (m_state, v_state))
   kw = dict(count=jnp.int32(3), m_fmax=448.0, v_fmax=448.0, m_log2_range=_log2_range(448.0),
             v_log2_range=_log2_range(448.0), group_size=G, expand=True, expand_min=EM,
             output="param", group_axis=group_axis, fast_math=True, **HYPER)
