@@ -29,10 +29,9 @@ master weights with master_rounding="kahan", else None; see `coat_adamw_apply`).
   - a float32 array of the param's shape otherwise. Small params (norm scales, biases) stay float32
     because the per-group metadata would be a large share of their bytes and they are a negligible
     share of the model (bitsandbytes keeps tensors under 4096 elements in 32 bit for the same reason).
-The group axis (`group_axes`): by default (group_axis="coat", COAT's layout) a Flax (in, out)
-kernel groups G consecutive input features of each output column (axis -2; metadata
-(..., in / G, out)), other leaves their last axis; group_axis="last" groups every leaf's last
-axis. Moments stay in the param's layout either way, so a param's sharding is valid for its
+The group axis (`group_axes`): by default (group_axis="last") every leaf groups its last axis;
+group_axis="coat" (COAT's layout) groups a Flax (in, out) kernel's G consecutive input features of
+each output column (axis -2; metadata (..., in / G, out)), other leaves their last axis. Moments stay in the param's layout either way, so a param's sharding is valid for its
 moments and scales (see `state_shardings`).
 
 A quantized leaf's step is: dequantize m and v (x = sign(q) mx (|q|/fmt.max)^(1/k) per group),
@@ -335,8 +334,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
         raise ValueError(f"coat_adamw: a moment of shape {m.data.shape} with scales of shape "
                          f"{m.amax.shape} for a parameter of shape {jnp.shape(g)} grouped along "
                          f"axis {a} (group_axis={group_axis!r}): init the state with the same "
-                         f"group_axis (states made before group_axis='coat' became the default "
-                         f"need group_axis='last')")
+                         f"group_axis")
     # Leaves rounded to bfloat16 master weights (stochastic / kahan) go one by one
     # (`rounded_leaf`);
     # all the others in one dispatch call: on a Hopper GPU the quantized ones share a few launches.

@@ -246,29 +246,29 @@ if triton is not None:
                EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
   @triton.jit
-  def _adam_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, rows,
+  def _adam_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
                    o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
-                   G: tl.constexpr, BLOCK: tl.constexpr,
+                   ROWS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
                    M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                    V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
                    MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
                    FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    adam_rows(tl.program_id(0), rows, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+    adam_rows(tl.program_id(0), ROWS, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
               V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
   @triton.jit
   def _adam_cols_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
-                        cols, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
-                        G: tl.constexpr, BLOCK: tl.constexpr,
+                        o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+                        COLS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
                         M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                         V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
                         MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
                         FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    adam_cols(tl.program_id(0), cols, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+    adam_cols(tl.program_id(0), COLS, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
               V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
@@ -287,15 +287,15 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale=None) -> jax.A
   return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
 
 
-def kernel_constants(group_size: int, block: int, *, has_param: bool, output: str,
+def kernel_constants(rows: int, group_size: int, block: int, *, has_param: bool, output: str,
                      m_fmax: float, v_fmax: float, m_log2_range: float, v_log2_range: float,
                      expand: bool, expand_min: int, max_k_code: int, amax_floor: float,
-                     grad_clamp: float, fast_math: bool = False) -> dict:
-  """The kernels' constexpr arguments (also for running them in Triton's interpreter, tests).
-  The leaf's size (`_adam_kernel`'s rows of G, `_adam_cols_kernel`'s columns) is a runtime
-  argument after the inputs, so leaves of different sizes share one Triton compile."""
+                     grad_clamp: float, fast_math: bool = False, cols: int | None = None) -> dict:
+  """The kernel's constexpr arguments (also for running it in Triton's interpreter, tests):
+  `_adam_kernel`'s (ROWS=rows of G), or with `cols` `_adam_cols_kernel`'s (COLS=cols)."""
+  size = dict(ROWS=rows) if cols is None else dict(COLS=cols)
   return dict(
-      G=group_size, BLOCK=block, HAS_PARAM=has_param, OUT_PARAM=output == "param",
+      **size, G=group_size, BLOCK=block, HAS_PARAM=has_param, OUT_PARAM=output == "param",
       M_FMAX=float(m_fmax), V_FMAX=float(v_fmax), M_LOG2R=float(np.float32(m_log2_range)),
       V_LOG2R=float(np.float32(v_log2_range)), EXPAND=bool(expand), EM=float(expand_min),
       MAX_K=float(max_k_code), FLOOR=float(np.float32(amax_floor)),
@@ -351,7 +351,7 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
       aliases[1] = 0
     aliases.update({3 + i: 1 + i for i in range(6)})
   outs = jt.triton_call(
-      *operands, rows if cols is None else cols, kernel=kernel,
+      *operands, kernel=kernel,
       out_shape=[jax.ShapeDtypeStruct(like.shape, out_dtype),
                  jax.ShapeDtypeStruct(like.shape, m_q.dtype),
                  jax.ShapeDtypeStruct(meta_shape, jnp.float32),
@@ -361,8 +361,8 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
                  jax.ShapeDtypeStruct(meta_shape, jnp.uint8)],
       grid=(grid,), input_output_aliases=aliases, num_warps=num_warps,
       num_stages=1, **kernel_constants(
-          group_size, block, has_param=param is not None, output=output, m_fmax=m_fmax,
+          rows, group_size, block, has_param=param is not None, output=output, m_fmax=m_fmax,
           v_fmax=v_fmax, m_log2_range=m_log2_range, v_log2_range=v_log2_range, expand=expand,
           expand_min=expand_min, max_k_code=max_k_code, amax_floor=amax_floor,
-          grad_clamp=grad_clamp, fast_math=fast_math))
+          grad_clamp=grad_clamp, fast_math=fast_math, cols=cols))
   return tuple(outs)

@@ -238,8 +238,8 @@ def _interpreter_check(grad_scale=None):
   outs = [np.zeros_like(p)] + [np.zeros_like(np.asarray(a)) for a in (*m_state, *v_state)]
   rows = p.size // G
   at._adam_kernel[(-(-rows // block),)](
-      *map(_HostTensor, ins), rows, *map(_HostTensor, outs), **at.kernel_constants(
-          G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
+      *map(_HostTensor, ins + outs), **at.kernel_constants(
+          rows, G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
           m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=True,
           expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63))
   rel = np.linalg.norm((outs[0] - p) - (out - p)) / np.linalg.norm(out - p)
@@ -270,10 +270,10 @@ def _interpreter_check_cols():
   outs = [np.zeros_like(p)] + [np.zeros_like(a) for a in (*m_state, *v_state)]
   row_groups, cols = p.size // (G * shape[-1]), shape[-1]
   at._adam_cols_kernel[(row_groups * -(-cols // block),)](
-      *map(_HostTensor, ins), cols, *map(_HostTensor, outs), **at.kernel_constants(
-          G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
+      *map(_HostTensor, ins + outs), **at.kernel_constants(
+          0, G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
           m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=True,
-          expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63))
+          expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63, cols=cols))
   _check_cols(outs, p, out, m_new, v_new, "param", carry_ok=True)
   print("interpreter check passed")
 

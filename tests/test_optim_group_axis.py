@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from coat_jax import expansion as ex
-from coat_jax import kernels, optim
+from coat_jax import formats, kernels, optim
 from coat_jax.optim import ExpandedMoment, adam_step_reference, coat_adamw, coat_adamw_apply
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import schema
@@ -53,10 +53,11 @@ def run():
   rng = np.random.default_rng(seed)
   params = _params(rng)
   grads = [_grads(rng, params) for _ in range(7)]
-  opt = _opt()   # the default: group_axis="coat"
+  opt = _opt(group_axis="coat")
   state0 = jax.jit(opt.init)(params)
   first = jax.jit(opt.update)(grads[0], state0, params)
-  apply = jax.jit(coat_adamw_apply(KW["lr"], KW["b1"], KW["b2"], KW["eps"], KW["weight_decay"]))
+  apply = jax.jit(coat_adamw_apply(KW["lr"], KW["b1"], KW["b2"], KW["eps"], KW["weight_decay"],
+                                   group_axis="coat"))
   return params, grads, state0, first, apply
 
 
@@ -172,7 +173,7 @@ def test_sharded_step_and_state_shardings(run):
   sub = lambda t: {k: t[k] for k in ("q", "embed")}
   params0, (grads, *_), state0, (u_one, st_one), _ = run
   params, grads = sub(params0), sub(grads)
-  opt = _opt()
+  opt = _opt(group_axis="coat")
   state = optim.CoatAdamWState(state0.count, sub(state0.mu), sub(state0.nu))
   axes = optim.group_axes("coat", params)
   p_sh = mesh_lib.param_shardings(params, mesh)  # the plain rules (the reference step takes any split)
@@ -237,7 +238,7 @@ def test_bad_values_raise_one_line(rng):
     jax.eval_shape(_opt(group_axis="coat").update, params, state, params)
   with pytest.raises(ValueError, match=r"optimizer.group_axis.*got 'hidden'"):
     schema.load(None, ["optimizer.group_axis=hidden"])
-  assert schema.load(None, []).optimizer.group_axis == "coat"   # the default
+  assert schema.load(None, []).optimizer.group_axis == formats.OPTIMIZER_GROUP_AXIS == "last"
   assert schema.load(None, ["optimizer.group_axis=last"]).optimizer.group_axis == "last"
 
 
@@ -313,8 +314,8 @@ def test_gpu_column_kernel_step_equals_reference(rng, partitioning):
   params = {"q": {"kernel": jnp.asarray(rng.standard_normal((512, 384)).astype(np.float32))},
             "mlp": {"kernel": jnp.asarray(rng.standard_normal((2, 256, 200)).astype(np.float32))}}
   grads = [_grads(rng, params) for _ in range(3)]
-  apply = coat_adamw_apply(KW["lr"], KW["b1"], KW["b2"], KW["eps"], KW["weight_decay"])
-  state0 = _opt().init(params)
+  apply = coat_adamw_apply(KW["lr"], KW["b1"], KW["b2"], KW["eps"], KW["weight_decay"], group_axis="coat")
+  state0 = _opt(group_axis="coat").init(params)
   results = {}
   for backend in ("adam=triton,adam_tree=reference", "reference"):
     with kernels.backend(backend), kernels.partitioning(partitioning):

@@ -211,8 +211,7 @@ class CheckpointMismatch(ValueError):
 def _mismatch_hint(key: str) -> str:
   if re.search(r"(^|\.)(mu|nu)(\.|$)", key):
     return (" (optimizer state: was it written with another optimizer.group_axis, group_size or "
-            "m/v format? coat_adamw groups along 'coat' by default since 2026-11-23; resume "
-            "with --set optimizer.group_axis=last for an older run)")
+            "m/v format? resume with the settings it was written with)")
   return ""
 
 
