@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from _common import time_calls
-from coat_jax import formats, kernels
+from coat_jax import formats, kernels, kernels_adam
 from coat_jax.expansion import quantize_expanded
 from pallas_kernels import adam_step as pk
 
@@ -34,7 +34,7 @@ GROUP = formats.OPTIMIZER_GROUP_SIZE   # 128
 
 
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, count=7, group_size=GROUP,
-             expand=True, expand_min=16, **kernels.adam_kernel_limits(M_FORMAT, V_FORMAT))
+             expand=True, expand_min=16, **kernels_adam.adam_kernel_limits(M_FORMAT, V_FORMAT))
 
 
 def _pow2_divisor(n: int, cap: int) -> int:

@@ -1,5 +1,8 @@
 """The one dispatch point between Pallas kernels and their jnp references.
 
+The optimizer step's dispatch (`coat_adam_step`, `coat_adam_tree_step`) is coat_jax/kernels_adam.py,
+which takes its backend choice from here.
+
 Layers (one way): coat_jax.optim / ops -> this module -> pallas_kernels/* (jax + numpy only,
 plain arrays in and out) or the references (coat_jax.quantize, gemm, adam_math). A kernel module
 never falls back: this module checks its `supported*` and otherwise calls the reference, and
@@ -61,15 +64,13 @@ manager; like the backend it is a JAX user context, part of jit's cache key.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 
-from coat_jax import adam_math, expansion, formats, gemm, quantize, sharded
-from coat_jax.expansion import ExpandedMoment
+from coat_jax import formats, gemm, quantize, sharded
 from coat_jax.quantize import QuantizedArray
 
 _CHOICES = ("auto", "pallas", "reference")
@@ -382,171 +383,3 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
         out = sharded.matmul_tn(kernel, a2, b2, scale, partial_kernel=partial)
       return out.reshape(out_shape)
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
-
-
-def adam_kernel_limits(m_format, v_format) -> dict:
-  """The format limits the fused Adam kernel takes as arguments (pallas_kernels import no
-  coat_jax): log2 of each moment format's expansion range, the amax floor, the largest k code
-  and the gradient clamp."""
-  mf, vf = formats.get_format(m_format), formats.get_format(v_format)
-  return dict(m_log2_range=math.log2(expansion.expansion_range(mf)),
-              v_log2_range=math.log2(expansion.expansion_range(vf)),
-              floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
-              grad_clamp=adam_math.GRAD_CLAMP)
-
-
-def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
-                   v_format, group_size, expand, expand_min, output="param", group_axis=-1,
-                   grad_scale=None):
-  """See `coat_jax.adam_math.adam_step_reference`: (new_param or update, new_m, new_v), one leaf.
-
-  output: "param" (new param, param.dtype) or "update" (optax's u = -lr * (m/denom + wd*p), in
-  grad.dtype; param may then be None: no decay term). group_axis: the moments' group axis
-  (-1, or -2: COAT's layout, metadata (..., in / G, out)). grad_scale: None or a float32 scalar
-  the step multiplies the gradient by (fused global-norm clipping, `adam_math.clip_scale`).
-  Kernel (`implementation("adam")`, both moments ExpandedMoment): triton (jax-triton, FP8
-  moments, G a power of two >= 16; group_axis -1 or -2, that axis' length % G == 0; applies
-  grad_scale as it loads the gradient) or pallas_triton (adam_step.py; group_axis -1 only,
-  N % G == 0; takes the gradient scaled beforehand, grad * grad_scale in grad's dtype: correct,
-  not fused). Shapes or axes the chosen kernel does not take: the reference.
-  """
-  kwargs = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
-                group_size=group_size, expand=expand, expand_min=expand_min, output=output,
-                group_axis=group_axis, grad_scale=grad_scale)
-  like = grad if param is None else param
-  impl = (implementation("adam") if isinstance(m, ExpandedMoment)
-          and isinstance(v, ExpandedMoment) else None)
-  if impl == "triton":
-    from pallas_kernels import adam_step_triton as pk
-    if not pk.available():
-      raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({INSTALL_HINT})")
-    ok = pk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size, group_axis)
-  elif impl == "pallas_triton" and group_axis != -1:
-    ok = False
-    if not interpret_mode():
-      _warn_once("adam_cols", "coat_jax: the Pallas Triton Adam kernel groups along the last "
-                 "axis only, so leaves grouped along another axis (group_axis='coat') take the "
-                 f"jnp reference step; install jax-triton for the fused kernel: {INSTALL_HINT}")
-  elif impl == "pallas_triton":
-    from pallas_kernels import adam_step as pk
-    ok = pk.supported(like, group_size)
-  if impl is not None and ok:
-    limits = adam_kernel_limits(m_format, v_format)
-    # alias: new param and moments written over the old ones, in place when the caller donates
-    # them (a jitted train step with donated state does).
-    if impl == "triton":
-      static = dict(m_fmax=formats.get_format(m_format).max,
-                    v_fmax=formats.get_format(v_format).max,
-                    m_log2_range=limits["m_log2_range"], v_log2_range=limits["v_log2_range"],
-                    max_k_code=limits["max_code"], amax_floor=limits["floor"],
-                    grad_clamp=limits["grad_clamp"], group_size=group_size, expand=expand,
-                    expand_min=expand_min, output=output, alias=True, fast_math=True,
-                    group_axis=group_axis)
-      step = lambda p, g, m3, v3, **h: pk.adam_step(p, g, *m3, *v3, **static, **h)
-    else:
-      # fast_math: MUFU approximations (errors ~2^-22, far below FP8 rounding). On the H100
-      # (one 1.21e9 leaf) fast_math + alias took the step from 17.4 to 7.1 ms
-      # (benchmarks/sweep_adam_kernel.py).
-      static = dict(group_size=group_size, expand=expand, expand_min=expand_min, output=output,
-                    interpret=interpret_mode(), fast_math=True, alias=True, **limits)
-
-      def step(p, g, m3, v3, grad_scale=None, **h):
-        if grad_scale is not None:   # no scale operand in this kernel: scaled beforehand
-          g = (g.astype(jnp.float32) * grad_scale).astype(g.dtype)
-        out, m3, v3 = pk.adam_step(p, g, m3, v3, **static, **h)
-        return (out, *m3, *v3)
-    # Python numbers stay Python numbers; arrays (schedules, inject_hyperparams, count) are
-    # replicated scalar operands.
-    hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count)
-    if grad_scale is not None:
-      hyper["grad_scale"] = jnp.asarray(grad_scale, jnp.float32)
-    traced = [k for k, x in hyper.items() if not isinstance(x, (int, float))]
-    fixed = {k: x for k, x in hyper.items() if k not in traced}
-    p_in = [] if param is None else [param]
-
-    def kernel(*a):
-      p = a[0] if param is not None else None
-      g, md, ma, mk, vd, va, vk, *hv = a[len(p_in):]
-      return tuple(step(p, g, (md, ma, mk), (vd, va, vk), **fixed, **dict(zip(traced, hv))))
-
-    args = p_in + [grad, *m, *v] + [jnp.asarray(hyper[k]) for k in traced]
-    kinds = ["data"] * (len(p_in) + 1) + ["data", "meta", "meta"] * 2 + ["scalar"] * len(traced)
-    out, *mv = _rows(kernel, args, kinds, ["data"] + ["data", "meta", "meta"] * 2, group_size,
-                     group_axis)
-    return out, ExpandedMoment(*mv[:3]), ExpandedMoment(*mv[3:])
-  return adam_math.adam_step_reference(param, grad, m, v, m_format=m_format, v_format=v_format,
-                                       **kwargs)
-
-
-def _tree_kernel_leaves(params, grads, ms, vs, group_size, group_axes=None) -> list[int]:
-  """Indices of the leaves the tree kernel takes now (empty when it is not in use): last-axis
-  groups only (group_axes: per leaf, None: all -1)."""
-  # not on the mesh path (partitioning `always` too): the tree kernel has no per-shard wrapper
-  if not (use_pallas("adam") and use_pallas("adam_tree") and not per_shard()
-          and not interpret_mode()):
-    return []
-  from pallas_kernels import adam_tree_triton as tk  # GPU only: needs triton + jax-triton
-  if not tk.available():
-    return []
-  out = []
-  group_axes = [-1] * len(grads) if group_axes is None else group_axes
-  for i, (p, g, m, v, a) in enumerate(zip(params, grads, ms, vs, group_axes)):
-    like = g if p is None else p
-    if (a == -1 and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
-        and tk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size)):
-      out.append(i)
-  return out
-
-
-def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight_decay, count,
-                        m_format, v_format, group_size, expand, expand_min, output="param",
-                        group_axes=None, grad_scale=None):
-  """Every leaf's step: [(new_param or update, new_m, new_v)] as `coat_adam_step` per leaf with
-  weight decay `weight_decay` where decay[i] (0 elsewhere); float32 moments (not ExpandedMoment)
-  take `adam_math.adam_step_reference`.
-
-  params, grads, ms, vs: equal-length lists (params entries None only with output="update").
-  group_axes: each leaf's moment group axis (None: all -1); the tree kernel takes -1 leaves only.
-  grad_scale: None or a float32 scalar every leaf's gradient is multiplied by (as
-  `coat_adam_step`; the tree kernel applies it as it loads the gradient).
-  On one Hopper GPU with jax-triton installed, the quantized FP8 leaves whose last axis divides
-  by group_size go through pallas_kernels/adam_tree_triton.py: one launch per up to
-  adam_tree_triton.MAX_LEAVES leaves, fast math and in-place outputs as `coat_adam_step`. The
-  other leaves, and every leaf elsewhere (CPU, meshes: there `coat_adam_step` runs per shard),
-  go leaf by leaf.
-  """
-  n = len(grads)
-  group_axes = [-1] * n if group_axes is None else list(group_axes)
-  if not (len(params) == len(ms) == len(vs) == len(decay) == len(group_axes) == n):
-    raise ValueError(f"coat_adam_tree_step: {len(params)} params, {n} grads, {len(ms)} / "
-                     f"{len(vs)} moments and {len(decay)} decay flags: lengths must agree")
-  common = dict(lr=lr, b1=b1, b2=b2, eps=eps, count=count, m_format=m_format,
-                v_format=v_format, group_size=group_size, expand=expand, expand_min=expand_min,
-                output=output, grad_scale=grad_scale)
-  results = [None] * n
-  tree = _tree_kernel_leaves(params, grads, ms, vs, group_size, group_axes)
-  if tree:
-    from pallas_kernels import adam_tree_triton as tk
-    mf, vf = formats.get_format(m_format), formats.get_format(v_format)
-    limits = adam_kernel_limits(m_format, v_format)
-    outs = tk.tree_step(
-        [params[i] for i in tree], [grads[i] for i in tree], [tuple(ms[i]) for i in tree],
-        [tuple(vs[i]) for i in tree], [bool(decay[i]) for i in tree], lr=lr, b1=b1, b2=b2,
-        eps=eps, weight_decay=weight_decay, count=count, m_fmax=float(mf.max),
-        v_fmax=float(vf.max), m_log2_range=limits["m_log2_range"],
-        v_log2_range=limits["v_log2_range"], group_size=group_size, expand=expand,
-        expand_min=expand_min, max_k_code=limits["max_code"], amax_floor=limits["floor"],
-        grad_clamp=limits["grad_clamp"], output=output, fast_math=True, alias=True,
-        grad_scale=grad_scale)
-    for i, (out, m3, v3) in zip(tree, outs):
-      results[i] = (out, ExpandedMoment(*m3), ExpandedMoment(*v3))
-  for i in range(n):
-    if results[i] is None:
-      wd = weight_decay if decay[i] else 0.0
-      if isinstance(ms[i], ExpandedMoment) and isinstance(vs[i], ExpandedMoment):
-        results[i] = coat_adam_step(params[i], grads[i], ms[i], vs[i], weight_decay=wd,
-                                    group_axis=group_axes[i], **common)
-      else:
-        results[i] = adam_math.adam_step_reference(params[i], grads[i], ms[i], vs[i],
-                                                   weight_decay=wd, **common)
-  return results

@@ -39,8 +39,8 @@ the Adam math above in float32, then requantize each with a fresh per-group mx a
 expansion: q = sign(x) fmt.max (|x|/mx)^k, k the largest multiple of 1/expand_min with
 (max/min)^k <= R of the format). `adam_step_reference` (coat_jax.adam_math) is that step for one param (returning
 the new param, or with output="update" optax's update): the jnp reference for the fused kernel.
-All leaves go through `kernels.coat_adam_tree_step` in one call: ExpandedMoment leaves take
-`kernels.coat_adam_step` (the fused kernel where `kernels.use_pallas("adam")` and the group axis
+All leaves go through `kernels_adam.coat_adam_tree_step` in one call: ExpandedMoment leaves take
+`kernels_adam.coat_adam_step` (the fused kernel where `kernels.use_pallas("adam")` and the group axis
 divides by G, the reference otherwise; with `adam_tree=triton` the last-axis leaves share a few
 launches, pallas_kernels/adam_tree_triton.py) and float32 moments the reference; the choice is
 made at trace time.
@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from coat_jax import expansion, formats, kernels
+from coat_jax import expansion, formats, kernels, kernels_adam
 from coat_jax.adam_math import adam_step_reference, clip_scale
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
@@ -297,7 +297,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       p32 = p.astype(jnp.float32)
       if kahan:
         p32 = p32 + c.astype(jnp.float32)  # the master value p + c
-      [(new_p, new_m, new_v)] = kernels.coat_adam_tree_step(
+      [(new_p, new_m, new_v)] = kernels_adam.coat_adam_tree_step(
           [p32], [g], [m], [v], [use_decay], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
           weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
           expand=expand, group_axes=[axis], grad_scale=grad_scale, **qargs)
@@ -342,7 +342,7 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
     plain = [i for i, r in enumerate(rounded) if not r]
     out = [None] * len(g_leaves)
     if plain:
-      res = kernels.coat_adam_tree_step(
+      res = kernels_adam.coat_adam_tree_step(
           [p_leaves[i] for i in plain], [g_leaves[i] for i in plain],
           [m_leaves[i] for i in plain], [v_leaves[i] for i in plain],
           [d_leaves[i] for i in plain], output=output, lr=lr, b1=b1, b2=b2, eps=eps,

@@ -6,5 +6,8 @@ scripts/setup.sh
 # The Hugging Face import tests compare against transformers in a Python 3.11 side environment;
 # where it cannot be built they skip, saying why.
 scripts/setup_hf_env.sh || echo "warning: .venv-hf not built; the transformers comparison tests will skip" >&2
-if [ "${1:-}" = "--slow" ]; then shift; exec .venv/bin/python -m pytest -q -m "not gpu" "$@"; fi
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist), one test file each at a time (module fixtures built once): most of
+# a test's time is XLA compiling on one core, so two files at once use both of CI's two cores.
+WORKERS=(-n "${COAT_TEST_WORKERS:-2}" --dist loadfile)
+if [ "${1:-}" = "--slow" ]; then shift; exec .venv/bin/python -m pytest -q "${WORKERS[@]}" -m "not gpu" "$@"; fi
+exec .venv/bin/python -m pytest -q "${WORKERS[@]}" "$@"

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from coat_jax import adam_math, expansion, kernels, optim
+from coat_jax import adam_math, expansion, kernels, kernels_adam, optim
 from pallas_kernels import adam_step as pk
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -196,8 +196,8 @@ def test_adam_step_zero_group_and_dispatch(rng):
               expand=True, expand_min=16)
   want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(p, g, m, v)
   with kernels.backend("pallas"):
-    got = jax.jit(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v)
-    jaxpr = jax.make_jaxpr(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v)
+    got = jax.jit(functools.partial(kernels_adam.coat_adam_step, **args))(p, g, m, v)
+    jaxpr = jax.make_jaxpr(functools.partial(kernels_adam.coat_adam_step, **args))(p, g, m, v)
   assert n_kernels(jaxpr) == 1
   _compare(got, want, p)
   assert_step_matches_spec(got, p, g, m, v, args)
@@ -218,10 +218,10 @@ def test_unsupported_shape_raises_and_dispatch_matches_spec(rng):
   p2, g2, m2, v2 = _state(rng, (3, 256), "e4m3", "e4m3", True)
   for backend in ("pallas", "reference"):
     with kernels.backend(backend):
-      got = jax.jit(functools.partial(kernels.coat_adam_step, **args))(p2, g2, m2, v2)
+      got = jax.jit(functools.partial(kernels_adam.coat_adam_step, **args))(p2, g2, m2, v2)
     assert_step_matches_spec(got, p2, g2, m2, v2, args)
   with kernels.backend("pallas"):   # the odd shape: the reference, same spec
-    got = jax.jit(functools.partial(kernels.coat_adam_step, **args))(p, g, m, v)
+    got = jax.jit(functools.partial(kernels_adam.coat_adam_step, **args))(p, g, m, v)
   assert got[0].shape == (3, 200) and np.isfinite(np.asarray(got[0])).all()
   # (3, 200): groups of 128 + a short one of 72; compare the first group of each row.
   cut = lambda mom: expansion.ExpandedMoment(mom.data[:, :128], mom.amax[:, :1],

@@ -10,7 +10,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from coat_jax import adam_math, expansion, kernels, optim
+from coat_jax import adam_math, expansion, kernels, kernels_adam, optim
 from pallas_kernels import adam_tree_triton as tk
 from tests.test_kernels_adam import _compare as compare_steps, n_kernels
 from tests.test_kernels_adam_mgpu import EM, G, HYPER, _code_steps, _log2_range, _np_quantize, \
@@ -133,10 +133,10 @@ def test_dispatch_without_tree_kernel_is_the_per_leaf_reference(rng):
   ps, gs, ms, vs = _tree_inputs(rng, [(2, 256), (3, 128), (7,)])
   decay = [True, False, False]
   count = jnp.int32(2)
-  assert kernels._tree_kernel_leaves(ps, gs, ms, vs, G) == []
+  assert kernels_adam._tree_kernel_leaves(ps, gs, ms, vs, G) == []
 
   def both(ps, gs, ms, vs):
-    got = kernels.coat_adam_tree_step(ps[:3], gs[:3], ms[:3], vs[:3], decay, count=count,
+    got = kernels_adam.coat_adam_tree_step(ps[:3], gs[:3], ms[:3], vs[:3], decay, count=count,
                                       **STEP)
     wants = [adam_math.adam_step_reference(
         p, g, m, v, count=count, **dict(STEP, weight_decay=STEP["weight_decay"] * d))
@@ -157,7 +157,7 @@ def test_dispatch_without_tree_kernel_is_the_per_leaf_reference(rng):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6)
   assert not np.allclose(np.asarray(got[1][0]), np.asarray(wants[3][0]), rtol=1e-7, atol=0)
   with pytest.raises(ValueError, match="lengths must agree"):
-    kernels.coat_adam_tree_step(ps, gs, ms, vs, decay[:2], count=count, **STEP)
+    kernels_adam.coat_adam_tree_step(ps, gs, ms, vs, decay[:2], count=count, **STEP)
 
 
 def test_tree_step_operands_aliases_and_results(monkeypatch):
@@ -227,9 +227,9 @@ def test_dispatch_hands_quantized_leaves_to_the_tree_kernel(rng, monkeypatch):
       outs.append((o, tuple(m2), tuple(v2)))
     return outs
 
-  monkeypatch.setattr(kernels, "_tree_kernel_leaves", lambda *a: [0, 2])
+  monkeypatch.setattr(kernels_adam, "_tree_kernel_leaves", lambda *a: [0, 2])
   monkeypatch.setattr(tk, "tree_step", fake_tree_step)
-  got = kernels.coat_adam_tree_step(ps, gs, ms, vs, [True, True, False], count=jnp.int32(1),
+  got = kernels_adam.coat_adam_tree_step(ps, gs, ms, vs, [True, True, False], count=jnp.int32(1),
                                     **step)
   assert seen["n"] == 2 and seen["decay"] == [True, False]
   assert (seen["m_fmax"], seen["v_fmax"], seen["max_k_code"]) == (448.0, 57344.0,
@@ -374,9 +374,9 @@ def test_tree_step_puts_the_grad_scale_in_the_step_scalars(monkeypatch):
   np.testing.assert_array_equal(scalars[0][:9], scalars[1][:9])
 
   seen = {}
-  monkeypatch.setattr(kernels, "_tree_kernel_leaves", lambda *a: [0])
+  monkeypatch.setattr(kernels_adam, "_tree_kernel_leaves", lambda *a: [0])
   monkeypatch.setattr(tk, "tree_step", lambda *a, **k: seen.update(k) or [(a[1][0], m, m)])
   em = expansion.ExpandedMoment(*m)
-  kernels.coat_adam_tree_step([jnp.ones((2, 128))], [jnp.ones((2, 128))], [em], [em], [True],
+  kernels_adam.coat_adam_tree_step([jnp.ones((2, 128))], [jnp.ones((2, 128))], [em], [em], [True],
                               count=jnp.int32(1), grad_scale=jnp.float32(0.3), **STEP)
   assert float(seen["grad_scale"]) == np.float32(0.3)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax import expansion, kernels, quantize
+from coat_jax import expansion, kernels, kernels_adam, quantize
 
 ref_per_group = jax.jit(quantize.quantize_per_group, static_argnums=(1, 2))
 ref_per_tensor = jax.jit(quantize.quantize_per_tensor, static_argnums=(1,),
@@ -112,7 +112,7 @@ def test_adam_triton_without_triton_names_the_install():
   p = jnp.ones(shape)
   m = expansion.quantize_expanded(jnp.full(shape, 1e-3), "e4m3", 128, 16)
   with kernels.backend("adam=triton"), pytest.raises(ValueError, match=r"coat-jax\[gpu\]"):
-    kernels.coat_adam_step(p, p, m, m, lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0,
+    kernels_adam.coat_adam_step(p, p, m, m, lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0,
                            count=jnp.int32(1), m_format="e4m3", v_format="e4m3", group_size=128,
                            expand=True, expand_min=16)
 

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from coat_jax import kernels
+from coat_jax import kernels, kernels_adam
 from coat_jax.adam_math import adam_moments, adam_step_reference, clip_scale, load_moment
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.optim import DEFAULT_GROUP_AXIS, coat_adamw, coat_adamw_apply, group_axes
@@ -131,7 +131,7 @@ def test_apply_max_grad_norm_equals_chain_with_clip(rng):
 
 
 def test_pallas_dispatch_matches_reference_with_grad_scale(rng):
-  """kernels.coat_adam_step(grad_scale=s) under the Pallas backend (the Pallas Triton kernel in
+  """kernels_adam.coat_adam_step(grad_scale=s) under the Pallas backend (the Pallas Triton kernel in
   interpret mode here, which takes the gradient scaled beforehand) against the jnp reference."""
   p = jnp.asarray(rng.standard_normal((8, 256)).astype(np.float32))
   g = jnp.asarray(rng.standard_normal((8, 256)).astype(np.float32))
@@ -143,7 +143,7 @@ def test_pallas_dispatch_matches_reference_with_grad_scale(rng):
   args = (p, g, m, v)
   kw = dict(count=jnp.int32(2), grad_scale=scale, **warm)
   with kernels.backend("pallas"):
-    got = jax.jit(lambda *a: kernels.coat_adam_step(*a, **kw))(*args)
+    got = jax.jit(lambda *a: kernels_adam.coat_adam_step(*a, **kw))(*args)
   want = jax.jit(lambda *a: adam_step_reference(*a, **kw))(*args)
   plain = adam_step_reference(*args, **dict(kw, grad_scale=None))
   change = np.asarray(want[0]) - np.asarray(p)

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from coat_jax import expansion as ex
-from coat_jax import formats, kernels, optim
+from coat_jax import formats, kernels, kernels_adam, optim
 from coat_jax.optim import ExpandedMoment, adam_step_reference, coat_adamw, coat_adamw_apply
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import schema
@@ -288,7 +288,7 @@ def test_per_shard_wrapper_keeps_column_groups_local(rng):
 
 
 def test_dispatch_without_column_kernel_is_the_reference(rng):
-  """kernels.coat_adam_step(group_axis=-2) where no column kernel runs (CPU: the Pallas Triton
+  """kernels_adam.coat_adam_step(group_axis=-2) where no column kernel runs (CPU: the Pallas Triton
   kernel in interpret mode, which has no column variant) is the jnp reference step."""
   shape = (256, 48)
   p, g = (jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(2))
@@ -298,7 +298,7 @@ def test_dispatch_without_column_kernel_is_the_reference(rng):
             expand=True, expand_min=16, group_axis=-2)
   with kernels.backend("pallas"):
     assert kernels.implementation("adam") == "pallas_triton"
-    got = jax.jit(lambda *a: kernels.coat_adam_step(*a, **kw))(p, g, m, v)
+    got = jax.jit(lambda *a: kernels_adam.coat_adam_step(*a, **kw))(p, g, m, v)
   want = jax.jit(lambda *a: adam_step_reference(*a, **kw))(p, g, m, v)
   assert got[1].amax.shape == (2, 48)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
