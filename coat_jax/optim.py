@@ -31,8 +31,9 @@ master weights with master_rounding="kahan", else None; see `coat_adamw_apply`).
     share of the model (bitsandbytes keeps tensors under 4096 elements in 32 bit for the same reason).
 The group axis (`group_axes`): by default (group_axis="last") every leaf groups its last axis;
 group_axis="coat" (COAT's layout) groups a Flax (in, out) kernel's G consecutive input features of
-each output column (axis -2; metadata (..., in / G, out)), other leaves their last axis. Moments stay in the param's layout either way, so a param's sharding is valid for its
-moments and scales (see `state_shardings`).
+each output column (axis -2; metadata (..., in / G, out)), other leaves their last axis.
+Moments stay in the param's layout either way, so a param's sharding is valid for its moments and
+scales (see `state_shardings`).
 
 A quantized leaf's step is: dequantize m and v (x = sign(q) mx (|q|/fmt.max)^(1/k) per group),
 the Adam math above in float32, then requantize each with a fresh per-group mx and k (dynamic range
@@ -153,10 +154,11 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       param to the state (`CoatAdamWState.comp`, 2 bytes per param). This transformation's own
       update (optax's update/apply_updates, which rounds p + u to nearest outside it) supports
       only "nearest": it raises ValueError for the others, use `coat_adamw_apply`.
-    group_axis: "coat" (default: Flax kernels grouped along their input features, COAT's
-      layout) | "last" | callable params -> tree of axes: the axis each quantized moment groups
-      along (`group_axes`; the callable is called with the updates when params are None). Same
-      bytes of state either way; a state restores only into the group_axis it was made with.
+    group_axis: "last" (default: every leaf's last axis) | "coat" (Flax kernels grouped along
+      their input features, COAT's layout; its fused kernel is slower today, docs/differences.md
+      section 4) | callable params -> tree of axes: the axis each quantized moment groups along
+      (`group_axes`; the callable is called with the updates when params are None). Same bytes
+      of state either way; a state restores only into the group_axis it was made with.
     max_grad_norm: None, or clip the gradients to this global norm inside the step: the step
       computes the float32 global norm n of the incoming gradients (optax.tree.norm) and the
       fused kernel multiplies each gradient element by s = where(n < max_grad_norm, 1,

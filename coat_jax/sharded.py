@@ -45,11 +45,16 @@ def _axis_size(mesh, entry) -> int:
   return math.prod(mesh.shape[n] for n in names)
 
 
+def _padded(spec, rank: int) -> tuple:
+  """`spec` padded with None to `rank` entries, UNCONSTRAINED entries as None."""
+  spec = tuple(spec) + (None,) * (rank - len(spec))
+  return tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in spec)
+
+
 def local_spec(mesh, spec, shape, group_size: int, group_axis: int = -1) -> tuple:
   """`spec` padded to len(shape), with the group axis (default the last) replicated unless each
   shard of it holds whole groups of `group_size`."""
-  spec = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
-  spec = [None if e is PartitionSpec.UNCONSTRAINED else e for e in spec]
+  spec = list(_padded(spec, len(shape)))
   if len(spec) >= -group_axis and spec[group_axis] is not None:
     shards = _axis_size(mesh, spec[group_axis])
     if shape[group_axis] % shards or (shape[group_axis] // shards) % group_size:
@@ -137,11 +142,6 @@ def rowwise(kernel: Callable, args: Sequence[jax.Array], kinds_in: Sequence[str]
   fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=rule, need_replication_factors=repl, **sizes)
   return fn(*args)
-
-
-def _padded(spec, rank: int) -> tuple:
-  spec = tuple(spec) + (None,) * (rank - len(spec))
-  return tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in spec)
 
 
 def transposing(kernel: Callable, x: jax.Array, scalars: Sequence[jax.Array]):

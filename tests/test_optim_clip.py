@@ -21,6 +21,7 @@ from coat_jax.expansion import ExpandedMoment
 from coat_jax.optim import DEFAULT_GROUP_AXIS, coat_adamw, coat_adamw_apply, group_axes
 from coat_jax.training import build as build_lib
 from coat_jax.training import schema as config_lib
+from tests.test_optim import _run   # init, then jitted update + apply_updates per gradient
 
 SHAPES = {"w": (256, 64), "u": (128, 96), "bias": (7,)}   # two quantized leaves, one float32
 KW = dict(weight_decay=0.1, min_quantized_size=4096)
@@ -59,15 +60,6 @@ def _rel(a, b, base):
   return np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(base))
 
 
-def _run_update(tx, params, grads_list):
-  state = tx.init(params)
-  step = jax.jit(tx.update)
-  for g in grads_list:
-    updates, state = step(g, state, params)
-    params = optax.apply_updates(params, updates)
-  return params, state
-
-
 def _check_close(params0, got, want, got_state, want_state, tol=5e-3):
   for k in params0:
     change = np.asarray(want[k]) - np.asarray(params0[k])
@@ -83,11 +75,11 @@ def test_max_grad_norm_equals_chain_with_clip(rng):
   params = _params(rng)
   grads = [_grads(rng, params, n) for n in NORMS]
   chain = optax.chain(optax.clip_by_global_norm(MAX_NORM), coat_adamw(1e-2, **KW))
-  want, want_state = _run_update(chain, params, grads)
-  got, got_state = _run_update(coat_adamw(1e-2, max_grad_norm=MAX_NORM, **KW), params, grads)
+  want, want_state = _run(chain, params, grads)
+  got, got_state = _run(coat_adamw(1e-2, max_grad_norm=MAX_NORM, **KW), params, grads)
   _check_close(params, got, want, got_state, want_state[1])
   # Without clipping the result is far off: the comparison above sees the scale.
-  plain, plain_state = _run_update(coat_adamw(1e-2, **KW), params, grads)
+  plain, plain_state = _run(coat_adamw(1e-2, **KW), params, grads)
   assert _rel(plain["w"], want["w"], want["w"] - params["w"]) > 0.05
   assert _rel(_moments(plain_state)[0], _moments(want_state[1])[0], _moments(want_state[1])[0]) > 1
 
@@ -100,8 +92,8 @@ def test_below_max_norm_is_the_chain_step(rng):
   params = _params(rng)
   grads = [_grads(rng, params, n) for n in (0.9, 0.05)]
   chain = optax.chain(optax.clip_by_global_norm(MAX_NORM), coat_adamw(1e-2, **KW))
-  want, want_state = _run_update(chain, params, grads)
-  got, got_state = _run_update(coat_adamw(1e-2, max_grad_norm=MAX_NORM, **KW), params, grads)
+  want, want_state = _run(chain, params, grads)
+  got, got_state = _run(coat_adamw(1e-2, max_grad_norm=MAX_NORM, **KW), params, grads)
   for a, b in zip(jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state[1]))):
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype.itemsize == 1:   # FP8 codes / k codes
@@ -121,7 +113,7 @@ def test_apply_max_grad_norm_equals_chain_with_clip(rng):
   params = _params(rng)
   grads = [_grads(rng, params, n) for n in NORMS]
   chain = optax.chain(optax.clip_by_global_norm(MAX_NORM), coat_adamw(1e-2, **KW))
-  want, want_state = _run_update(chain, params, grads)
+  want, want_state = _run(chain, params, grads)
   apply = jax.jit(coat_adamw_apply(1e-2, max_grad_norm=MAX_NORM, **KW))
   got, state = params, coat_adamw(1e-2, **KW).init(params)
   for g in grads:
