@@ -467,6 +467,23 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale=None) -> jax.A
   return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
 
 
+def parse_cols_tiles(text: str) -> list[tuple[int, int, int]]:
+  """Column tiles for benchmarks' sweeps: 'BLOCKxWARPS' (the G x BLOCK tile at once) or
+  'BLOCKxCHUNKxWARPS' (streamed in chunks of CHUNK rows), comma-separated -> [(COLS_BLOCK,
+  COLS_CHUNK, COLS_WARPS), ...]."""
+  tiles = []
+  for t in filter(None, (s.strip() for s in text.split(","))):
+    try:
+      v = [int(x) for x in t.split("x")]
+    except ValueError:
+      v = []
+    if len(v) not in (2, 3) or min(v) <= 0 or any(x & (x - 1) for x in v):
+      raise ValueError(f"column tile {t!r} is not BLOCKxWARPS or BLOCKxCHUNKxWARPS (powers of "
+                       f"two)")
+    tiles.append((v[0], 0, v[1]) if len(v) == 2 else tuple(v))
+  return tiles
+
+
 def pow2_divisor(n: int, cap: int = 16) -> int:
   """The largest power of two <= cap dividing n."""
   d = 1

@@ -377,6 +377,14 @@ def test_launch_plan_masks_and_refuses_clearly():
     at.launch_plan((256, 64), G, -1, 16, size_arg="static")
 
 
+def test_parse_cols_tiles():
+  assert at.parse_cols_tiles("32x4, 128x8x8,") == [(32, 0, 4), (128, 8, 8)]
+  assert at.parse_cols_tiles("") == []
+  for bad in ("32", "48x4", "32x4x4x4", "64xax4", "0x4"):
+    with pytest.raises(ValueError, match="BLOCKxCHUNKxWARPS"):
+      at.parse_cols_tiles(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("group_axis", ["coat", "last"])
 def test_gpu_fused_clip_matches_chain(group_axis):
