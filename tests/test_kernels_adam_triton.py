@@ -44,14 +44,14 @@ def _t(x):
   return np.swapaxes(x, -1, -2)
 
 
-def _np_cols_case(shape, seed, fmt, output):
-  """A column-grouped case (groups of G along axis -2): the float64 step of the transposed
-  arrays, transposed back. Returns (p, g, m_state, v_state, out, (mq, ma, mk), (vq, va, vk)),
+def _np_cols_case(shape, seed, fmt, output, expand=True):
+  """A column-grouped case (groups of G along axis -2, with expansion or plain max scaling):
+  the float64 step of the transposed arrays, transposed back. Returns (p, g, m_state, v_state, out, (mq, ma, mk), (vq, va, vk)),
   the states as (codes, amax (..., in / G, out), k_code) in the param's layout."""
   p, g, m0, v0 = _state(shape, seed)
-  m_t, v_t = _np_quantize(_t(m0), fmt, True)[:3], _np_quantize(_t(v0), fmt, True)[:3]
+  m_t, v_t = _np_quantize(_t(m0), fmt, expand)[:3], _np_quantize(_t(v0), fmt, expand)[:3]
   out, *_, m_new, v_new = _np_step(_t(p).astype(np.float64), _t(g).astype(np.float64), m_t,
-                                   v_t, 3, fmt, fmt, True, output)
+                                   v_t, 3, fmt, fmt, expand, output)
   back = lambda s: tuple(_t(a) for a in s[:3])
   return p, g, back(m_t), back(v_t), _t(out), back(m_new), back(v_new)
 
@@ -215,17 +215,18 @@ class _HostTensor:
     return tuple(s // self.arr.itemsize for s in self.arr.strides)
 
 
-def _launch_interpreted(ins, outs, shape, group_axis, block, chunk=0, size_arg="runtime"):
+def _launch_interpreted(ins, outs, shape, group_axis, block, chunk=0, size_arg="runtime",
+                        expand=True):
   """Runs the kernel `launch_plan` picks for a param of `shape` in Triton's interpreter on host
-  buffers (e5m2 moments, expansion, output="param"), as adam_step launches it: the size operand
-  after the inputs, the size constexprs with the others."""
+  buffers (e5m2 moments, output="param"), as adam_step launches it: the size operand after the
+  inputs, the size constexprs with the others."""
   kernel, grid, size, consts = at.launch_plan(shape, G, group_axis, block, chunk, size_arg)
   print(f"shape {shape} group_axis {group_axis} block {block} chunk {chunk} {size_arg}: "
         f"grid {grid}, size operand {size}, {consts}")
   kernel[(grid,)](
       *map(_HostTensor, ins), size, *map(_HostTensor, outs), **consts, **at.kernel_constants(
           G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
-          m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=True,
+          m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=expand,
           expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63))
 
 
@@ -276,17 +277,19 @@ def _interpreter_check(grad_scale=None, size_arg="runtime", shape=(7, 256), bloc
   print("interpreter check passed")
 
 
-def _interpreter_check_cols(shape=(2, 256, 72), block=32, chunk=0, size_arg="runtime", seed=47):
+def _interpreter_check_cols(shape=(2, 256, 72), block=32, chunk=0, size_arg="runtime", seed=47,
+                            expand=True):
   """The column kernel (`_adam_cols_kernel`) in Triton's interpreter, as `_interpreter_check`:
   a leaf of `shape` (default stacked (2, 256, 72): the last column tile of BLOCK 32 masked),
-  e5m2 moments, tile BLOCK columns, chunk: 0 (the G x BLOCK tile at once) or the rows per chunk
-  of the streamed two-pass tile."""
+  e5m2 moments (with expansion or plain max scaling), tile BLOCK columns, chunk: 0 (the G x
+  BLOCK tile at once) or the rows per chunk of the streamed two-pass tile."""
   _use_tl_math()
-  p, g, m_state, v_state, out, m_new, v_new = _np_cols_case(shape, seed, "e5m2", "param")
+  p, g, m_state, v_state, out, m_new, v_new = _np_cols_case(shape, seed, "e5m2", "param",
+                                                            expand)
   m_state, v_state = ([np.ascontiguousarray(a) for a in s] for s in (m_state, v_state))
   ins = [np.asarray(at.step_scalars(count=3, **HYPER)), p, g, *m_state, *v_state]
   outs = [np.zeros_like(p)] + [np.zeros_like(a) for a in (*m_state, *v_state)]
-  _launch_interpreted(ins, outs, shape, -2, block, chunk, size_arg)
+  _launch_interpreted(ins, outs, shape, -2, block, chunk, size_arg, expand)
   _check_cols(outs, p, out, m_new, v_new, "param", carry_ok=True)
   print("interpreter check passed")
 
@@ -314,6 +317,8 @@ needs_triton = pytest.mark.skipif(at.triton is None, reason="triton is not insta
     "shape=(384, 128), block=64, chunk=32, seed=67",  # streamed, EVEN, 3 row groups
     "shape=(256, 40), block=64, chunk=128, seed=71",  # one chunk of G rows, one masked tile
     "block=32, chunk=8, size_arg='constexpr'",
+    "expand=False",                                   # plain max scaling (k code EM)
+    "block=64, chunk=16, expand=False",
 ])
 def test_interpreter_cols_matches_float64_reference(args):
   _run_interpreted("_interpreter_check_cols", args)
