@@ -87,6 +87,8 @@ def problem(shape, dtype, m_dtype, v_dtype, group_size: int, group_axis: int = -
   if (len(shape) < -group_axis or shape[group_axis] % group_size
       or int(np.prod(shape)) == 0):
     return f"{name} axis of shape {tuple(shape)} is not a positive multiple of {group_size}"
+  if group_axis == -2 and group_size * shape[-1] >= 2**31:   # int32 offsets in a row group
+    return f"{shape[-1]} columns x group size {group_size} is not below 2^31"
   return None
 
 

@@ -38,6 +38,8 @@ def test_problem_names_the_shape():
   assert "second-to-last axis" in at.problem((128,), jnp.float32, f8, f8, G, -2)
   assert at.problem((2, 256, 40), jnp.float32, f8, f8, G, -2) is None   # any column count
   assert "group axis -3" in at.problem((128, 128, 128), jnp.float32, f8, f8, G, -3)
+  assert "below 2^31" in at.problem((128, 2**24), jnp.float32, f8, f8, G, -2)
+  assert at.problem((128, 2**24), jnp.float32, f8, f8, G) is None
 
 
 def _t(x):
