@@ -25,10 +25,12 @@ Group axis: the coat rows group along each matrix's last axis (group_axis="last"
 coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an (in, out)
 kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
 pallas_kernels/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
-coat_cols with coat_leaf and apply_cols with apply_leaf. --cols-tiles BLOCKxWARPS,... repeats the
-column rows once per tile of the column kernel (G rows x BLOCK columns, WARPS warps; default
-adam_step_triton.COLS_BLOCK x COLS_WARPS). --scale keeps whole groups along axis -2 only where
-the scaled row counts stay multiples of 128 (e.g. 0.25; 4096 x 0.001 = 4 rows pads each group).
+coat_cols with coat_leaf and apply_cols with apply_leaf. --cols-tiles repeats the column rows once
+per tile of the column kernel: BLOCKxWARPS (G rows x BLOCK columns at once, WARPS warps) or
+BLOCKxCHUNKxWARPS (the same tile streamed in chunks of CHUNK rows, two passes); default
+adam_step_triton's COLS_BLOCK / COLS_CHUNK / COLS_WARPS. --scale keeps whole groups along axis
+-2 only where the scaled row counts stay multiples of 128 (e.g. 0.25; 4096 x 0.001 = 4 rows pads
+each group).
 
 The byte floor is the bytes a step must move per param (read param, grad and state; write param
 and state; a chain also reads the gradient for its norm and writes and reads the clipped gradient,
@@ -39,6 +41,7 @@ bandwidth measured here (a jitted x + 1 over a large array, read + write counted
   python benchmarks/bench_optimizer.py --profile              # GPU, full size
   python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
   python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,64x4,64x8
+  python benchmarks/bench_optimizer.py --rows apply_leaf,apply_cols --cols-tiles 32x4,64x8x4,128x8x8
   python benchmarks/bench_optimizer.py --rows optax_chain,chain_leaf,coat_clip,apply_clip --profile
   JAX_PLATFORMS=cpu python benchmarks/bench_optimizer.py --scale 0.001 --steps 3   # smoke check
 """
@@ -194,21 +197,21 @@ def main():
   parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                       help=f"comma-separated optimizers, of {list(CONFIGS)}")
   parser.add_argument("--cols-tiles", default="",
-                      help="column kernel tiles BLOCKxWARPS,... for the column rows (default: "
-                           "the kernel's COLS_BLOCK x COLS_WARPS)")
+                      help="column kernel tiles BLOCKxWARPS or BLOCKxCHUNKxWARPS,... for the "
+                           "column rows (default: the kernel's COLS_BLOCK / COLS_CHUNK / "
+                           "COLS_WARPS)")
   args = parser.parse_args()
   names = [r.strip() for r in args.rows.split(",") if r.strip()]
   bad = [r for r in names if r not in CONFIGS]
   if bad:
     parser.error(f"unknown --rows {bad}; choose from {list(CONFIGS)}")
-  try:
-    tiles = [tuple(int(v) for v in t.split("x")) for t in args.cols_tiles.split(",") if t.strip()]
-    assert all(len(t) == 2 and min(t) > 0 and not t[0] & (t[0] - 1) for t in tiles)
-  except (ValueError, AssertionError):
-    parser.error(f"--cols-tiles must be BLOCKxWARPS,... with BLOCK a power of two, got "
-                 f"{args.cols_tiles!r}")
   from pallas_kernels import adam_step_triton
-  default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS)
+  try:
+    tiles = adam_step_triton.parse_cols_tiles(args.cols_tiles)
+  except ValueError as e:
+    parser.error(f"--cols-tiles: {e}")
+  default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_CHUNK,
+                  adam_step_triton.COLS_WARPS)
   runs = []   # (row key, column tile or None)
   for key in names:
     runs += [(key, t) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None)]
@@ -234,9 +237,10 @@ def main():
     if key in COLUMN_ROWS:
       tile = tile or default_tile
       # the tile is read when the kernel is traced: clear the traces of the previous one
-      adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS = tile
+      adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_CHUNK, adam_step_triton.COLS_WARPS = tile
       jax.clear_caches()
-      name = f"{name}, tile {adam_step_triton.COLS_BLOCK} cols x {adam_step_triton.COLS_WARPS} warps"
+      chunk = f" in chunks of {tile[1]} rows" if tile[1] else ""
+      name = f"{name}, tile {tile[0]} cols{chunk} x {tile[2]} warps"
     with kernels.backend(backend):
       ms, piped, bpp, device_ms = bench_optimizer(
           name, make(), params_fn, grads, args.steps, args.profile,

@@ -7,7 +7,8 @@ Written with the official Triton language and called with `jax_triton.triton_cal
 not use the deprecated Pallas Triton backend. Precise math: libdevice exp2 / log2 (as XLA), IEEE
 sqrt (`sqrt_rn`), Triton's `/` (div.full.f32, what XLA:GPU emits).
 
-Two layouts of the groups (`group_axis`), one per-tile body (`_adam_tile`):
+Two layouts of the groups (`group_axis`), one per-tile body (`_adam_tile`, built from per-element
+helpers: `_new_moments`, `_store_param`, `_group_meta`, `_quantize`):
   -1 (`adam_rows`): G consecutive elements of the last axis; a program takes BLOCK rows of G, the
      metadata (..., N / G) one value per row.
   -2 (`adam_cols`, COAT's layout for a Flax (in, out) kernel): G consecutive rows of each column
@@ -15,8 +16,12 @@ Two layouts of the groups (`group_axis`), one per-tile body (`_adam_tile`):
      == 0, so no group straddles a stacked leaf's layers); a program takes a tile of G rows x
      BLOCK columns (coalesced along the rows, reduced over them) and the metadata (..., in / G,
      out) one value per column of a row group. No transposes: the moments stay in the param's
-     layout.
-The last program's rows / columns are masked (Triton's masked loads/stores).
+     layout. COLS_CHUNK > 0: the tile is streamed in chunks of rows in two passes
+     (`_adam_cols_chunked`: a [CHUNK, BLOCK] tile in registers, so wide tiles do not spill).
+The leaf size is a runtime int argument (SIZE_ARG "runtime": one Triton compile serves every leaf
+size), with a constexpr EVEN (rows / columns a multiple of BLOCK: no masks at all; else the last
+program's rows / columns are masked) and, for columns, the row stride's power-of-two factor as a
+constexpr CDIV (aligned, vectorized loads); `launch_plan` picks them.
 Needs triton >= 3.6 and jax-triton 0.3.1 (`pip install .[gpu]`); jax-triton cannot run on CPU,
 so `available()` says whether `adam_step` can be called. With triton alone, Triton's interpreter
 (TRITON_INTERPRET=1) runs the kernel on host buffers (tests/test_kernels_adam_triton.py).
@@ -57,6 +62,15 @@ GROUP_AXES = (-1, -2)
 ROWS_BLOCK, ROWS_WARPS = 16, 4   # group_axis -1: rows of G per program, warps
 COLS_BLOCK, COLS_WARPS = 32, 4   # group_axis -2: columns per G-row tile (32 FP8 bytes: one DRAM
                                  # sector per row), warps
+COLS_CHUNK = 0                   # group_axis -2: 0, the G x BLOCK tile at once; else rows per
+                                 # chunk of the streamed two-pass tile (`_adam_cols_chunked`)
+# How the leaf size reaches the kernel (read when adam_step is traced; benchmarks A/B them):
+#   "runtime": an int argument, one Triton compile for every leaf size; EVEN tiles (rows / cols
+#     a multiple of BLOCK) build no masks;
+#   "runtime_masked": an int argument, always masked (the version 7% slower on the H100);
+#   "constexpr": ROWS / COLS constexpr, always masked: one compile per leaf size (the old kernel).
+SIZE_ARGS = ("runtime", "runtime_masked", "constexpr")
+SIZE_ARG = "runtime"
 
 
 def problem(shape, dtype, m_dtype, v_dtype, group_size: int, group_axis: int = -1) -> str | None:
@@ -73,6 +87,8 @@ def problem(shape, dtype, m_dtype, v_dtype, group_size: int, group_axis: int = -
   if (len(shape) < -group_axis or shape[group_axis] % group_size
       or int(np.prod(shape)) == 0):
     return f"{name} axis of shape {tuple(shape)} is not a positive multiple of {group_size}"
+  if group_axis == -2 and group_size * shape[-1] >= 2**31:   # int32 offsets in a row group
+    return f"{shape[-1]} columns x group size {group_size} is not below 2^31"
   return None
 
 
@@ -118,13 +134,35 @@ if triton is not None:
       return x / y
 
   @triton.jit
-  def _dequant(q_ptr, a_ptr, k_ptr, offs, meta_idx, mask, meta_mask, FMAX: tl.constexpr,
-               EM: tl.constexpr, FAST: tl.constexpr = False, AXIS: tl.constexpr = 1):
-    """A 2-D tile of a moment as float32; its groups run along tile axis AXIS (1: rows of G,
-    0: columns of G), one metadata value per group at meta_idx (1-D, the other axis)."""
-    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    mx = tl.expand_dims(tl.load(a_ptr + meta_idx, mask=meta_mask, other=1.0), AXIS)
-    code = tl.expand_dims(tl.load(k_ptr + meta_idx, mask=meta_mask, other=1).to(tl.float32), AXIS)
+  def _load(ptr, mask, other):
+    """tl.load masked (`other` where the mask is off), or unmasked where mask is None (EVEN
+    tiles build no mask at all)."""
+    if mask is None:
+      x = tl.load(ptr)
+    else:
+      x = tl.load(ptr, mask=mask, other=other)
+    return x
+
+  @triton.jit
+  def _scalars(s_ptr):
+    """The step scalars (slots of `step_scalars`): lr, b1, 1 - b1, b2, 1 - b2, eps,
+    1 / sqrt(bc2), bc1, grad scale (weight decay, slot 6, is read by the caller)."""
+    return (tl.load(s_ptr + 0), tl.load(s_ptr + 1), tl.load(s_ptr + 2), tl.load(s_ptr + 3),
+            tl.load(s_ptr + 4), tl.load(s_ptr + 5), tl.load(s_ptr + 7), tl.load(s_ptr + 8),
+            tl.load(s_ptr + 9))
+
+  @triton.jit
+  def _load_meta(a_ptr, k_ptr, meta_idx, meta_mask, AXIS: tl.constexpr):
+    """A moment's per-group metadata (amax, k code as float32) at meta_idx (1-D), expanded
+    along tile axis AXIS (the groups' axis) to broadcast over the tile."""
+    mx = tl.expand_dims(_load(a_ptr + meta_idx, meta_mask, 1.0), AXIS)
+    code = tl.expand_dims(_load(k_ptr + meta_idx, meta_mask, 1).to(tl.float32), AXIS)
+    return mx, code
+
+  @triton.jit
+  def _dequant(q, mx, code, FMAX: tl.constexpr, EM: tl.constexpr, FAST: tl.constexpr):
+    """Codes q (float32) of groups with amax mx and k code `code` (broadcast) as values:
+    |x| = mx (|q| / FMAX)^(EM / code), or |q| mx / FMAX where code == EM (k = 1)."""
     qa = tl.abs(q)
     inv_fmax = 1.0 / FMAX
     powered = mx * _exp2((EM / code) * _log2(qa * inv_fmax, FAST), FAST)
@@ -133,32 +171,92 @@ if triton is not None:
     return tl.where(q < 0, -mag, mag)
 
   @triton.jit
-  def _requant(x, q_ptr, a_ptr, k_ptr, offs, meta_idx, mask, meta_mask, FMAX: tl.constexpr,
-               LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-               MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
-               FAST: tl.constexpr = False, AXIS: tl.constexpr = 1):
-    """Stores tile x quantized per group along tile axis AXIS (as `_dequant`); a group lies
-    wholly inside or outside the mask."""
-    a = tl.abs(x)
-    mx = tl.max(a, axis=AXIS) + FLOOR
+  def _nonzero_or_inf(a):
+    """|x| where nonzero, else inf: its minimum is the smallest nonzero |x| (inf: none)."""
+    return tl.where(a > 0, a, float("inf"))
+
+  @triton.jit
+  def _group_meta(amax, amin_nz, LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
+                  MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr):
+    """New metadata of groups with max |x| amax and smallest nonzero |x| amin_nz (inf: none):
+    mx = amax + FLOOR and the k code steps = clamp(floor(EM LOG2R / log2(mx / mn)), 1, MAX_K),
+    mn = amin_nz + FLOOR (steps = EM where mx == mn or no nonzero: k = 1); NOEXP_K without
+    expansion."""
+    mx = amax + FLOOR
     if EXPAND:
-      mn_nz = tl.min(tl.where(a > 0, a, float("inf")), axis=AXIS)
-      mn = tl.where(mn_nz == float("inf"), mx, mn_nz + FLOOR)
+      mn = tl.where(amin_nz == float("inf"), mx, amin_nz + FLOOR)
       lr = libdevice.log2(mx / mn)
       ok = lr > 0
       steps = tl.floor(LOG2R / tl.where(ok, lr, 1.0) * EM)
       steps = tl.where(ok, steps, EM)
       steps = tl.minimum(tl.maximum(steps, 1.0), MAX_K)
-      k = tl.expand_dims(steps * (1.0 / EM), AXIS)
-      mag = FMAX * _exp2(k * (_log2(a, FAST) - tl.expand_dims(libdevice.log2(mx), AXIS)), FAST)
-      y = tl.where(x < 0, -mag, mag)
     else:
       steps = tl.zeros_like(mx) + NOEXP_K
-      y = x / tl.expand_dims(mx * (1.0 / FMAX), AXIS)
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
-    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    return mx, steps
+
+  @triton.jit
+  def _quantize(x, mx, steps, FMAX: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
+                FAST: tl.constexpr):
+    """x's codes (float32, clamped to +-FMAX, NaN kept) in groups with metadata mx, steps
+    (broadcast): sign(x) FMAX (|x| / mx)^(steps / EM), or x FMAX / mx without expansion."""
+    if EXPAND:
+      k = steps * (1.0 / EM)
+      mag = FMAX * _exp2(k * (_log2(tl.abs(x), FAST) - libdevice.log2(mx)), FAST)
+      y = tl.where(x < 0, -mag, mag)
+    else:
+      y = x / (mx * (1.0 / FMAX))
+    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+
+  @triton.jit
+  def _store_meta(mx, steps, a_ptr, k_ptr, meta_idx, meta_mask):
     tl.store(a_ptr + meta_idx, mx, mask=meta_mask)
     tl.store(k_ptr + meta_idx, steps.to(tl.uint8), mask=meta_mask)
+
+  @triton.jit
+  def _requant(x, q_ptr, a_ptr, k_ptr, offs, meta_idx, mask, meta_mask, FMAX: tl.constexpr,
+               LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
+               MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
+               FAST: tl.constexpr = False, AXIS: tl.constexpr = 1):
+    """Stores tile x quantized per group along tile axis AXIS (as `_load_meta`); a group lies
+    wholly inside or outside the mask."""
+    a = tl.abs(x)
+    mx, steps = _group_meta(tl.max(a, axis=AXIS), tl.min(_nonzero_or_inf(a), axis=AXIS), LOG2R,
+                            EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
+    y = _quantize(x, tl.expand_dims(mx, AXIS), tl.expand_dims(steps, AXIS), FMAX, EXPAND, EM,
+                  FAST)
+    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    _store_meta(mx, steps, a_ptr, k_ptr, meta_idx, meta_mask)
+
+  @triton.jit
+  def _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale, b1,
+                   omb1, b2, omb2, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
+                   EM: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
+    """m' = b1 m + (1 - b1) g and v' = b2 v + (1 - b2) g^2 on a tile, the old moments' codes
+    dequantized with their (broadcast) metadata. g: the gradient times gscale (fused global-norm
+    clipping: 1 without), finite values clamped to +-GCLAMP (NaN and inf pass), as
+    coat_jax.adam_math.adam_moments."""
+    m = _dequant(_load(mq_ptr + offs, mask, 0.0).to(tl.float32), m_mx, m_code, M_FMAX, EM, FAST)
+    v = _dequant(_load(vq_ptr + offs, mask, 0.0).to(tl.float32), v_mx, v_code, V_FMAX, EM, FAST)
+    g = _load(g_ptr + offs, mask, 0.0).to(tl.float32) * gscale
+    g = tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -GCLAMP), GCLAMP), g)
+    return b1 * m + omb1 * g, b2 * v + omb2 * (g * g)
+
+  @triton.jit
+  def _store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1,
+                   HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr, FAST: tl.constexpr):
+    """Stores the new param p - lr (d + wd p) (OUT_PARAM) or the update -lr (d + wd p), with
+    d = m / ((sqrt(v) / sqrt(bc2) + eps) bc1) (no wd p without a param)."""
+    direction = _div(m, (_sqrt(v, FAST) * inv_sqrt_bc2 + eps) * bc1, FAST)
+    if HAS_PARAM:
+      p = _load(p_ptr + offs, mask, 0.0).to(tl.float32)
+      direction = direction + wd * p
+      if OUT_PARAM:
+        out = p - lr * direction
+      else:
+        out = -(lr * direction)
+    else:
+      out = -(lr * direction)
+    tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
 
   @triton.jit
   def _adam_tile(offs, meta_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
@@ -169,34 +267,15 @@ if triton is not None:
                  EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
                  NOEXP_K: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
     """The step on one 2-D tile (element offsets `offs`, groups along tile axis AXIS with their
-    metadata at `meta_idx`), weight decay `wd`. Gradients are multiplied by the gradient scale
-    (scalar 9: fused global-norm clipping, 1 without) as they are loaded, then finite ones are
-    clamped to +-GCLAMP (NaN and inf pass), as coat_jax.adam_math.adam_moments."""
-    lr = tl.load(s_ptr + 0)
-    b1 = tl.load(s_ptr + 1)
-    omb1 = tl.load(s_ptr + 2)
-    b2 = tl.load(s_ptr + 3)
-    omb2 = tl.load(s_ptr + 4)
-    eps = tl.load(s_ptr + 5)
-    inv_sqrt_bc2 = tl.load(s_ptr + 7)
-    bc1 = tl.load(s_ptr + 8)
-    m = _dequant(mq_ptr, ma_ptr, mk_ptr, offs, meta_idx, mask, meta_mask, M_FMAX, EM, FAST, AXIS)
-    v = _dequant(vq_ptr, va_ptr, vk_ptr, offs, meta_idx, mask, meta_mask, V_FMAX, EM, FAST, AXIS)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr + 9)
-    g = tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -GCLAMP), GCLAMP), g)
-    m = b1 * m + omb1 * g
-    v = b2 * v + omb2 * (g * g)
-    direction = _div(m, (_sqrt(v, FAST) * inv_sqrt_bc2 + eps) * bc1, FAST)
-    if HAS_PARAM:
-      p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-      direction = direction + wd * p
-      if OUT_PARAM:
-        out = p - lr * direction
-      else:
-        out = -(lr * direction)
-    else:
-      out = -(lr * direction)
-    tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
+    metadata at `meta_idx`; masks None: none), weight decay `wd`: `_new_moments`,
+    `_store_param`, then each moment requantized per group (`_requant`)."""
+    lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = _scalars(s_ptr)
+    m_mx, m_code = _load_meta(ma_ptr, mk_ptr, meta_idx, meta_mask, AXIS)
+    v_mx, v_code = _load_meta(va_ptr, vk_ptr, meta_idx, meta_mask, AXIS)
+    m, v = _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale,
+                        b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
+    _store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1, HAS_PARAM,
+                 OUT_PARAM, FAST)
     _requant(m, mqo_ptr, mao_ptr, mko_ptr, offs, meta_idx, mask, meta_mask, M_FMAX, M_LOG2R,
              EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, AXIS)
     _requant(v, vqo_ptr, vao_ptr, vko_ptr, offs, meta_idx, mask, meta_mask, V_FMAX, V_LOG2R,
@@ -210,16 +289,84 @@ if triton is not None:
                 V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr,
                 EXPAND: tl.constexpr, EM: tl.constexpr, MAX_K: tl.constexpr,
                 FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr,
-                GCLAMP: tl.constexpr):
+                GCLAMP: tl.constexpr, EVEN: tl.constexpr = False):
     """The step on row block `blk` (BLOCK rows of G) of a leaf of `rows` rows, weight decay `wd`:
-    the body of both the one-leaf kernel and adam_tree_triton's."""
+    the body of both the one-leaf kernel and adam_tree_triton's. EVEN: rows % BLOCK == 0 (no
+    masks; `rows` unused)."""
     rows_idx = blk * BLOCK + tl.arange(0, BLOCK)
-    rmask = rows_idx < rows
     offs = rows_idx[:, None].to(tl.int64) * G + tl.arange(0, G)[None, :]
-    _adam_tile(offs, rows_idx, rmask[:, None], rmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+    if EVEN:
+      mask = None
+      meta_mask = None
+    else:
+      meta_mask = rows_idx < rows
+      mask = meta_mask[:, None]
+    _adam_tile(offs, rows_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
                mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
                vao_ptr, vko_ptr, 1, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
                EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
+
+  @triton.jit
+  def _adam_cols_chunked(cols, cols_idx, meta_idx, cmask, wd, s_ptr, p_ptr, g_ptr,
+                         mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr,
+                         mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, G: tl.constexpr,
+                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_PARAM: tl.constexpr,
+                         OUT_PARAM: tl.constexpr, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
+                         M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr, EXPAND: tl.constexpr,
+                         EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
+                         NOEXP_K: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
+    """The step on the G-row x BLOCK-column tile at columns cols_idx (column mask cmask, None:
+    none) of the G x cols row group the element pointers start at, streamed in G / CHUNK chunks
+    of CHUNK rows (a [CHUNK, BLOCK] tile in registers instead of [G, BLOCK]), in two passes:
+      1. per chunk the new m, v (`_new_moments`); elementwise running max |x| and min nonzero
+         |x| in [CHUNK, BLOCK] accumulators (the first chunk starts them), reduced over the rows
+         once after the loop: each column's max / min over its G rows, its new metadata
+         (`_group_meta`);
+      2. per chunk the new m, v again (the same loads, mostly L2 hits), the param written
+         (`_store_param`) and the codes with the column's new metadata (`_quantize`).
+    Same per-element math as `_adam_tile`; max / min are order-free, so the metadata equals
+    the one-tile kernel's."""
+    lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = _scalars(s_ptr)
+    m_mx, m_code = _load_meta(ma_ptr, mk_ptr, meta_idx, cmask, 0)
+    v_mx, v_code = _load_meta(va_ptr, vk_ptr, meta_idx, cmask, 0)
+    if cmask is None:
+      mask = None
+    else:
+      mask = cmask[None, :]
+    chunk_rows = tl.arange(0, CHUNK)[:, None]
+    offs = chunk_rows * cols + cols_idx[None, :]
+    m, v = _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale,
+                        b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
+    m_max = tl.abs(m)
+    v_max = tl.abs(v)
+    m_min = _nonzero_or_inf(m_max)
+    v_min = _nonzero_or_inf(v_max)
+    for c in range(1, G // CHUNK):
+      offs = (chunk_rows + c * CHUNK) * cols + cols_idx[None, :]
+      m, v = _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code,
+                          gscale, b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
+      m_max = tl.maximum(m_max, tl.abs(m))
+      v_max = tl.maximum(v_max, tl.abs(v))
+      m_min = tl.minimum(m_min, _nonzero_or_inf(tl.abs(m)))
+      v_min = tl.minimum(v_min, _nonzero_or_inf(tl.abs(v)))
+    m_new_mx, m_steps = _group_meta(tl.max(m_max, axis=0), tl.min(m_min, axis=0), M_LOG2R,
+                                    EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
+    v_new_mx, v_steps = _group_meta(tl.max(v_max, axis=0), tl.min(v_min, axis=0), V_LOG2R,
+                                    EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
+    m_mx_t, m_steps_t = tl.expand_dims(m_new_mx, 0), tl.expand_dims(m_steps, 0)
+    v_mx_t, v_steps_t = tl.expand_dims(v_new_mx, 0), tl.expand_dims(v_steps, 0)
+    for c in range(0, G // CHUNK):
+      offs = (chunk_rows + c * CHUNK) * cols + cols_idx[None, :]
+      m, v = _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code,
+                          gscale, b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
+      _store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1, HAS_PARAM,
+                   OUT_PARAM, FAST)
+      m_codes = _quantize(m, m_mx_t, m_steps_t, M_FMAX, EXPAND, EM, FAST)
+      v_codes = _quantize(v, v_mx_t, v_steps_t, V_FMAX, EXPAND, EM, FAST)
+      tl.store(mqo_ptr + offs, m_codes.to(mqo_ptr.dtype.element_ty), mask=mask)
+      tl.store(vqo_ptr + offs, v_codes.to(vqo_ptr.dtype.element_ty), mask=mask)
+    _store_meta(m_new_mx, m_steps, mao_ptr, mko_ptr, meta_idx, cmask)
+    _store_meta(v_new_mx, v_steps, vao_ptr, vko_ptr, meta_idx, cmask)
 
   @triton.jit
   def adam_cols(blk, cols, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr,
@@ -229,49 +376,84 @@ if triton is not None:
                 V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr,
                 EXPAND: tl.constexpr, EM: tl.constexpr, MAX_K: tl.constexpr,
                 FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr,
-                GCLAMP: tl.constexpr):
+                GCLAMP: tl.constexpr, EVEN: tl.constexpr = False, CHUNK: tl.constexpr = 0):
     """The step on tile `blk` of a leaf viewed as (R * G, cols), grouped along its rows: row
     group blk // nc, columns (blk % nc) * BLOCK + [0, BLOCK) with nc = ceil(cols / BLOCK) (the
-    column tiles of one row group are neighbouring programs: they share DRAM sectors)."""
+    column tiles of one row group are neighbouring programs: they share DRAM sectors). EVEN:
+    cols % BLOCK == 0 (no masks). CHUNK: 0, the whole G x BLOCK tile at once (`_adam_tile`),
+    else streamed in chunks of CHUNK rows (`_adam_cols_chunked`)."""
     nc = tl.cdiv(cols, BLOCK)
     grp = blk // nc
     cols_idx = (blk % nc) * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols_idx < cols
-    row0 = grp.to(tl.int64) * G
-    offs = (row0 + tl.arange(0, G))[:, None] * cols + cols_idx[None, :]
     meta_idx = grp.to(tl.int64) * cols + cols_idx
-    _adam_tile(offs, meta_idx, cmask[None, :], cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
-               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
-               vao_ptr, vko_ptr, 0, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
-               EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
+    # the row group's G x cols elements: pointers moved to its first (int64), int32 offsets
+    # inside it (G * cols < 2^31; fewer registers than int64 offsets per element)
+    start = grp.to(tl.int64) * (G * cols)
+    p_ptr, g_ptr, mq_ptr, vq_ptr = p_ptr + start, g_ptr + start, mq_ptr + start, vq_ptr + start
+    o_ptr, mqo_ptr, vqo_ptr = o_ptr + start, mqo_ptr + start, vqo_ptr + start
+    if EVEN:
+      cmask = None
+      mask = None
+    else:
+      cmask = cols_idx < cols
+      mask = cmask[None, :]
+    if CHUNK == 0:
+      offs = tl.arange(0, G)[:, None] * cols + cols_idx[None, :]
+      _adam_tile(offs, meta_idx, mask, cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+                 mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
+                 vao_ptr, vko_ptr, 0, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
+                 EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
+    else:
+      _adam_cols_chunked(cols, cols_idx, meta_idx, cmask, wd, s_ptr, p_ptr, g_ptr,
+                         mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr,
+                         mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, G, BLOCK, CHUNK,
+                         HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R, EXPAND, EM,
+                         MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
   @triton.jit
   def _adam_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
-                   o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
-                   ROWS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                   rows_arg, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+                   ROWS: tl.constexpr, EVEN: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
                    M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                    V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
                    MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
                    FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    adam_rows(tl.program_id(0), ROWS, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+    """Groups along the last axis: the leaf's rows of G are rows_arg (runtime: one compile for
+    every leaf size), or ROWS where ROWS > 0 (constexpr: one compile per leaf size)."""
+    if ROWS > 0:
+      rows = ROWS
+    else:
+      rows = rows_arg
+    adam_rows(tl.program_id(0), rows, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
-              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
+              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN)
 
   @triton.jit
   def _adam_cols_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
-                        o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
-                        COLS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                        cols_arg, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+                        COLS: tl.constexpr, CDIV: tl.constexpr, EVEN: tl.constexpr,
+                        CHUNK: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
                         M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                         V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
                         MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
                         FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    adam_cols(tl.program_id(0), COLS, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+    """Groups along axis -2: the leaf's column count is cols_arg * CDIV (runtime; CDIV, a
+    constexpr power of two dividing it, tells Triton the row stride's alignment, which jax-triton
+    does not specialize for scalars: vectorized loads), or COLS where COLS > 0 (constexpr)."""
+    if COLS > 0:
+      cols = COLS
+    else:
+      cols = cols_arg * CDIV
+    adam_cols(tl.program_id(0), cols, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
-              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
+              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN, CHUNK)
+
+else:  # pragma: no cover - CPU machines: launch_plan still plans (tests)
+  _adam_kernel = _adam_cols_kernel = None
 
 
 def step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale=None) -> jax.Array:
@@ -287,15 +469,68 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale=None) -> jax.A
   return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
 
 
-def kernel_constants(rows: int, group_size: int, block: int, *, has_param: bool, output: str,
+def parse_cols_tiles(text: str) -> list[tuple[int, int, int]]:
+  """Column tiles for benchmarks' sweeps: 'BLOCKxWARPS' (the G x BLOCK tile at once) or
+  'BLOCKxCHUNKxWARPS' (streamed in chunks of CHUNK rows), comma-separated -> [(COLS_BLOCK,
+  COLS_CHUNK, COLS_WARPS), ...]."""
+  tiles = []
+  for t in filter(None, (s.strip() for s in text.split(","))):
+    try:
+      v = [int(x) for x in t.split("x")]
+    except ValueError:
+      v = []
+    if len(v) not in (2, 3) or min(v) <= 0 or any(x & (x - 1) for x in v):
+      raise ValueError(f"column tile {t!r} is not BLOCKxWARPS or BLOCKxCHUNKxWARPS (powers of "
+                       f"two)")
+    tiles.append((v[0], 0, v[1]) if len(v) == 2 else tuple(v))
+  return tiles
+
+
+def pow2_divisor(n: int, cap: int = 16) -> int:
+  """The largest power of two <= cap dividing n."""
+  d = 1
+  while d < cap and n % (2 * d) == 0:
+    d *= 2
+  return d
+
+
+def launch_plan(shape, group_size: int, group_axis: int = -1, block: int | None = None,
+                chunk: int | None = None, size_arg: str | None = None) -> tuple:
+  """How `adam_step` launches on a leaf of `shape`: (kernel, grid size, size operand, size
+  constexprs). The size operand (an int argument before the outputs) is the leaf's rows of G
+  (`_adam_kernel`) or its column count / CDIV (`_adam_cols_kernel`); the constexprs are ROWS /
+  COLS (0 unless size_arg is "constexpr"), EVEN, and for columns CDIV (pow2_divisor(cols)) and
+  CHUNK. block, chunk, size_arg: None reads ROWS_BLOCK / COLS_BLOCK, COLS_CHUNK, SIZE_ARG."""
+  size_arg = SIZE_ARG if size_arg is None else size_arg
+  if size_arg not in SIZE_ARGS:
+    raise ValueError(f"adam_step_triton: size_arg must be one of {SIZE_ARGS}, got {size_arg!r}")
+  size = int(np.prod(shape))
+  if group_axis == -1:
+    block = ROWS_BLOCK if block is None else block
+    rows = size // group_size
+    consts = dict(ROWS=rows if size_arg == "constexpr" else 0,
+                  EVEN=size_arg == "runtime" and rows % block == 0)
+    return _adam_kernel, -(-rows // block), rows, consts
+  block = COLS_BLOCK if block is None else block
+  chunk = COLS_CHUNK if chunk is None else chunk
+  if chunk < 0 or chunk & (chunk - 1) or chunk > group_size:
+    raise ValueError(f"adam_step_triton: cols_chunk {chunk} must be 0 or a power of two <= the "
+                     f"group size {group_size}")
+  cols = shape[-1]
+  cdiv = pow2_divisor(cols)
+  consts = dict(COLS=cols if size_arg == "constexpr" else 0, CDIV=cdiv,
+                EVEN=size_arg == "runtime" and cols % block == 0, CHUNK=chunk)
+  return _adam_cols_kernel, (size // (group_size * cols)) * -(-cols // block), cols // cdiv, consts
+
+
+def kernel_constants(group_size: int, block: int, *, has_param: bool, output: str,
                      m_fmax: float, v_fmax: float, m_log2_range: float, v_log2_range: float,
                      expand: bool, expand_min: int, max_k_code: int, amax_floor: float,
-                     grad_clamp: float, fast_math: bool = False, cols: int | None = None) -> dict:
-  """The kernel's constexpr arguments (also for running it in Triton's interpreter, tests):
-  `_adam_kernel`'s (ROWS=rows of G), or with `cols` `_adam_cols_kernel`'s (COLS=cols)."""
-  size = dict(ROWS=rows) if cols is None else dict(COLS=cols)
+                     grad_clamp: float, fast_math: bool = False) -> dict:
+  """The kernels' constexpr arguments but the size ones (`launch_plan`'s); also for running a
+  kernel in Triton's interpreter (tests)."""
   return dict(
-      **size, G=group_size, BLOCK=block, HAS_PARAM=has_param, OUT_PARAM=output == "param",
+      G=group_size, BLOCK=block, HAS_PARAM=has_param, OUT_PARAM=output == "param",
       M_FMAX=float(m_fmax), V_FMAX=float(v_fmax), M_LOG2R=float(np.float32(m_log2_range)),
       V_LOG2R=float(np.float32(v_log2_range)), EXPAND=bool(expand), EM=float(expand_min),
       MAX_K=float(max_k_code), FLOOR=float(np.float32(amax_floor)),
@@ -305,22 +540,24 @@ def kernel_constants(rows: int, group_size: int, block: int, *, has_param: bool,
 @functools.partial(jax.jit, static_argnames=(
     "m_fmax", "v_fmax", "m_log2_range", "v_log2_range", "group_size", "expand", "expand_min",
     "max_k_code", "amax_floor", "output", "block", "num_warps", "alias", "fast_math",
-    "grad_clamp", "group_axis"))
+    "grad_clamp", "group_axis", "cols_chunk"))
 def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, b2, eps,
               weight_decay, count, m_fmax: float, v_fmax: float, m_log2_range: float,
               v_log2_range: float, group_size: int, expand: bool, expand_min: int,
               max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
               block: int | None = None, num_warps: int | None = None, alias: bool = False,
               fast_math: bool = False, grad_clamp: float = 2.0**63, group_axis: int = -1,
-              grad_scale=None):
+              grad_scale=None, cols_chunk: int | None = None):
   """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
 
   group_axis: -1 (groups of G along the last axis, metadata (..., N / G)) or -2 (G consecutive
   rows of each column of a (..., in, out) param, metadata (..., in / G, out): COAT's layout).
   block, num_warps: per program, rows of G (group_axis -1, default ROWS_BLOCK) or columns of a
   G-row tile (group_axis -2, default COLS_BLOCK), a power of two, and its warps (ROWS_WARPS /
-  COLS_WARPS). alias: write the new param and moments
-  into the old ones' buffers (pays off when the caller donates them); fast_math: MUFU
+  COLS_WARPS); cols_chunk (group_axis -2): 0, the G x BLOCK tile at once, or the rows per chunk
+  of the streamed two-pass tile (default COLS_CHUNK; `launch_plan`; the leaf size reaches the
+  kernel as SIZE_ARG says). alias: write the new param and moments into the old ones' buffers
+  (pays off when the caller donates them); fast_math: MUFU
   approximations for the per-element log2 / exp2 / sqrt / division (see `_log2`); grad_clamp:
   finite gradients are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays
   finite; inf: none); grad_scale: None or a float32 scalar the kernel multiplies each gradient
@@ -334,17 +571,15 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   if group_axis == -1:
     block = ROWS_BLOCK if block is None else block
     num_warps = ROWS_WARPS if num_warps is None else num_warps
-    kernel, rows, cols = _adam_kernel, like.size // group_size, None
-    grid = -(-rows // block)
   else:   # row groups of G x column tiles of BLOCK
     block = COLS_BLOCK if block is None else block
     num_warps = COLS_WARPS if num_warps is None else num_warps
-    kernel, rows, cols = _adam_cols_kernel, like.size // group_size, like.shape[-1]
-    grid = (like.size // (group_size * cols)) * -(-cols // block)
+  kernel, grid, size_operand, size_consts = launch_plan(like.shape, group_size, group_axis,
+                                                        block, cols_chunk)
   out_dtype = grad.dtype if output == "update" else param.dtype
   p_arg = grad if param is None else param
   operands = [step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale), p_arg, grad, m_q,
-              m_amax, m_code, v_q, v_amax, v_code]
+              m_amax, m_code, v_q, v_amax, v_code, size_operand]
   aliases = {}
   if alias:
     if output == "param":
@@ -360,9 +595,9 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
                  jax.ShapeDtypeStruct(meta_shape, jnp.float32),
                  jax.ShapeDtypeStruct(meta_shape, jnp.uint8)],
       grid=(grid,), input_output_aliases=aliases, num_warps=num_warps,
-      num_stages=1, **kernel_constants(
-          rows, group_size, block, has_param=param is not None, output=output, m_fmax=m_fmax,
+      num_stages=1, **size_consts, **kernel_constants(
+          group_size, block, has_param=param is not None, output=output, m_fmax=m_fmax,
           v_fmax=v_fmax, m_log2_range=m_log2_range, v_log2_range=v_log2_range, expand=expand,
           expand_min=expand_min, max_k_code=max_k_code, amax_floor=amax_floor,
-          grad_clamp=grad_clamp, fast_math=fast_math, cols=cols))
+          grad_clamp=grad_clamp, fast_math=fast_math))
   return tuple(outs)

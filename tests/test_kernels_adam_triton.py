@@ -38,20 +38,22 @@ def test_problem_names_the_shape():
   assert "second-to-last axis" in at.problem((128,), jnp.float32, f8, f8, G, -2)
   assert at.problem((2, 256, 40), jnp.float32, f8, f8, G, -2) is None   # any column count
   assert "group axis -3" in at.problem((128, 128, 128), jnp.float32, f8, f8, G, -3)
+  assert "below 2^31" in at.problem((128, 2**24), jnp.float32, f8, f8, G, -2)
+  assert at.problem((128, 2**24), jnp.float32, f8, f8, G) is None
 
 
 def _t(x):
   return np.swapaxes(x, -1, -2)
 
 
-def _np_cols_case(shape, seed, fmt, output):
-  """A column-grouped case (groups of G along axis -2): the float64 step of the transposed
-  arrays, transposed back. Returns (p, g, m_state, v_state, out, (mq, ma, mk), (vq, va, vk)),
+def _np_cols_case(shape, seed, fmt, output, expand=True):
+  """A column-grouped case (groups of G along axis -2, with expansion or plain max scaling):
+  the float64 step of the transposed arrays, transposed back. Returns (p, g, m_state, v_state, out, (mq, ma, mk), (vq, va, vk)),
   the states as (codes, amax (..., in / G, out), k_code) in the param's layout."""
   p, g, m0, v0 = _state(shape, seed)
-  m_t, v_t = _np_quantize(_t(m0), fmt, True)[:3], _np_quantize(_t(v0), fmt, True)[:3]
+  m_t, v_t = _np_quantize(_t(m0), fmt, expand)[:3], _np_quantize(_t(v0), fmt, expand)[:3]
   out, *_, m_new, v_new = _np_step(_t(p).astype(np.float64), _t(g).astype(np.float64), m_t,
-                                   v_t, 3, fmt, fmt, True, output)
+                                   v_t, 3, fmt, fmt, expand, output)
   back = lambda s: tuple(_t(a) for a in s[:3])
   return p, g, back(m_t), back(v_t), _t(out), back(m_new), back(v_new)
 
@@ -146,16 +148,19 @@ def test_gpu_grad_scale_equals_prescaled_gradient(group_axis):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,output", [((2, 256, 200), "param"), ((384, 96), "update")])
-def test_gpu_cols_matches_float64_reference(shape, output):
+@pytest.mark.parametrize("chunk", [0, 8, 32])
+@pytest.mark.parametrize("shape,output", [((2, 256, 200), "param"), ((384, 96), "update"),
+                                          ((256, 512), "param")])
+def test_gpu_cols_matches_float64_reference(shape, output, chunk):
   """The column kernel (group_axis=-2): stacked and plain kernels, column counts that leave the
-  last column tile masked."""
+  last column tile masked and one that does not (EVEN); the G x BLOCK tile at once (chunk 0)
+  and streamed in chunks of 8 / 32 rows."""
   p, g, m_state, v_state, out, m_new, v_new = _np_cols_case(shape, 43, "e4m3", output)
   got = at.adam_step(jnp.asarray(p), jnp.asarray(g), *map(jnp.asarray, m_state),
                      *map(jnp.asarray, v_state), count=jnp.int32(3), m_fmax=448.0, v_fmax=448.0,
                      m_log2_range=_log2_range(448.0), v_log2_range=_log2_range(448.0),
                      group_size=G, expand=True, expand_min=EM, output=output, group_axis=-2,
-                     fast_math=True, **HYPER)
+                     fast_math=True, cols_chunk=chunk, **HYPER)
   _check_cols([np.asarray(a) for a in got], p, out, m_new, v_new, output)
 
 
@@ -212,17 +217,38 @@ class _HostTensor:
     return tuple(s // self.arr.itemsize for s in self.arr.strides)
 
 
-def _interpreter_check(grad_scale=None):
+def _launch_interpreted(ins, outs, shape, group_axis, block, chunk=0, size_arg="runtime",
+                        expand=True):
+  """Runs the kernel `launch_plan` picks for a param of `shape` in Triton's interpreter on host
+  buffers (e5m2 moments, output="param"), as adam_step launches it: the size operand after the
+  inputs, the size constexprs with the others."""
+  kernel, grid, size, consts = at.launch_plan(shape, G, group_axis, block, chunk, size_arg)
+  print(f"shape {shape} group_axis {group_axis} block {block} chunk {chunk} {size_arg}: "
+        f"grid {grid}, size operand {size}, {consts}")
+  kernel[(grid,)](
+      *map(_HostTensor, ins), size, *map(_HostTensor, outs), **consts, **at.kernel_constants(
+          G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
+          m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=expand,
+          expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63))
+
+
+def _use_tl_math():
+  """The interpreter leaves libdevice's stubs unimplemented (they return None): tl.math's."""
+  for name in ("exp2", "log2"):
+    setattr(at.libdevice, name, lambda x, name=name: getattr(at.tl.math, name)(x))
+
+
+def _interpreter_check(grad_scale=None, size_arg="runtime", shape=(7, 256), block=4):
   """Runs in a process started with TRITON_INTERPRET=1 (read when @triton.jit decorates, so it
   must be set before pallas_kernels.adam_step_triton is imported). libdevice calls are mapped to
-  tl.math: the interpreter leaves libdevice's stubs unimplemented (they return None). e5m2
+  tl.math (`_use_tl_math`). e5m2
   moments: the interpreter's float32 -> e4m3 cast also rounds ties away from zero and flushes
   subnormals (seen with triton 3.6.0), so its e4m3 codes would differ more. grad_scale: the
   step scalars' gradient scale (slot 9, fused clipping); the float64 reference steps with
-  grad_scale * g, and must differ from the unscaled step (the check could fail without it)."""
-  for name in ("exp2", "log2"):
-    setattr(at.libdevice, name, lambda x, name=name: getattr(at.tl.math, name)(x))
-  shape, block = (7, 256), 4                       # 14 groups: the last program is masked
+  grad_scale * g, and must differ from the unscaled step (the check could fail without it).
+  size_arg: `launch_plan`'s (the default (7, 256) with block 4: 14 rows of G, the last program
+  masked; rows a multiple of block: EVEN, no masks)."""
+  _use_tl_math()
   p, g, m0, v0 = _state(shape, seed=41)
   m_state, v_state = _np_quantize(m0, "e5m2", True)[:3], _np_quantize(v0, "e5m2", True)[:3]
   scale = 1.0 if grad_scale is None else float(np.float32(grad_scale))
@@ -236,12 +262,7 @@ def _interpreter_check(grad_scale=None):
   ins = [np.asarray(at.step_scalars(count=3, grad_scale=grad_scale, **HYPER)), p, g,
          *map(np.asarray, m_state), *map(np.asarray, v_state)]
   outs = [np.zeros_like(p)] + [np.zeros_like(np.asarray(a)) for a in (*m_state, *v_state)]
-  rows = p.size // G
-  at._adam_kernel[(-(-rows // block),)](
-      *map(_HostTensor, ins + outs), **at.kernel_constants(
-          rows, G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
-          m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=True,
-          expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63))
+  _launch_interpreted(ins, outs, shape, -1, block, size_arg=size_arg)
   rel = np.linalg.norm((outs[0] - p) - (out - p)) / np.linalg.norm(out - p)
   assert rel < 1e-4, rel
   for q, a, k, gq, ga, gk in ((mq, ma, mk, *outs[1:4]), (vq, va, vk, *outs[4:7])):
@@ -258,22 +279,19 @@ def _interpreter_check(grad_scale=None):
   print("interpreter check passed")
 
 
-def _interpreter_check_cols():
+def _interpreter_check_cols(shape=(2, 256, 72), block=32, chunk=0, size_arg="runtime", seed=47,
+                            expand=True):
   """The column kernel (`_adam_cols_kernel`) in Triton's interpreter, as `_interpreter_check`:
-  a stacked (2, 256, 72) leaf with BLOCK 32 (the last column tile masked), e5m2 moments."""
-  for name in ("exp2", "log2"):
-    setattr(at.libdevice, name, lambda x, name=name: getattr(at.tl.math, name)(x))
-  shape, block = (2, 256, 72), 32
-  p, g, m_state, v_state, out, m_new, v_new = _np_cols_case(shape, 47, "e5m2", "param")
+  a leaf of `shape` (default stacked (2, 256, 72): the last column tile of BLOCK 32 masked),
+  e5m2 moments (with expansion or plain max scaling), tile BLOCK columns, chunk: 0 (the G x
+  BLOCK tile at once) or the rows per chunk of the streamed two-pass tile."""
+  _use_tl_math()
+  p, g, m_state, v_state, out, m_new, v_new = _np_cols_case(shape, seed, "e5m2", "param",
+                                                            expand)
   m_state, v_state = ([np.ascontiguousarray(a) for a in s] for s in (m_state, v_state))
   ins = [np.asarray(at.step_scalars(count=3, **HYPER)), p, g, *m_state, *v_state]
   outs = [np.zeros_like(p)] + [np.zeros_like(a) for a in (*m_state, *v_state)]
-  row_groups, cols = p.size // (G * shape[-1]), shape[-1]
-  at._adam_cols_kernel[(row_groups * -(-cols // block),)](
-      *map(_HostTensor, ins + outs), **at.kernel_constants(
-          0, G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
-          m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=True,
-          expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63, cols=cols))
+  _launch_interpreted(ins, outs, shape, -2, block, chunk, size_arg, expand)
   _check_cols(outs, p, out, m_new, v_new, "param", carry_ok=True)
   print("interpreter check passed")
 
@@ -285,24 +303,93 @@ def _run_interpreted(check: str, args: str = ""):
   env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
   code = f"from tests.test_kernels_adam_triton import {check}; {check}({args})"
   run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
-  assert run.returncode == 0 and "passed" in run.stdout, run.stderr[-3000:]
+                       timeout=300)
+  assert run.returncode == 0 and "passed" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
 
 
-@pytest.mark.skipif(at.triton is None, reason="triton is not installed")
-def test_interpreter_cols_matches_float64_reference():
-  _run_interpreted("_interpreter_check_cols")
+needs_triton = pytest.mark.skipif(at.triton is None, reason="triton is not installed")
 
 
-@pytest.mark.skipif(at.triton is None, reason="triton is not installed")
-def test_interpreter_matches_float64_reference():
-  _run_interpreted("_interpreter_check")
+@needs_triton
+@pytest.mark.parametrize("args", [
+    "",                                               # (2, 256, 72), BLOCK 32: masked, runtime
+    "size_arg='constexpr'",                           # the old kernel: COLS constexpr
+    "shape=(256, 96), block=32, seed=61",             # EVEN: no masks
+    "block=64, chunk=16",                             # streamed: stacked, last tile masked
+    "shape=(384, 128), block=64, chunk=32, seed=67",  # streamed, EVEN, 3 row groups
+    "shape=(256, 40), block=64, chunk=128, seed=71",  # one chunk of G rows, one masked tile
+    "block=32, chunk=8, size_arg='constexpr'",
+    "expand=False",                                   # plain max scaling (k code EM)
+    "block=64, chunk=16, expand=False",
+])
+def test_interpreter_cols_matches_float64_reference(args):
+  _run_interpreted("_interpreter_check_cols", args)
 
 
-@pytest.mark.skipif(at.triton is None, reason="triton is not installed")
+@needs_triton
+@pytest.mark.parametrize("args", ["", "size_arg='constexpr'", "size_arg='runtime_masked'",
+                                  "shape=(4, 1024), block=8"])   # 32 rows / 8: EVEN
+def test_interpreter_matches_float64_reference(args):
+  _run_interpreted("_interpreter_check", args)
+
+
+@needs_triton
 def test_interpreter_applies_the_grad_scale_slot():
   """Fused clipping: the kernel multiplies each gradient by the step scalars' slot 9."""
   _run_interpreted("_interpreter_check", "grad_scale=0.3")
+
+
+OLMO_1B_LEAVES = [(16, 2048, 2048), (16, 2048, 8192), (16, 8192, 2048), (50304, 2048),
+                  (16, 2048), (4096, 11008)]
+
+
+@pytest.mark.parametrize("group_axis,block,chunk", [(-1, 16, None), (-2, 32, 0), (-2, 128, 8)])
+def test_runtime_size_needs_one_compile_for_every_leaf(group_axis, block, chunk):
+  """size_arg "runtime": every OLMo-1B leaf (and 4096 x 11008) gets the same kernel and
+  constexprs (jax-triton compiles once per kernel, signature and constexprs), EVEN (no masks),
+  column stride alignment CDIV 16; "constexpr" one set per leaf size; the size operand is the
+  rows of G or the columns / CDIV."""
+  leaves = [s for s in OLMO_1B_LEAVES if at.problem(s, jnp.float32, jnp.float8_e4m3fn,
+                                                    jnp.float8_e4m3fn, G, group_axis) is None]
+  assert len(leaves) == (6 if group_axis == -1 else 5)
+  plans = [at.launch_plan(s, G, group_axis, block, chunk, "runtime") for s in leaves]
+  assert len({(k, tuple(sorted(c.items()))) for k, _, _, c in plans}) == 1
+  assert plans[0][3]["EVEN"]
+  for s, (_, grid, size, consts) in zip(leaves, plans):
+    n = int(np.prod(s))
+    if group_axis == -1:
+      assert (size, grid) == (n // G, n // G // block)
+    else:
+      assert consts["CDIV"] == 16 and size * 16 == s[-1]
+      assert grid == n // (G * s[-1]) * (s[-1] // block)
+  old = {tuple(sorted(at.launch_plan(s, G, group_axis, block, chunk, "constexpr")[3].items()))
+         for s in leaves}
+  assert len(old) == len({s[-1] if group_axis == -2 else np.prod(s) for s in leaves})
+
+
+def test_launch_plan_masks_and_refuses_clearly():
+  rows = at.launch_plan((7, 256), G, -1, 4, size_arg="runtime")
+  assert rows[1:] == (4, 14, dict(ROWS=0, EVEN=False))
+  assert at.launch_plan((7, 256), G, -1, 2, size_arg="runtime")[3]["EVEN"]
+  assert not at.launch_plan((8, 256), G, -1, 4, size_arg="runtime_masked")[3]["EVEN"]
+  assert at.launch_plan((8, 256), G, -1, 4, size_arg="constexpr")[3] == dict(ROWS=16, EVEN=False)
+  cols = at.launch_plan((2, 256, 72), G, -2, 32, 16, "runtime")
+  assert cols[1:] == (2 * 2 * 3, 9, dict(COLS=0, CDIV=8, EVEN=False, CHUNK=16))
+  assert at.launch_plan((256, 40), G, -2, 8, 0, "runtime")[3]["EVEN"]
+  assert at.pow2_divisor(11008) == 16 and at.pow2_divisor(40) == 8 and at.pow2_divisor(7) == 1
+  for chunk in (3, 256, -8):
+    with pytest.raises(ValueError, match="cols_chunk"):
+      at.launch_plan((256, 64), G, -2, 32, chunk)
+  with pytest.raises(ValueError, match="size_arg"):
+    at.launch_plan((256, 64), G, -1, 16, size_arg="static")
+
+
+def test_parse_cols_tiles():
+  assert at.parse_cols_tiles("32x4, 128x8x8,") == [(32, 0, 4), (128, 8, 8)]
+  assert at.parse_cols_tiles("") == []
+  for bad in ("32", "48x4", "32x4x4x4", "64xax4", "0x4"):
+    with pytest.raises(ValueError, match="BLOCKxCHUNKxWARPS"):
+      at.parse_cols_tiles(bad)
 
 
 @pytest.mark.gpu
