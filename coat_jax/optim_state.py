@@ -37,11 +37,11 @@ def group_axes(group_axis: str | Callable[[Any], Any], params) -> Any:
   negative ints (-1: the last axis).
 
   group_axis:
-    "last" (the default, DEFAULT_GROUP_AXIS = formats.OPTIMIZER_GROUP_AXIS): every leaf's last
-      axis (for a Flax (in, out) kernel, the output features).
-    "coat": COAT's layout. A leaf whose last path key is "kernel" with 2+ dims (Flax's Linear
-      kernel, (in, out) or stacked (layers, in, out)) groups along axis -2, the input features;
-      every other leaf (the embedding table (vocab, hidden), norm scales) along its last axis.
+    "coat" (the default, DEFAULT_GROUP_AXIS = formats.OPTIMIZER_GROUP_AXIS): COAT's layout. A
+      leaf whose last path key is "kernel" with 2+ dims (Flax's Linear kernel, (in, out) or
+      stacked (layers, in, out)) groups along axis -2, the input features; every other leaf (the
+      embedding table (vocab, hidden), norm scales) along its last axis.
+    "last": every leaf's last axis (for a Flax (in, out) kernel, the output features).
     a callable params -> tree like params of ints (as optax's `mask`): any axis per leaf.
   Moments stay in the param's own layout: ExpandedMoment data of the param's shape, amax /
   k_code of `expansion.metadata_shape(p.shape, G, axis)` ((..., in / G, out) for axis -2), so

@@ -62,8 +62,11 @@ GROUP_AXES = (-1, -2)
 ROWS_BLOCK, ROWS_WARPS = 16, 4   # group_axis -1: rows of G per program, warps
 COLS_BLOCK, COLS_WARPS = 32, 4   # group_axis -2: columns per G-row tile (32 FP8 bytes: one DRAM
                                  # sector per row), warps
-COLS_CHUNK = 0                   # group_axis -2: 0, the G x BLOCK tile at once; else rows per
-                                 # chunk of the streamed two-pass tile (`_adam_cols_chunked`)
+COLS_CHUNK = 16                  # group_axis -2: 0, the G x BLOCK tile at once; else rows per
+                                 # chunk of the streamed two-pass tile (`_adam_cols_chunked`).
+# H100, 1.21e9 params (docs/benchmarks.md, sixth session): 32 x 16 x 4 streamed 12.57 ms, the
+# 32 x 4 one-shot tile 14.70 ms (13.15 ms with constexpr sizes), wider tiles 15.8-23.7 ms; the
+# row kernel 6.70 ms.
 # How the leaf size reaches the kernel (read when adam_step is traced; benchmarks A/B them):
 #   "runtime": an int argument, one Triton compile for every leaf size; EVEN tiles (rows / cols
 #     a multiple of BLOCK) build no masks;

@@ -238,7 +238,7 @@ def test_bad_values_raise_one_line(rng):
     jax.eval_shape(_opt(group_axis="coat").update, params, state, params)
   with pytest.raises(ValueError, match=r"optimizer.group_axis.*got 'hidden'"):
     schema.load(None, ["optimizer.group_axis=hidden"])
-  assert schema.load(None, []).optimizer.group_axis == formats.OPTIMIZER_GROUP_AXIS == "last"
+  assert schema.load(None, []).optimizer.group_axis == formats.OPTIMIZER_GROUP_AXIS == "coat"
   assert schema.load(None, ["optimizer.group_axis=last"]).optimizer.group_axis == "last"
 
 
