@@ -13,7 +13,8 @@ with ratios against "bf16", next to COAT's PyTorch numbers measured on the same 
   python benchmarks/bench_layer.py                       # GPU, full shape
   python benchmarks/bench_layer.py --batch 1 --seq 64 --hidden 256 --heads 4 --ffn 688 --iters 3
   python benchmarks/bench_layer.py --modes coat --weight-quant once   # ablation: W quantized once
-  python benchmarks/bench_layer.py --modes coat --amax fused          # ablation: amax in XLA
+  python benchmarks/bench_layer.py --modes coat --amax kernel         # ablation: amax kernel pass
+  python benchmarks/bench_layer.py --modes coat --weight-quantize kernel  # ablation: W by Mosaic
 """
 from __future__ import annotations
 
@@ -53,12 +54,17 @@ def parse_args(argv=None):
                  help="layer weights (COAT's benchmark uses bf16 weights)")
   p.add_argument("--attention", default="auto",
                  help="attention implementation: auto (cudnn on GPU, xla elsewhere), cudnn, xla")
-  p.add_argument("--weight-quant", default="per_use", choices=ops.WEIGHT_QUANT,
+  defaults = ops.LINEAR_DEFAULTS
+  p.add_argument("--weight-quant", default=defaults["weight_quant"], choices=ops.WEIGHT_QUANT,
                  help="FP8 modes: quantize W in forward and backward (per_use) or once per step, "
                       "the backward reusing the forward's FP8 copy (once; ops.linear_options)")
-  p.add_argument("--amax", default="kernel", choices=ops.AMAX,
+  p.add_argument("--amax", default=defaults["amax"], choices=ops.AMAX,
                  help="FP8 modes: per-tensor amax of x and dY in the quantize's own pass (kernel) "
                       "or as an XLA reduction fusable into the producer (fused)")
+  p.add_argument("--weight-quantize", default=defaults["weight_quantize"],
+                 choices=ops.WEIGHT_QUANTIZE,
+                 help="FP8 modes: W's per-tensor quantize as XLA ops fused with its cast (xla) or "
+                      "the dispatch's kernel (kernel; ops.linear_options)")
   p.add_argument("--json", default=None, help="also write the results to this file")
   p.add_argument("--in-process", action="store_true",
                  help="run all modes in this process (default: one subprocess per mode, so that "
@@ -156,7 +162,8 @@ def print_table(results: list[dict], args) -> None:
   print(f"\ndecoder layer: batch {args.batch} x seq {args.seq}, hidden {args.hidden}, heads "
         f"{args.heads}, ffn {args.ffn}, bf16 compute, {args.param_dtype} weights; device "
         f"{dev.device_kind} ({dev.platform}); median of {args.iters}; FP8 weights quantized "
-        f"{args.weight_quant.replace('_', ' ')}, activation amax {args.amax}")
+        f"{args.weight_quant.replace('_', ' ')} by {args.weight_quantize}, activation amax "
+        f"{args.amax}")
   ref = next((r for r in results if r["mode"] == "bf16"), None)
   head = f"{'mode':<24}{'fwd ms':>16}{'fwd+bwd ms':>18}{'saved MB':>18}{'held MB':>18}{'peak MB':>12}"
   print(head)
@@ -207,7 +214,8 @@ def main(argv=None):
     print(f"benchmarking {mode} ...", flush=True)
     if args.in_process:
       # read while the layer traces
-      with ops.linear_options(weight_quant=args.weight_quant, amax=args.amax):
+      with ops.linear_options(weight_quant=args.weight_quant, amax=args.amax,
+                              weight_quantize=args.weight_quantize):
         results.append(bench_mode(mode, args))
     else:
       results.append(bench_mode_subprocess(mode, strip_flags(argv, ("--modes", "--json"))))

@@ -29,7 +29,18 @@ compiles it on abstract arguments (no parameters are allocated). Measured per va
 
 Variants: PRECISION:OPTIMIZER[/option...], options `kernels=SPEC` (COAT_JAX_KERNELS, e.g.
 kernels=gemm=reference), `remat=POLICY`, `set=KEY=VALUE` (a config override), `xla=FLAG` (added
-to XLA_FLAGS), `prewarm`.
+to XLA_FLAGS), `linear=KEY=VALUE` (an `ops.linear_options` value while tracing, e.g.
+linear=amax=kernel), `prewarm`.
+
+--signatures (no GPU needed): every distinct Mosaic GPU kernel the step would compile on one H100,
+with its call sites, from the traced step alone (nothing is lowered or compiled): the kernel
+dispatch is told it runs on Hopper (`kernels._on_hopper`, `kernels.interpret_mode`), the jaxpr of
+`train_step.trace` is walked for Pallas kernel equations (scan bodies, custom_vjp, jit included)
+and each is keyed by (kernel, operand and result types, grid, body): one key is one Mosaic GPU
+module. The optimizer's kernels (jax-triton, not Mosaic GPU) are left to the reference there.
+Call sites: fwd/bwd (bwd: under a transpose) and the innermost model frame of the call.
+  JAX_PLATFORMS=cpu python benchmarks/compile_breakdown.py --signatures \
+      --variants coat:coat_adamw coat:coat_adamw/linear=amax=kernel/linear=weight_quantize=kernel
 
 GPU (one H100, <= 5.5 min; beside another job compile times are noisier: bf16 runs in the same
 call as the yardstick; carry .whl for jax-triton):
@@ -69,7 +80,7 @@ DEFAULT_VARIANTS = (
     "coat:coat_adamw/kernels=quantize=reference", "coat:adamw",
     "coat:coat_adamw/set=model.num_layers=1", "coat:coat_adamw/remat=full",
     "coat:coat_adamw/kernels=adam=reference", "fp8_linear:adamw", "bf16:adamw/remat=full")
-OPTIONS = ("kernels", "remat", "set", "xla", "prewarm")
+OPTIONS = ("kernels", "remat", "set", "xla", "linear", "prewarm")
 # custom_call_target -> column; XLA's own Triton fusions are counted from fusion backend configs.
 TARGETS = (("mosaic", ("mosaic_gpu",)), ("jax-triton", ("triton_kernel_call",)),
            ("pallas-triton", ("__gpu$xla.gpu.triton",)), ("cudnn", ("__cudnn",)),
@@ -83,13 +94,18 @@ def parse_variant(text: str) -> dict:
   if not precision or not optimizer:
     raise ValueError(f"variant {text!r}: expected PRECISION:OPTIMIZER[/option...]")
   v = dict(name=text, precision=precision, optimizer=optimizer, kernels=None, remat=None, sets=[],
-           xla=[], prewarm=False)
+           xla=[], linear={}, prewarm=False)
   for o in opts:
     key, eq, value = o.partition("=")
     if key not in OPTIONS or (key == "prewarm") == bool(eq):
       raise ValueError(f"variant {text!r}: unknown option {o!r}; options: kernels=SPEC, "
-                       f"remat=POLICY, set=KEY=VALUE, xla=FLAG, prewarm")
-    if key in ("set", "xla"):
+                       f"remat=POLICY, set=KEY=VALUE, xla=FLAG, linear=KEY=VALUE, prewarm")
+    if key == "linear":
+      name, eq2, val = value.partition("=")
+      if not eq2:
+        raise ValueError(f"variant {text!r}: linear option {value!r} is not KEY=VALUE")
+      v["linear"][name] = val
+    elif key in ("set", "xla"):
       v["sets" if key == "set" else "xla"].append(value)
     elif key == "prewarm":
       v["prewarm"] = True
@@ -116,8 +132,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--parallel", type=int, default=1,
                  help="children at a time (XLA's passes run on one core: 2 fit a 16-core host, "
                       "each compile somewhat slower)")
+  p.add_argument("--signatures", action="store_true",
+                 help="list the distinct Mosaic GPU kernels the step compiles on Hopper and their "
+                      "call sites, from the traced step (CPU is enough; default variant "
+                      "coat:coat_adamw); nothing is compiled")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one variant
   args = p.parse_args(argv)
+  if args.signatures and args.variants == list(DEFAULT_VARIANTS):
+    args.variants = ["coat:coat_adamw"]
   try:
     args.parsed = [parse_variant(v) for v in ([args.one] if args.one else args.variants)]
   except ValueError as e:
@@ -282,30 +304,39 @@ def measure_one(args: argparse.Namespace) -> dict:
   return out
 
 
-def _measure(args, v, out) -> None:
+def _build_variant(args, v, dtype: str = "auto"):
+  """(built, abstract state, abstract tokens) of a variant's train step (nothing allocated)."""
   import jax
   import numpy as np
 
-  from coat_jax import kernels
   from coat_jax.training import mesh as mesh_lib, schema
   from coat_jax.training.build import build
 
-  jax.config.update("jax_enable_compilation_cache", False)
-  overrides = [f"model.preset={args.preset}", "model.dtype=auto",
+  overrides = [f"model.preset={args.preset}", f"model.dtype={dtype}",
                f"model.remat={v['remat'] or args.remat}", f"precision={v['precision']}",
                f"optimizer.name={v['optimizer']}", f"data.seq_len={args.seq_len}",
                f"data.batch_size={args.batch}", "run.steps=1000", *args.overrides, *v["sets"]]
-  t0 = time.perf_counter()
   cfg = schema.load(None, overrides)
   built = build(cfg, mesh_lib.make_mesh(cfg.mesh), seed=0)
+  tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), np.int32,
+                                sharding=built.batch_sharding)
+  return built, built.abstract_state(), tokens
+
+
+def _measure(args, v, out) -> None:
+  import jax
+
+  from coat_jax import kernels, ops
+
+  jax.config.update("jax_enable_compilation_cache", False)
+  t0 = time.perf_counter()
+  built, state, tokens = _build_variant(args, v)
   dev = jax.devices()[0]
   out.update(device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
              backend=kernels.current_backend(), build_s=time.perf_counter() - t0,
-             layers=built.llama_cfg.num_layers, scan=built.llama_cfg.scan_layers)
-  tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), np.int32,
-                                sharding=built.batch_sharding)
-  state = built.abstract_state()
-  with instrument() as st:
+             layers=built.llama_cfg.num_layers, scan=built.llama_cfg.scan_layers,
+             linear_options=v["linear"])
+  with instrument() as st, ops.linear_options(**v["linear"]):
     phase("trace")
     t0 = time.perf_counter()
     traced = built.train_step.trace(*state, tokens)
@@ -335,6 +366,183 @@ def _measure(args, v, out) -> None:
   out["compile_s"] = time.perf_counter() - t0
   phase("done")
   out["hlo"] = hlo_stats(compiled.as_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# --signatures: the distinct Mosaic GPU kernels of the traced step, without a GPU.
+
+# Kernel name (the Mosaic GPU kernel_name) -> family.
+FAMILY_BY_KERNEL = {"coat_fp8_gemm_mgpu": "gemm", "coat_quantize_per_tensor_mgpu": "per_tensor",
+                    "coat_quantize_per_group_mgpu": "per_group", "coat_tile_amax_mgpu": "tile_amax",
+                    "coat_dequantize_per_group_mgpu": "dequantize"}
+# Frames that name a call site: the model's modules, then the op.
+_SITE_DIRS = ("/coat_jax/nn/", "/coat_jax/models/")
+_OP_DIR = "/coat_jax/ops/"
+
+
+@contextlib.contextmanager
+def as_if_on_hopper():
+  """While active, the kernel dispatch behaves as on one Hopper GPU (`auto` picks the kernels,
+  not in interpret mode, no per-shard wrapping), so tracing binds the kernels as one GPU would
+  (the GEMM's grid: the H100's 132 SMs where the device reports none). Only tracing works so:
+  nothing may be lowered."""
+  from coat_jax import kernels
+  saved = kernels._on_hopper, kernels.interpret_mode, kernels.per_shard
+  kernels._on_hopper, kernels.interpret_mode, kernels.per_shard = (
+      (lambda: True), (lambda: False), (lambda: False))
+  try:
+    yield
+  finally:
+    kernels._on_hopper, kernels.interpret_mode, kernels.per_shard = saved
+
+
+def signature_backend(spec: str | None) -> str:
+  """The backend spec for --signatures: the variant's, with the optimizer families on the
+  reference (on the GPU they are jax-triton kernels, not Mosaic GPU; on CPU they cannot be
+  bound as on the GPU)."""
+  if spec in ("reference", "pallas"):
+    return spec
+  fams = [] if spec in (None, "", "auto") else [spec]
+  return ",".join(fams + ["adam=reference", "adam_tree=reference"])
+
+
+def _kernel_name(params) -> str:
+  named = params.get("name_and_src_info")
+  return str(getattr(named, "name", None) or params.get("name"))
+
+
+def _is_kernel(eqn) -> bool:
+  return eqn.primitive.name in ("pallas_call", "mpmd_map")
+
+
+def _call_site(chain, site_dirs=_SITE_DIRS) -> tuple[str, str]:
+  """(fwd|bwd, 'Module.__call__:line op') of a kernel equation from its enclosing equations
+  (innermost last): bwd when any is under a transpose; the site is the innermost model frame of
+  the innermost traceback that has one (a backward equation keeps its forward's traceback)."""
+  direction = ("bwd" if any("transpose" in str(e.source_info.name_stack) for e in chain)
+               else "fwd")
+  for e in reversed(chain):
+    tb = e.source_info.traceback
+    frames = list(tb.frames) if tb is not None else []
+    at = next((i for i, f in enumerate(frames) if any(d in f.file_name for d in site_dirs)), None)
+    if at is not None:   # frames run innermost first: the op is the outermost ops frame below
+      site = frames[at]
+      op = next((f.function_name for f in reversed(frames[:at]) if _OP_DIR in f.file_name), "")
+      return direction, f"{site.function_name}:{site.line_num} {op}".strip()
+  return direction, "?"
+
+
+def _describe(name: str, avals_in, avals_out) -> str:
+  """Operands -> results; the GEMM as M x N x K, operand and output dtypes."""
+  short = lambda a: (str(a).replace("float8_e4m3fn", "e4m3").replace("float8_e5m2", "e5m2")
+                     .replace("bfloat16", "bf16").replace("float32", "f32"))
+  if FAMILY_BY_KERNEL.get(name) == "gemm" and len(avals_in) >= 2:
+    (m, k), n = avals_in[0].shape, avals_in[1].shape[0]
+    dt = lambda a: short(a).split("[")[0]
+    return (f"M x N x K = {m} x {n} x {k}, {dt(avals_in[0])} . {dt(avals_in[1])} -> "
+            f"{dt(avals_out[0])}" + (" + amax" if len(avals_out) > 1 else ""))
+  return " ".join(map(short, avals_in)) + " -> " + " ".join(map(short, avals_out))
+
+
+def kernel_signatures(closed_jaxpr, site_dirs=_SITE_DIRS) -> list[dict]:
+  """The distinct Pallas kernels bound in a jaxpr (sub-jaxprs included: scan, custom_vjp, jit).
+
+  A signature is (kernel name, operand and result types, grid, the kernel body's text): one
+  signature is one Mosaic GPU module. Returns one dict per signature: name, family, what, grid,
+  calls (equations), traces (distinct body objects: more than one means one kernel traced
+  twice, i.e. two modules of the same text), sites ({'fwd|bwd site': equations}; a site is the
+  innermost frame in a file under one of `site_dirs`).
+  """
+  import hashlib
+
+  from jax._src import core
+
+  found: dict = {}
+
+  def walk(jaxpr, chain):
+    for eqn in jaxpr.eqns:
+      if _is_kernel(eqn):
+        p = eqn.params
+        bodies = p.get("jaxprs", (p.get("jaxpr"),))
+        bodies = bodies if isinstance(bodies, (tuple, list)) else (bodies,)
+        grid = tuple(tuple(getattr(m, "grid", ())) for m in p.get("meshes", ())) or \
+            tuple(getattr(p.get("grid_mapping"), "grid", ()))
+        name = _kernel_name(p)
+        avals_in = [v.aval for v in eqn.invars]
+        avals_out = [v.aval for v in eqn.outvars]
+        text = "".join(str(b) for b in bodies)
+        key = (name, tuple(map(str, avals_in)), tuple(map(str, avals_out)), str(grid),
+               hashlib.sha1(text.encode()).hexdigest())
+        rec = found.setdefault(key, dict(
+            name=name, family=FAMILY_BY_KERNEL.get(name, "other"),
+            what=_describe(name, avals_in, avals_out),
+            grid=" ".join("x".join(map(str, g)) if isinstance(g, tuple) else str(g) for g in grid),
+            calls=0, traces=set(),
+            sites=collections.Counter()))
+        rec["calls"] += 1
+        rec["traces"].add(tuple(id(b) for b in bodies))
+        rec["sites"][" ".join(_call_site(chain + [eqn], site_dirs))] += 1
+      for sub in core.jaxprs_in_params(eqn.params):
+        walk(sub, chain + [eqn])
+
+  walk(closed_jaxpr.jaxpr, [])
+  out = []
+  for rec in found.values():
+    rec["traces"] = len(rec["traces"])
+    rec["sites"] = dict(sorted(rec["sites"].items()))
+    out.append(rec)
+  order = list(FAMILY_BY_KERNEL.values())
+  return sorted(out, key=lambda r: (order.index(r["family"]) if r["family"] in order else 99,
+                                    r["what"]))
+
+
+def step_signatures(args, v) -> list[dict]:
+  """`kernel_signatures` of a variant's traced train step as on one Hopper GPU (bf16 compute,
+  as `model.dtype=auto` picks there)."""
+  from coat_jax import kernels, ops
+  with as_if_on_hopper(), kernels.backend(signature_backend(v["kernels"])), \
+      ops.linear_options(**v["linear"]):
+    built, state, tokens = _build_variant(args, v, dtype="bfloat16")
+    traced = built.train_step.trace(*state, tokens)
+    return kernel_signatures(traced.jaxpr)
+
+
+def family_counts(sigs: list[dict]) -> dict[str, int]:
+  return dict(collections.Counter(r["family"] for r in sigs))
+
+
+def print_signatures(name: str, sigs: list[dict]) -> None:
+  say(f"\n{name}: {len(sigs)} distinct Mosaic GPU kernels {family_counts(sigs)}")
+  head = f"  {'family':10} {'operands -> results':76} {'grid':>5} {'calls':>5}  call sites"
+  say(head)
+  say("  " + "-" * (len(head) - 2))
+  for r in sigs:
+    sites = "; ".join(f"{n}x {s}" for s, n in r["sites"].items())
+    twice = f" [{r['traces']} traces]" if r["traces"] > 1 else ""
+    say(f"  {r['family']:10} {r['what'][:76]:76} {r['grid']:>5} {r['calls']:>5}  {sites}{twice}")
+  say("  calls: kernel equations in the step's program (a scan body counts once); call sites: "
+      "fwd/bwd and the model frame JAX attributes the\n  equation to (a backward equation gets a "
+      "forward equation's traceback, not always its own linear's)")
+
+
+def signatures_main(args) -> dict:
+  report = {}
+  for v in args.parsed:
+    report[v["name"]] = step_signatures(args, v)
+    print_signatures(v["name"], report[v["name"]])
+  if len(report) > 1:
+    fams = sorted({f for sigs in report.values() for f in family_counts(sigs)})
+    say(f"\n{'variant':60} " + " ".join(f"{f:>10}" for f in fams) + f" {'total':>6}")
+    for name, sigs in report.items():
+      c = family_counts(sigs)
+      say(f"{name[:60]:60} " + " ".join(f"{c.get(f, 0):>10}" for f in fams)
+          + f" {len(sigs):>6}")
+  if args.json:
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(dict(
+        args={k: v for k, v in vars(args).items() if k not in ("one", "parsed")},
+        signatures=report), indent=1, default=str))
+  return report
 
 
 # ----------------------------------------------------------------------------------------------
@@ -510,6 +718,8 @@ def print_table(rows: list[dict], top: int) -> None:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  if args.signatures:
+    return signatures_main(args)
   if args.one:
     result = measure_one(args)
     print(RESULT_TAG + json.dumps(result, default=str), flush=True)

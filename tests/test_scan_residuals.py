@@ -135,11 +135,13 @@ def test_scan_options_are_checked():
 @pytest.mark.parametrize("mode,options,extra", [
     ("coat", dict(weight_quant="once"), 64 * 48 + 4), ("fp8_linear", dict(weight_quant="once"),
                                                      64 * 48 + 4),
-    ("coat", dict(amax="fused"), 0), ("coat", dict(weight_quant="once", amax="fused"), 64 * 48 + 4)])
+    ("coat", dict(amax="kernel"), 0), ("coat", dict(weight_quant="once", amax="kernel"), 64 * 48 + 4),
+    ("coat", dict(weight_quantize="kernel"), 0)])
 def test_linear_options_keep_values(mode, options, extra, rng):
   """ops.linear_options: W quantized once per step (the backward reusing the forward's (K, N) FP8
-  copy, `extra` bytes kept) and/or the activation amax from an XLA reduction: same scales, so the
-  same values and gradients as the default, through RMSNorm -> linear as in the model."""
+  copy, `extra` bytes kept), the activation amax from the quantize's own pass, W quantized by the
+  dispatch: same scales, so the same values and gradients as the defaults, through RMSNorm ->
+  linear as in the model."""
   from coat_jax import memory
 
   x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16)

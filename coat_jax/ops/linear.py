@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from coat_jax import kernels
+from coat_jax import kernels, quantize
 from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
 
@@ -51,36 +51,50 @@ def quantize_input(x: jax.Array) -> QuantizedArray:
 
 WEIGHT_QUANT = ("per_use", "once")
 AMAX = ("kernel", "fused")
-_OPTIONS = {"weight_quant": "per_use", "amax": "kernel"}
+WEIGHT_QUANTIZE = ("xla", "kernel")
+# The defaults of `linear_options` (one place: the options in effect outside any `with`).
+DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "xla"}
+_OPTIONS = dict(DEFAULT_OPTIONS)
 
 
 def _amax(x):
-  """max|x| for a per-tensor activation quantize: None (the quantize's own stage-1 pass) or, under
-  `linear_options(amax="fused")`, an XLA reduction that XLA can fuse into x's producer."""
+  """max|x| for a per-tensor activation quantize: an XLA reduction that XLA can fuse into x's
+  producer (`amax="fused"`, default), or None under `linear_options(amax="kernel")`: the
+  quantize's own stage-1 pass."""
   return jnp.max(jnp.abs(x)) if _OPTIONS["amax"] == "fused" else None
 
 
 @contextlib.contextmanager
-def linear_options(*, weight_quant: str = "per_use", amax: str = "kernel"):
+def linear_options(*, weight_quant: str = DEFAULT_OPTIONS["weight_quant"],
+                   amax: str = DEFAULT_OPTIONS["amax"],
+                   weight_quantize: str = DEFAULT_OPTIONS["weight_quantize"]):
   """Trace-time options of the FP8 linears, for ablations (benchmarks/bench_layer.py).
 
   weight_quant: "per_use" (default) quantizes W in the forward (as W^T, (N, K)) and again in the
   backward ((K, N)); "once" makes both layouts in the forward's one quantize+transpose pass and
   keeps the (K, N) copy for the backward (1 byte per weight, named FP8_RESIDUALS): one amax and
   one quantize pass per step instead of two of each. Same values either way (one scale).
-  amax: "kernel" (default) lets each per-tensor quantize of an activation or gradient (x, and dY
-  in the backward) find its amax in its own stage-1 pass over the tensor; "fused" computes it as
-  an XLA reduction handed to the quantize, which XLA can fuse into the op producing the tensor
-  (RMSNorm, SwiGLU, their backward) instead of a separate read. Same values either way.
+  amax: "fused" (default) computes the per-tensor amax of each activation or gradient (x, and dY
+  in the backward) as an XLA reduction handed to the quantize, which XLA can fuse into the op
+  producing the tensor (RMSNorm, SwiGLU, their backward); "kernel" lets each quantize find it in
+  its own stage-1 pass (a Mosaic GPU tile-maxima kernel per tensor shape, each compiled with the
+  step). Same values either way. H100, 7B layer (bench_layer.py --modes coat, 2026-11-23):
+  24.07 ms fused vs 24.30 ms kernel, and OLMo-1B's step compiles 2 Mosaic GPU modules fewer.
+  weight_quantize: "xla" (default) quantizes W (q = sat(W / s), an elementwise map given s) as
+  XLA ops, which fuse with W's cast to the compute dtype and its transpose: one pass over the
+  parameter; "kernel" runs the dispatch's per-tensor quantize (the Mosaic GPU kernel on Hopper,
+  one module per weight shape). Same values either way (XLA and Mosaic GPU both divide with
+  div.full.f32). H100 alone (docs/benchmarks.md, 16384 x 4096 / 11008 bf16): 0.154 / 0.369 ms
+  XLA vs 0.150 / 0.389 ms kernel; OLMo-1B's step compiles 2 Mosaic GPU modules fewer.
   Read while a function is traced: trace (jit) it inside the `with`.
   """
-  if weight_quant not in WEIGHT_QUANT:
-    raise ValueError(f"linear_options: weight_quant must be one of {WEIGHT_QUANT}, "
-                     f"got {weight_quant!r}")
-  if amax not in AMAX:
-    raise ValueError(f"linear_options: amax must be one of {AMAX}, got {amax!r}")
+  for name, value, choices in (("weight_quant", weight_quant, WEIGHT_QUANT),
+                               ("amax", amax, AMAX),
+                               ("weight_quantize", weight_quantize, WEIGHT_QUANTIZE)):
+    if value not in choices:
+      raise ValueError(f"linear_options: {name} must be one of {choices}, got {value!r}")
   old = dict(_OPTIONS)
-  _OPTIONS.update(weight_quant=weight_quant, amax=amax)
+  _OPTIONS.update(weight_quant=weight_quant, amax=amax, weight_quantize=weight_quantize)
   try:
     yield
   finally:
@@ -95,6 +109,16 @@ def _weight_amax(w):
   return jnp.max(jnp.abs(w))
 
 
+def _quantize_weight(wc, *, with_transpose=False) -> QuantizedArray:
+  """Per-tensor E4M3 of a (cast) weight, amax from `_weight_amax`: XLA's ops under
+  `weight_quantize="xla"` (default; fused with the cast and any transpose of wc), else the
+  dispatch's kernel (see `linear_options`)."""
+  amax = _weight_amax(wc)
+  if _OPTIONS["weight_quantize"] == "xla":
+    return quantize.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=with_transpose)
+  return kernels.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=with_transpose)
+
+
 def _fwd_gemm(xq, w, out_dtype):
   """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K).
 
@@ -103,10 +127,10 @@ def _fwd_gemm(xq, w, out_dtype):
   """
   wc = w.astype(out_dtype)
   if _OPTIONS["weight_quant"] == "once":
-    q = kernels.quantize_per_tensor(wc, "e4m3", with_transpose=True, amax=_weight_amax(wc))
+    q = _quantize_weight(wc, with_transpose=True)
     wq, kept = QuantizedArray(q.data_t, q.scale, "e4m3"), name_residuals((q.data, q.scale))
   else:
-    wq = kernels.quantize_per_tensor(jnp.swapaxes(wc, 0, 1), "e4m3", amax=_weight_amax(wc))
+    wq = _quantize_weight(jnp.swapaxes(wc, 0, 1))
     kept = None
   dn = (((xq.data.ndim - 1,), (1,)), ((), ()))
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype), kept
@@ -124,8 +148,7 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   if kept is not None:
     wq = QuantizedArray(*kept, "e4m3")
   else:
-    wc = w.astype(g.dtype)
-    wq = kernels.quantize_per_tensor(wc, "e4m3", amax=_weight_amax(wc))
+    wq = _quantize_weight(w.astype(g.dtype))
   tn = (((1,), (1,)), ((), ()))
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
   x_tq = QuantizedArray(x_t, x_scale, "e4m3")
@@ -136,12 +159,12 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear_fp8(x, w, save_bf16):
-  return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)[0]
+  return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3", amax=_amax(x)), w, x.dtype)[0]
 
 
 def _linear_fp8_fwd(x, w, save_bf16):
   if save_bf16:  # "fp8_linear": the bf16 x is kept and re-quantized in the backward.
-    y, kept = _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3"), w, x.dtype)
+    y, kept = _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3", amax=_amax(x)), w, x.dtype)
     return y, (x, None, w, kept)
   xq = quantize_input(x)
   y, kept = _fwd_gemm(xq, w, x.dtype)

@@ -1,0 +1,117 @@
+"""Which Mosaic GPU kernels (one module each, compiled with the step) the FP8 linears bind on
+Hopper, listed without a GPU by benchmarks/compile_breakdown.py --signatures (the dispatch told it
+is on Hopper, the traced jaxpr walked; nothing runs), and that the linear options which drop
+kernels (amax="fused", weight_quantize="xla", the defaults) keep values and gradients bit for bit
+in interpret mode."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax import kernels, ops
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as a script: it imports _common
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+cb = _load("compile_breakdown")
+M, K, N = 256, 256, 384   # every kernel takes these (multiples of 64, GEMM dims >= 128)
+
+
+def _block(x, s, w1, w2):
+  """RMSNorm -> linear (x_q from the norm) -> linear (x quantized inside), as in the model."""
+  y, y_q = ops.rmsnorm(x, s, mode="coat")
+  h = ops.linear(y, w1, mode="coat", x_q=y_q)
+  return ops.linear(h, w2, mode="coat")
+
+
+def _args(rng):
+  return (jnp.asarray(rng.standard_normal((2, M // 2, K)), jnp.bfloat16),
+          jnp.asarray(1 + 0.1 * rng.standard_normal(K), jnp.float32),
+          jnp.asarray(0.1 * rng.standard_normal((K, N)), jnp.float32),
+          jnp.asarray(0.1 * rng.standard_normal((N, K)), jnp.float32))
+
+
+def _signatures(rng, **options):
+  def loss(*a):
+    return jnp.sum(_block(*a).astype(jnp.float32))
+  with cb.as_if_on_hopper(), kernels.backend(cb.signature_backend(None)), \
+      ops.linear_options(**options):
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*_args(rng))
+  return cb.kernel_signatures(closed, site_dirs=("/tests/",))
+
+
+def test_signatures_of_the_default_and_the_kernel_options(rng):
+  default = _signatures(rng)
+  kernel = _signatures(rng, amax="kernel", weight_quantize="kernel")
+  # GEMMs: fwd, dX, dW of two linears (K x N and N x K): 6 shapes; per-tensor quantize
+  # + transposed copy: x and h (e4m3; h is (M, N)), dY of both (e5m2): 4; per-group: the norm's x.
+  assert cb.family_counts(default) == {"gemm": 6, "per_tensor": 4, "per_group": 1}
+  # + the tile maxima of (M, K) and (M, N) (x, h, dY's) and the weights' quantize: (K*N) once.
+  assert cb.family_counts(kernel) == {"gemm": 6, "per_tensor": 5, "per_group": 1, "tile_amax": 2}
+  by_what = {r["what"]: r for r in default}
+  fwd = by_what[f"M x N x K = {M} x {N} x {K}, e4m3 . e4m3 -> bf16"]
+  first_linear = _block.__code__.co_firstlineno + 3   # the line of `h = ops.linear(y, w1, ...)`
+  assert fwd["calls"] == 1 and list(fwd["sites"]) == [f"fwd _block:{first_linear} linear"], fwd
+  dw = by_what[f"M x N x K = {K} x {N} x {M}, e4m3 . e5m2 -> f32"]
+  assert all(s.startswith("bwd") for s in dw["sites"]), dw
+  assert all(r["traces"] == 1 for r in default + kernel)   # one module per signature
+  assert all(r["grid"] for r in default)
+
+
+def test_signature_backend_keeps_the_optimizer_off_mosaic():
+  assert cb.signature_backend(None) == "adam=reference,adam_tree=reference"
+  assert cb.signature_backend("gemm=reference") == "gemm=reference,adam=reference,adam_tree=reference"
+  assert cb.signature_backend("reference") == "reference"
+  kernels._parse(cb.signature_backend("gemm=reference"))   # a valid spec
+
+
+def test_variant_linear_options_parse():
+  v = cb.parse_variant("coat:coat_adamw/linear=amax=kernel/linear=weight_quantize=kernel")
+  assert v["linear"] == dict(amax="kernel", weight_quantize="kernel")
+  with pytest.raises(ValueError, match="KEY=VALUE"):
+    cb.parse_variant("coat:coat_adamw/linear=amax")
+
+
+@pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="kernel"),
+                                     dict(amax="kernel", weight_quantize="kernel"),
+                                     dict(weight_quant="once", weight_quantize="kernel")])
+def test_kernel_options_give_the_defaults_values_in_interpret_mode(rng, options):
+  """The Mosaic GPU kernels (interpret mode) vs the defaults' XLA amax and weight quantize: the
+  same forward values and gradients, bit for bit."""
+  args = _args(rng)
+  ct = jnp.asarray(rng.standard_normal((2, M // 2, K)), jnp.bfloat16)
+
+  def run():   # a fresh jit: the options are read while tracing (eager interpret-mode kernels
+    def f(*a):  # can deadlock on their callbacks)
+      y, pb = jax.vjp(_block, *a)
+      return y, pb(ct)
+    with kernels.backend("quantize=pallas,gemm=pallas"):
+      return jax.jit(f)(*args)
+
+  y0, g0 = run()
+  with ops.linear_options(**options):
+    y1, g1 = run()
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+  for a, b in zip(g1, g0):
+    assert np.isfinite(np.asarray(a, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_linear_options_reject_unknown_values():
+  with pytest.raises(ValueError, match="weight_quantize"):
+    with ops.linear_options(weight_quantize="triton"):
+      pass
+  assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused",
+                                            weight_quantize="xla")
