@@ -9,8 +9,9 @@ within 0.3 %. Variants (config overrides on the same run; same init seed and dat
   bf16_master         model.param_dtype bfloat16, round to nearest (the control: small updates lost)
   bf16_master_sr      ... + optimizer.master_rounding stochastic
   bf16_master_kahan   ... + optimizer.master_rounding kahan (bfloat16 compensation buffer)
-  coat_group_axis     float32 masters, the moments grouped along COAT's axis (optimizer.group_axis
-                      coat: input features) instead of the default last axis (issue 16)
+  group_axis_coat     float32 masters, the moments grouped along COAT's axis (optimizer.group_axis
+                      coat, input features: the default since 2026-11-23's sixth session)
+  group_axis_last     float32 masters, the moments grouped along each param's last axis (issue 16)
 
 bfloat16 master weights give bfloat16 gradients by themselves (the backward runs at the bfloat16
 params; grad_dtype bfloat16 is then a no-op), so "bf16 grads + bf16 master + SR" is the
@@ -56,8 +57,9 @@ VARIANTS = {
     "bf16_master": BF16_MASTER,
     "bf16_master_sr": BF16_MASTER + ["optimizer.master_rounding=stochastic"],
     "bf16_master_kahan": BF16_MASTER + ["optimizer.master_rounding=kahan"],
-    # not a master-weight option: COAT's moment group axis (input features), issue 16's loss check
-    "coat_group_axis": ["optimizer.group_axis=coat"],
+    # not master-weight options: the moments' group axis, explicit (issue 16's loss check)
+    "group_axis_coat": ["optimizer.group_axis=coat"],
+    "group_axis_last": ["optimizer.group_axis=last"],
 }
 REFERENCE = "f32_master"
 TARGET_PCT = 0.3
@@ -66,7 +68,7 @@ TARGET_PCT = 0.3
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "coat_group_axis"))
+  p.add_argument("--variants", default=",".join(v for v in VARIANTS if not v.startswith("group_axis")))
   p.add_argument("--preset", default="llama-125m")
   p.add_argument("--precision", default="coat", choices=("bf16", "fp8_linear", "coat"))
   p.add_argument("--steps", type=int, default=2000)

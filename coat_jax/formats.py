@@ -41,9 +41,9 @@ OPTIMIZER_GROUP_SIZE = 128
 # The axis of the optimizer's groups: each param's last axis, or COAT's layout (coat_jax.optim.group_axes).
 OPTIMIZER_GROUP_AXES = ("last", "coat")
 # The default (coat_adamw, coat_adamw_apply, config optimizer.group_axis): COAT's layout. It has the
-# lower moment error and trained llama-125m to a lower eval loss than "last" (docs/differences.md,
-# section 4); its column kernel costs 1.9x the row kernel's time (H100: 12.57 vs 6.70 ms for
-# 1.21e9 params, about 3 % of the 1B training step). Reverting it is this line.
+# lower moment error; llama-125m's loss is the same as with "last" within run-to-run noise
+# (docs/differences.md, section 4); its column kernel costs 1.9x the row kernel's time (H100:
+# 12.57 vs 6.70 ms for 1.21e9 params, about 3 % of the 1B step). Reverting it is this line.
 OPTIMIZER_GROUP_AXIS = "coat"
 
 # Floors that keep scales finite and non-zero for all-zero tensors (COAT's values).
