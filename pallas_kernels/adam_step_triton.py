@@ -4,11 +4,11 @@ The same step as pallas_kernels/adam_step_mgpu.py, whose docstring gives the mat
 elements (load, Adam, store), and as the reference, coat_jax.optim adam_step_reference.
 
 Written with the official Triton language and called with `jax_triton.triton_call`, so it does
-not use the deprecated Pallas Triton backend. Precise math: libdevice exp2 / log2 (as XLA), IEEE
-sqrt (`sqrt_rn`), Triton's `/` (div.full.f32, what XLA:GPU emits).
+not use the deprecated Pallas Triton backend. The per-element math and the per-tile body
+(`adam_tile`, built from `new_moments`, `store_param`, `group_meta`, `quantize`) live in
+pallas_kernels/adam_tile_triton.py; this file holds the kernels and their launcher.
 
-Two layouts of the groups (`group_axis`), one per-tile body (`_adam_tile`, built from per-element
-helpers: `_new_moments`, `_store_param`, `_group_meta`, `_quantize`):
+Two layouts of the groups (`group_axis`):
   -1 (`adam_rows`): G consecutive elements of the last axis; a program takes BLOCK rows of G, the
      metadata (..., N / G) one value per row.
   -2 (`adam_cols`, COAT's layout for a Flax (in, out) kernel): G consecutive rows of each column
@@ -40,9 +40,12 @@ from pallas_kernels.adam_operands import OUTPUTS, check_operands
 try:  # the kernels need triton only (they compile without a GPU); calling them needs jax-triton
   import triton
   import triton.language as tl
-  from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - CPU machines
-  triton = tl = libdevice = None
+  triton = tl = None
+if triton is not None:
+  from pallas_kernels.adam_tile_triton import (adam_tile, group_meta, load_meta, load_scalars,
+                                               new_moments, nonzero_or_inf, quantize, store_meta,
+                                               store_param)
 try:  # GPU machines only
   import jax_triton as jt
 except ImportError:  # pragma: no cover - CPU machines
@@ -102,189 +105,6 @@ def supported(shape, dtype, m_dtype, v_dtype, group_size: int, group_axis: int =
 if triton is not None:
 
   @triton.jit
-  def _log2(x, FAST: tl.constexpr):
-    """Per-element math: libdevice / IEEE (precise, as XLA) or FAST: one MUFU instruction
-    (lg2 / ex2 / sqrt / rcp .approx.ftz, relative error ~2^-22, as the Pallas kernel's
-    fast_math)."""
-    if FAST:
-      return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-    else:
-      return libdevice.log2(x)
-
-  @triton.jit
-  def _exp2(x, FAST: tl.constexpr):
-    if FAST:
-      return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-    else:
-      return libdevice.exp2(x)
-
-  @triton.jit
-  def _sqrt(x, FAST: tl.constexpr):
-    if FAST:
-      return tl.inline_asm_elementwise("sqrt.approx.ftz.f32 $0, $1;", "=f,f", [x],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-    else:
-      return tl.sqrt_rn(x)
-
-  @triton.jit
-  def _div(x, y, FAST: tl.constexpr):
-    if FAST:
-      return x * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [y],
-                                           dtype=tl.float32, is_pure=True, pack=1)
-    else:
-      return x / y
-
-  @triton.jit
-  def _load(ptr, mask, other):
-    """tl.load masked (`other` where the mask is off), or unmasked where mask is None (EVEN
-    tiles build no mask at all)."""
-    if mask is None:
-      x = tl.load(ptr)
-    else:
-      x = tl.load(ptr, mask=mask, other=other)
-    return x
-
-  @triton.jit
-  def _scalars(s_ptr):
-    """The step scalars (slots of `step_scalars`): lr, b1, 1 - b1, b2, 1 - b2, eps,
-    1 / sqrt(bc2), bc1, grad scale (weight decay, slot 6, is read by the caller)."""
-    return (tl.load(s_ptr + 0), tl.load(s_ptr + 1), tl.load(s_ptr + 2), tl.load(s_ptr + 3),
-            tl.load(s_ptr + 4), tl.load(s_ptr + 5), tl.load(s_ptr + 7), tl.load(s_ptr + 8),
-            tl.load(s_ptr + 9))
-
-  @triton.jit
-  def _load_meta(a_ptr, k_ptr, meta_idx, meta_mask, AXIS: tl.constexpr):
-    """A moment's per-group metadata (amax, k code as float32) at meta_idx (1-D), expanded
-    along tile axis AXIS (the groups' axis) to broadcast over the tile."""
-    mx = tl.expand_dims(_load(a_ptr + meta_idx, meta_mask, 1.0), AXIS)
-    code = tl.expand_dims(_load(k_ptr + meta_idx, meta_mask, 1).to(tl.float32), AXIS)
-    return mx, code
-
-  @triton.jit
-  def _dequant(q, mx, code, FMAX: tl.constexpr, EM: tl.constexpr, FAST: tl.constexpr):
-    """Codes q (float32) of groups with amax mx and k code `code` (broadcast) as values:
-    |x| = mx (|q| / FMAX)^(EM / code), or |q| mx / FMAX where code == EM (k = 1)."""
-    qa = tl.abs(q)
-    inv_fmax = 1.0 / FMAX
-    powered = mx * _exp2((EM / code) * _log2(qa * inv_fmax, FAST), FAST)
-    linear = qa * (mx * inv_fmax)
-    mag = tl.where(code == EM, linear, powered)
-    return tl.where(q < 0, -mag, mag)
-
-  @triton.jit
-  def _nonzero_or_inf(a):
-    """|x| where nonzero, else inf: its minimum is the smallest nonzero |x| (inf: none)."""
-    return tl.where(a > 0, a, float("inf"))
-
-  @triton.jit
-  def _group_meta(amax, amin_nz, LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-                  MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr):
-    """New metadata of groups with max |x| amax and smallest nonzero |x| amin_nz (inf: none):
-    mx = amax + FLOOR and the k code steps = clamp(floor(EM LOG2R / log2(mx / mn)), 1, MAX_K),
-    mn = amin_nz + FLOOR (steps = EM where mx == mn or no nonzero: k = 1); NOEXP_K without
-    expansion."""
-    mx = amax + FLOOR
-    if EXPAND:
-      mn = tl.where(amin_nz == float("inf"), mx, amin_nz + FLOOR)
-      lr = libdevice.log2(mx / mn)
-      ok = lr > 0
-      steps = tl.floor(LOG2R / tl.where(ok, lr, 1.0) * EM)
-      steps = tl.where(ok, steps, EM)
-      steps = tl.minimum(tl.maximum(steps, 1.0), MAX_K)
-    else:
-      steps = tl.zeros_like(mx) + NOEXP_K
-    return mx, steps
-
-  @triton.jit
-  def _quantize(x, mx, steps, FMAX: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-                FAST: tl.constexpr):
-    """x's codes (float32, clamped to +-FMAX, NaN kept) in groups with metadata mx, steps
-    (broadcast): sign(x) FMAX (|x| / mx)^(steps / EM), or x FMAX / mx without expansion."""
-    if EXPAND:
-      k = steps * (1.0 / EM)
-      mag = FMAX * _exp2(k * (_log2(tl.abs(x), FAST) - libdevice.log2(mx)), FAST)
-      y = tl.where(x < 0, -mag, mag)
-    else:
-      y = x / (mx * (1.0 / FMAX))
-    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
-
-  @triton.jit
-  def _store_meta(mx, steps, a_ptr, k_ptr, meta_idx, meta_mask):
-    tl.store(a_ptr + meta_idx, mx, mask=meta_mask)
-    tl.store(k_ptr + meta_idx, steps.to(tl.uint8), mask=meta_mask)
-
-  @triton.jit
-  def _requant(x, q_ptr, a_ptr, k_ptr, offs, meta_idx, mask, meta_mask, FMAX: tl.constexpr,
-               LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-               MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
-               FAST: tl.constexpr = False, AXIS: tl.constexpr = 1):
-    """Stores tile x quantized per group along tile axis AXIS (as `_load_meta`); a group lies
-    wholly inside or outside the mask."""
-    a = tl.abs(x)
-    mx, steps = _group_meta(tl.max(a, axis=AXIS), tl.min(_nonzero_or_inf(a), axis=AXIS), LOG2R,
-                            EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
-    y = _quantize(x, tl.expand_dims(mx, AXIS), tl.expand_dims(steps, AXIS), FMAX, EXPAND, EM,
-                  FAST)
-    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
-    _store_meta(mx, steps, a_ptr, k_ptr, meta_idx, meta_mask)
-
-  @triton.jit
-  def _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale, b1,
-                   omb1, b2, omb2, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
-                   EM: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    """m' = b1 m + (1 - b1) g and v' = b2 v + (1 - b2) g^2 on a tile, the old moments' codes
-    dequantized with their (broadcast) metadata. g: the gradient times gscale (fused global-norm
-    clipping: 1 without), finite values clamped to +-GCLAMP (NaN and inf pass), as
-    coat_jax.adam_math.adam_moments."""
-    m = _dequant(_load(mq_ptr + offs, mask, 0.0).to(tl.float32), m_mx, m_code, M_FMAX, EM, FAST)
-    v = _dequant(_load(vq_ptr + offs, mask, 0.0).to(tl.float32), v_mx, v_code, V_FMAX, EM, FAST)
-    g = _load(g_ptr + offs, mask, 0.0).to(tl.float32) * gscale
-    g = tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -GCLAMP), GCLAMP), g)
-    return b1 * m + omb1 * g, b2 * v + omb2 * (g * g)
-
-  @triton.jit
-  def _store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1,
-                   HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr, FAST: tl.constexpr):
-    """Stores the new param p - lr (d + wd p) (OUT_PARAM) or the update -lr (d + wd p), with
-    d = m / ((sqrt(v) / sqrt(bc2) + eps) bc1) (no wd p without a param)."""
-    direction = _div(m, (_sqrt(v, FAST) * inv_sqrt_bc2 + eps) * bc1, FAST)
-    if HAS_PARAM:
-      p = _load(p_ptr + offs, mask, 0.0).to(tl.float32)
-      direction = direction + wd * p
-      if OUT_PARAM:
-        out = p - lr * direction
-      else:
-        out = -(lr * direction)
-    else:
-      out = -(lr * direction)
-    tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
-
-  @triton.jit
-  def _adam_tile(offs, meta_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
-                 mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
-                 vao_ptr, vko_ptr, AXIS: tl.constexpr, HAS_PARAM: tl.constexpr,
-                 OUT_PARAM: tl.constexpr, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
-                 M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr, EXPAND: tl.constexpr,
-                 EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
-                 NOEXP_K: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    """The step on one 2-D tile (element offsets `offs`, groups along tile axis AXIS with their
-    metadata at `meta_idx`; masks None: none), weight decay `wd`: `_new_moments`,
-    `_store_param`, then each moment requantized per group (`_requant`)."""
-    lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = _scalars(s_ptr)
-    m_mx, m_code = _load_meta(ma_ptr, mk_ptr, meta_idx, meta_mask, AXIS)
-    v_mx, v_code = _load_meta(va_ptr, vk_ptr, meta_idx, meta_mask, AXIS)
-    m, v = _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale,
-                        b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
-    _store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1, HAS_PARAM,
-                 OUT_PARAM, FAST)
-    _requant(m, mqo_ptr, mao_ptr, mko_ptr, offs, meta_idx, mask, meta_mask, M_FMAX, M_LOG2R,
-             EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, AXIS)
-    _requant(v, vqo_ptr, vao_ptr, vko_ptr, offs, meta_idx, mask, meta_mask, V_FMAX, V_LOG2R,
-             EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, AXIS)
-
-  @triton.jit
   def adam_rows(blk, rows, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr,
                 vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
                 G: tl.constexpr, BLOCK: tl.constexpr,
@@ -304,7 +124,7 @@ if triton is not None:
     else:
       meta_mask = rows_idx < rows
       mask = meta_mask[:, None]
-    _adam_tile(offs, rows_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+    adam_tile(offs, rows_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
                mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
                vao_ptr, vko_ptr, 1, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
                EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
@@ -321,55 +141,55 @@ if triton is not None:
     """The step on the G-row x BLOCK-column tile at columns cols_idx (column mask cmask, None:
     none) of the G x cols row group the element pointers start at, streamed in G / CHUNK chunks
     of CHUNK rows (a [CHUNK, BLOCK] tile in registers instead of [G, BLOCK]), in two passes:
-      1. per chunk the new m, v (`_new_moments`); elementwise running max |x| and min nonzero
+      1. per chunk the new m, v (`new_moments`); elementwise running max |x| and min nonzero
          |x| in [CHUNK, BLOCK] accumulators (the first chunk starts them), reduced over the rows
          once after the loop: each column's max / min over its G rows, its new metadata
-         (`_group_meta`);
+         (`group_meta`);
       2. per chunk the new m, v again (the same loads, mostly L2 hits), the param written
-         (`_store_param`) and the codes with the column's new metadata (`_quantize`).
-    Same per-element math as `_adam_tile`; max / min are order-free, so the metadata equals
+         (`store_param`) and the codes with the column's new metadata (`quantize`).
+    Same per-element math as `adam_tile`; max / min are order-free, so the metadata equals
     the one-tile kernel's."""
-    lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = _scalars(s_ptr)
-    m_mx, m_code = _load_meta(ma_ptr, mk_ptr, meta_idx, cmask, 0)
-    v_mx, v_code = _load_meta(va_ptr, vk_ptr, meta_idx, cmask, 0)
+    lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = load_scalars(s_ptr)
+    m_mx, m_code = load_meta(ma_ptr, mk_ptr, meta_idx, cmask, 0)
+    v_mx, v_code = load_meta(va_ptr, vk_ptr, meta_idx, cmask, 0)
     if cmask is None:
       mask = None
     else:
       mask = cmask[None, :]
     chunk_rows = tl.arange(0, CHUNK)[:, None]
     offs = chunk_rows * cols + cols_idx[None, :]
-    m, v = _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale,
+    m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale,
                         b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
     m_max = tl.abs(m)
     v_max = tl.abs(v)
-    m_min = _nonzero_or_inf(m_max)
-    v_min = _nonzero_or_inf(v_max)
+    m_min = nonzero_or_inf(m_max)
+    v_min = nonzero_or_inf(v_max)
     for c in range(1, G // CHUNK):
       offs = (chunk_rows + c * CHUNK) * cols + cols_idx[None, :]
-      m, v = _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code,
+      m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code,
                           gscale, b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
       m_max = tl.maximum(m_max, tl.abs(m))
       v_max = tl.maximum(v_max, tl.abs(v))
-      m_min = tl.minimum(m_min, _nonzero_or_inf(tl.abs(m)))
-      v_min = tl.minimum(v_min, _nonzero_or_inf(tl.abs(v)))
-    m_new_mx, m_steps = _group_meta(tl.max(m_max, axis=0), tl.min(m_min, axis=0), M_LOG2R,
+      m_min = tl.minimum(m_min, nonzero_or_inf(tl.abs(m)))
+      v_min = tl.minimum(v_min, nonzero_or_inf(tl.abs(v)))
+    m_new_mx, m_steps = group_meta(tl.max(m_max, axis=0), tl.min(m_min, axis=0), M_LOG2R,
                                     EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
-    v_new_mx, v_steps = _group_meta(tl.max(v_max, axis=0), tl.min(v_min, axis=0), V_LOG2R,
+    v_new_mx, v_steps = group_meta(tl.max(v_max, axis=0), tl.min(v_min, axis=0), V_LOG2R,
                                     EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
     m_mx_t, m_steps_t = tl.expand_dims(m_new_mx, 0), tl.expand_dims(m_steps, 0)
     v_mx_t, v_steps_t = tl.expand_dims(v_new_mx, 0), tl.expand_dims(v_steps, 0)
     for c in range(0, G // CHUNK):
       offs = (chunk_rows + c * CHUNK) * cols + cols_idx[None, :]
-      m, v = _new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code,
+      m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code,
                           gscale, b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
-      _store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1, HAS_PARAM,
+      store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1, HAS_PARAM,
                    OUT_PARAM, FAST)
-      m_codes = _quantize(m, m_mx_t, m_steps_t, M_FMAX, EXPAND, EM, FAST)
-      v_codes = _quantize(v, v_mx_t, v_steps_t, V_FMAX, EXPAND, EM, FAST)
+      m_codes = quantize(m, m_mx_t, m_steps_t, M_FMAX, EXPAND, EM, FAST)
+      v_codes = quantize(v, v_mx_t, v_steps_t, V_FMAX, EXPAND, EM, FAST)
       tl.store(mqo_ptr + offs, m_codes.to(mqo_ptr.dtype.element_ty), mask=mask)
       tl.store(vqo_ptr + offs, v_codes.to(vqo_ptr.dtype.element_ty), mask=mask)
-    _store_meta(m_new_mx, m_steps, mao_ptr, mko_ptr, meta_idx, cmask)
-    _store_meta(v_new_mx, v_steps, vao_ptr, vko_ptr, meta_idx, cmask)
+    store_meta(m_new_mx, m_steps, mao_ptr, mko_ptr, meta_idx, cmask)
+    store_meta(v_new_mx, v_steps, vao_ptr, vko_ptr, meta_idx, cmask)
 
   @triton.jit
   def adam_cols(blk, cols, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr,
@@ -383,7 +203,7 @@ if triton is not None:
     """The step on tile `blk` of a leaf viewed as (R * G, cols), grouped along its rows: row
     group blk // nc, columns (blk % nc) * BLOCK + [0, BLOCK) with nc = ceil(cols / BLOCK) (the
     column tiles of one row group are neighbouring programs: they share DRAM sectors). EVEN:
-    cols % BLOCK == 0 (no masks). CHUNK: 0, the whole G x BLOCK tile at once (`_adam_tile`),
+    cols % BLOCK == 0 (no masks). CHUNK: 0, the whole G x BLOCK tile at once (`adam_tile`),
     else streamed in chunks of CHUNK rows (`_adam_cols_chunked`)."""
     nc = tl.cdiv(cols, BLOCK)
     grp = blk // nc
@@ -402,7 +222,7 @@ if triton is not None:
       mask = cmask[None, :]
     if CHUNK == 0:
       offs = tl.arange(0, G)[:, None] * cols + cols_idx[None, :]
-      _adam_tile(offs, meta_idx, mask, cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+      adam_tile(offs, meta_idx, mask, cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
                  mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
                  vao_ptr, vko_ptr, 0, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
                  EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
@@ -560,10 +380,9 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   COLS_WARPS); cols_chunk (group_axis -2): 0, the G x BLOCK tile at once, or the rows per chunk
   of the streamed two-pass tile (default COLS_CHUNK; `launch_plan`; the leaf size reaches the
   kernel as SIZE_ARG says). alias: write the new param and moments into the old ones' buffers
-  (pays off when the caller donates them); fast_math: MUFU
-  approximations for the per-element log2 / exp2 / sqrt / division (see `_log2`); grad_clamp:
-  finite gradients are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays
-  finite; inf: none); grad_scale: None or a float32 scalar the kernel multiplies each gradient
+  (pays off when the caller donates them); fast_math: MUFU approximations for the per-element
+  log2 / exp2 / sqrt / division (adam_tile_triton's `_approx`); grad_clamp: finite gradients
+  are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays finite; inf: none); grad_scale: None or a float32 scalar the kernel multiplies each gradient
   element by as it loads it (fused global-norm clipping: coat_jax.adam_math.clip_scale).
   """
   if not available():

@@ -234,8 +234,9 @@ def _launch_interpreted(ins, outs, shape, group_axis, block, chunk=0, size_arg="
 
 def _use_tl_math():
   """The interpreter leaves libdevice's stubs unimplemented (they return None): tl.math's."""
+  from pallas_kernels import adam_tile_triton as tile
   for name in ("exp2", "log2"):
-    setattr(at.libdevice, name, lambda x, name=name: getattr(at.tl.math, name)(x))
+    setattr(tile.libdevice, name, lambda x, name=name: getattr(tile.tl.math, name)(x))
 
 
 def _interpreter_check(grad_scale=None, size_arg="runtime", shape=(7, 256), block=4):
