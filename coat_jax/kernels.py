@@ -268,14 +268,18 @@ def _row_kernel_kw(block: bool = True) -> dict:
 
 
 def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
-                        floor=formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
+                        floor=formats.ACTIVATION_SCALE_FLOOR,
+                        producer_fusion: bool = False) -> QuantizedArray:
   """See `coat_jax.quantize.quantize_per_tensor`.
 
   Kernel (mosaic, the shapes in the module docstring): stage-1 tile maxima, stage 2 and the scale
   here (`quantize.scale_from_amax`), then the quantize(+transpose) pass; else the reference.
+  producer_fusion: always the reference (XLA's ops), which XLA fuses into the op producing x
+  (a weight's cast and transpose: one pass, no kernel module to compile; ops.linear_options).
   """
   f = formats.get_format(fmt)
-  if implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes():
+  if (not producer_fusion and implementation("quantize") == "mosaic"
+      and f.dtype in formats.fp8_dtypes()):
     from pallas_kernels import quantize_mgpu as qm  # local: keeps Pallas out of reference-only imports.
     if qm.supported_per_tensor(x.shape, x.dtype, with_transpose):
       tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max,

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from coat_jax import kernels, quantize
+from coat_jax import kernels
 from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
 
@@ -86,7 +86,9 @@ def linear_options(*, weight_quant: str = DEFAULT_OPTIONS["weight_quant"],
   one module per weight shape). Same values either way (XLA and Mosaic GPU both divide with
   div.full.f32). H100 alone (docs/benchmarks.md, 16384 x 4096 / 11008 bf16): 0.154 / 0.369 ms
   XLA vs 0.150 / 0.389 ms kernel; OLMo-1B's step compiles 2 Mosaic GPU modules fewer.
-  Read while a function is traced: trace (jit) it inside the `with`.
+  Read while a function is traced: trace (jit) it inside the `with`. Entering or leaving a
+  `with` that changes an option clears JAX's caches (`jax.clear_caches`), so no trace made under
+  other options is reused.
   """
   for name, value, choices in (("weight_quant", weight_quant, WEIGHT_QUANT),
                                ("amax", amax, AMAX),
@@ -94,11 +96,18 @@ def linear_options(*, weight_quant: str = DEFAULT_OPTIONS["weight_quant"],
     if value not in choices:
       raise ValueError(f"linear_options: {name} must be one of {choices}, got {value!r}")
   old = dict(_OPTIONS)
-  _OPTIONS.update(weight_quant=weight_quant, amax=amax, weight_quantize=weight_quantize)
+  new = dict(weight_quant=weight_quant, amax=amax, weight_quantize=weight_quantize)
+  # JAX caches the traces of custom_vjp rules by function and shapes, not by these options: a
+  # change must not reuse a trace made under other options, on entry or on exit.
+  if new != old:
+    jax.clear_caches()
+  _OPTIONS.update(new)
   try:
     yield
   finally:
     _OPTIONS.update(old)
+    if new != old:
+      jax.clear_caches()
 
 
 def _weight_amax(w):
@@ -113,10 +122,9 @@ def _quantize_weight(wc, *, with_transpose=False) -> QuantizedArray:
   """Per-tensor E4M3 of a (cast) weight, amax from `_weight_amax`: XLA's ops under
   `weight_quantize="xla"` (default; fused with the cast and any transpose of wc), else the
   dispatch's kernel (see `linear_options`)."""
-  amax = _weight_amax(wc)
-  if _OPTIONS["weight_quantize"] == "xla":
-    return quantize.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=with_transpose)
-  return kernels.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=with_transpose)
+  return kernels.quantize_per_tensor(wc, "e4m3", amax=_weight_amax(wc),
+                                     with_transpose=with_transpose,
+                                     producer_fusion=_OPTIONS["weight_quantize"] == "xla")
 
 
 def _fwd_gemm(xq, w, out_dtype):
