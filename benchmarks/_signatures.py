@@ -1,4 +1,4 @@
-"""The distinct Pallas kernels of a traced program, without a GPU (compile_breakdown.py --signatures).
+"""The distinct Pallas kernels of a traced program, without a GPU (compile_breakdown --signatures).
 
 One Mosaic GPU kernel signature (kernel name, operand and result types, grid, body) is one module
 that XLA compiles with the step; `kernel_signatures` walks a jaxpr (scan, custom_vjp and jit

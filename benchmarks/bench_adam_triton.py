@@ -21,16 +21,13 @@ calls (one block at the end: the GPU time once dispatch overlaps), best of --rep
 from __future__ import annotations
 
 import argparse
-import functools
-import statistics
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from _common import kernel_times
+from _common import kernel_times, time_calls
 from coat_jax import formats, kernels_adam
 from coat_jax.expansion import quantize_expanded
 from pallas_kernels import adam_step_triton as at
@@ -77,18 +74,22 @@ def time_leaf(step, state, calls: int, repeats: int, profile: bool) -> dict:
   p, g, m, v = state
   synced, piped = [], []
   p, m, v = jax.block_until_ready(step(p, g, m, v))   # warm-up
+  chained = [(p, g, m, v)]   # the donated state moves on with every call
+
+  def next_args(out):
+    if out is not None:
+      chained[0] = (out[0], g, out[1], out[2])
+    return chained[0]
+
   for _ in range(repeats):
-    times = []
-    for _ in range(calls):
-      t0 = time.perf_counter()
-      p, m, v = jax.block_until_ready(step(p, g, m, v))
-      times.append(time.perf_counter() - t0)
-    synced.append(statistics.median(times) * 1e3)
+    synced.append(time_calls(step, next_args, calls, warmup=0))
+    p, _, m, v = chained[0]
     t0 = time.perf_counter()
     for _ in range(calls):
       p, m, v = step(p, g, m, v)
     jax.block_until_ready((p, m, v))
     piped.append((time.perf_counter() - t0) * 1e3 / calls)
+    chained[0] = (p, g, m, v)
   out = dict(synced=min(synced), piped=min(piped), kernel=None)
   if profile:
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -155,9 +156,8 @@ def summarize(rows: list[dict]) -> None:
     print(f"| {s[0]} | {s[1]} | {s[2]} | {sum(r['compiles'] for r in rs)} | "
           f"{sum(r['compile_s'] for r in rs):.2f} | {sum(r['synced'] for r in rs):.3f} | "
           f"{sum(r['piped'] for r in rs):.3f} | {kern_s} |")
-  print("\n| kernel | tile | leaf | " + " | ".join(
-      f"{a} pipelined ms" for a in dict.fromkeys(r["size_arg"] for r in rows)) + " |")
   size_args = list(dict.fromkeys(r["size_arg"] for r in rows))
+  print("\n| kernel | tile | leaf | " + " | ".join(f"{a} pipelined ms" for a in size_args) + " |")
   print("|---|---|---|" + "---|" * len(size_args))
   for axis, tile in dict.fromkeys((r["axis"], tile_name(r["tile"])) for r in rows):
     for shape in dict.fromkeys(r["shape"] for r in rows if r["axis"] == axis):

@@ -28,6 +28,7 @@ from _common import time_calls
 from coat_jax import formats, kernels, kernels_adam
 from coat_jax.expansion import quantize_expanded
 from pallas_kernels import adam_step as pk
+from pallas_kernels.adam_step_triton import pow2_divisor
 
 M_FORMAT = V_FORMAT = "e4m3"
 GROUP = formats.OPTIMIZER_GROUP_SIZE   # 128
@@ -35,14 +36,6 @@ GROUP = formats.OPTIMIZER_GROUP_SIZE   # 128
 
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, count=7, group_size=GROUP,
              expand=True, expand_min=16, **kernels_adam.adam_kernel_limits(M_FORMAT, V_FORMAT))
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-  """Largest power of two <= cap dividing n (how the COAT kernel picks whole blocks)."""
-  b = 1
-  while b < cap and n % (2 * b) == 0:
-    b *= 2
-  return b
 
 
 def _io_kernel(p_ref, g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
@@ -59,7 +52,7 @@ def _io_kernel(p_ref, g_ref, mq_ref, ma_ref, mk_ref, vq_ref, va_ref, vk_ref,
 @functools.partial(jax.jit, static_argnames=("block", "interpret"), donate_argnums=(0, 2, 3))
 def io_floor(p, g, m, v, *, block, interpret=False):
   rows = p.size // GROUP
-  block = _pow2_divisor(rows, block)   # whole blocks, as the COAT kernel picks them
+  block = pow2_divisor(rows, block)   # whole blocks, as the COAT kernel picks them
   big = pl.BlockSpec((block, GROUP), lambda i: (i, 0))
   small = pl.BlockSpec((block,), lambda i: (i,))
   outs = pl.pallas_call(

@@ -382,8 +382,9 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   kernel as SIZE_ARG says). alias: write the new param and moments into the old ones' buffers
   (pays off when the caller donates them); fast_math: MUFU approximations for the per-element
   log2 / exp2 / sqrt / division (adam_tile_triton's `_approx`); grad_clamp: finite gradients
-  are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays finite; inf: none); grad_scale: None or a float32 scalar the kernel multiplies each gradient
-  element by as it loads it (fused global-norm clipping: coat_jax.adam_math.clip_scale).
+  are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays finite; inf: none);
+  grad_scale: None or a float32 scalar the kernel multiplies each gradient element by as it
+  loads it (fused global-norm clipping: coat_jax.adam_math.clip_scale).
   """
   if not available():
     raise ValueError("adam_step_triton: triton / jax-triton are not installed (GPU only)")
