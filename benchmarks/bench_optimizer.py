@@ -200,7 +200,15 @@ def main():
                       help="column kernel tiles BLOCKxWARPS or BLOCKxCHUNKxWARPS,... for the "
                            "column rows (default: the kernel's COLS_BLOCK / COLS_CHUNK / "
                            "COLS_WARPS)")
+  parser.add_argument("--triton-calls", default="ffi",
+                      help="comma-separated custom calls for the jax-triton kernels, of "
+                           "ffi (typed FFI, CUDA-graph capturable: the default) and legacy "
+                           "(jax-triton 0.3.1's own); the coat rows repeat once per call")
   args = parser.parse_args()
+  from pallas_kernels import call_triton
+  calls = [c.strip() for c in args.triton_calls.split(",") if c.strip()]
+  if not calls or [c for c in calls if c not in call_triton.CUSTOM_CALLS]:
+    parser.error(f"--triton-calls {args.triton_calls!r}: choose from {call_triton.CUSTOM_CALLS}")
   names = [r.strip() for r in args.rows.split(",") if r.strip()]
   bad = [r for r in names if r not in CONFIGS]
   if bad:
@@ -212,9 +220,10 @@ def main():
     parser.error(f"--cols-tiles: {e}")
   default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_CHUNK,
                   adam_step_triton.COLS_WARPS)
-  runs = []   # (row key, column tile or None)
+  runs = []   # (row key, column tile or None, custom call)
   for key in names:
-    runs += [(key, t) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None)]
+    for call in (calls if key.startswith(("coat", "apply", "chain_")) else calls[:1]):
+      runs += [(key, t, call) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None, call)]
 
   rows = lambda r: max(1, round(r * args.scale))
   shapes = [(rows(r), c) for r, c in SHAPES]
@@ -232,8 +241,13 @@ def main():
   print(f"copy bandwidth (x + 1, read + write): {bw / 1e12:.3f} TB/s", flush=True)
 
   rows_out = []
-  for key, tile in runs:
+  for key, tile, call in runs:
     name, make, backend, extra = CONFIGS[key]
+    if call != call_triton.CUSTOM_CALL:   # read when the kernels are traced
+      call_triton.CUSTOM_CALL = call
+      jax.clear_caches()
+    if len(calls) > 1 and key.startswith(("coat", "apply", "chain_")):
+      name = f"{name}, {call} custom call"
     if key in COLUMN_ROWS:
       tile = tile or default_tile
       # the tile is read when the kernel is traced: clear the traces of the previous one

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import call_triton
 from pallas_kernels.adam_operands import OUTPUTS, check_operands
 
 try:  # the kernels need triton only (they compile without a GPU); calling them needs jax-triton
@@ -408,8 +409,8 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
     if output == "param":
       aliases[1] = 0
     aliases.update({3 + i: 1 + i for i in range(6)})
-  outs = jt.triton_call(
-      *operands, kernel=kernel,
+  call = dict(
+      kernel=kernel,
       out_shape=[jax.ShapeDtypeStruct(like.shape, out_dtype),
                  jax.ShapeDtypeStruct(like.shape, m_q.dtype),
                  jax.ShapeDtypeStruct(meta_shape, jnp.float32),
@@ -422,5 +423,7 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
           group_size, block, has_param=param is not None, output=output, m_fmax=m_fmax,
           v_fmax=v_fmax, m_log2_range=m_log2_range, v_log2_range=v_log2_range, expand=expand,
           expand_min=expand_min, max_k_code=max_k_code, amax_floor=amax_floor,
-          grad_clamp=grad_clamp, fast_math=fast_math))
+          grad_clamp=grad_clamp, fast_math=fast_math), **call_triton.call_kwargs())
+  call_triton.precompile(jt.triton_call, operands, **call)
+  outs = jt.triton_call(*operands, **call)
   return tuple(outs)

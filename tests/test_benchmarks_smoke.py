@@ -229,5 +229,19 @@ def test_compile_breakdown_kernel_counts_and_pass_log():
   assert log["timers"] == {"GpuCompiler::RunHloPasses": 40.0}
   v = cb.parse_variant("coat:coat_adamw/kernels=gemm=reference/set=model.num_layers=1/prewarm")
   assert (v["kernels"], v["sets"], v["prewarm"]) == ("gemm=reference", ["model.num_layers=1"], True)
+  assert not v["noprecompile"] and cb.parse_variant("coat:coat_adamw/noprecompile")["noprecompile"]
   with pytest.raises(ValueError, match="unknown option"):
     cb.parse_variant("coat:coat_adamw/bogus=1")
+  with pytest.raises(ValueError, match="unknown option"):
+    cb.parse_variant("coat:coat_adamw/noprecompile=1")
+
+
+def test_dispatch_bench_table_and_fit(capsys, monkeypatch):
+  """bench_dispatch on the CPU: a row per count, both columns timed, and the per-buffer fit."""
+  dispatch = _load("bench_dispatch")
+  monkeypatch.setattr(sys, "argv", ["bench_dispatch", "--counts", "4,32", "--steps", "3"])
+  dispatch.main()
+  out = capsys.readouterr().out
+  rows = [l for l in out.splitlines() if re.match(r"\| (4|32) \|", l)]
+  assert len(rows) == 2 and all(float(c) > 0 for r in rows for c in r.strip("| ").split(" | ")[2:])
+  assert re.search(r"not donated: -?[\d.]+ us per buffer", out) and "donated:" in out
