@@ -119,6 +119,14 @@ def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axi
     for line in [ln for ln in hlo.splitlines() if " copy(" in ln][:2]:
       print(f"    {line.strip()[:160]}")
   ms = time_calls(step, next_args, steps)
+  dispatch = []   # ms until the call returns (the host's work before the GPU runs it all)
+  for _ in range(steps):
+    args = jax.block_until_ready(next_args(None))
+    t0 = time.perf_counter()
+    out = step(*args)
+    dispatch.append((time.perf_counter() - t0) * 1e3)
+    next_args(jax.block_until_ready(out))
+  dispatch_ms = sorted(dispatch)[len(dispatch) // 2]
   device_ms = None
   if profile:  # one traced step, its inputs (fresh grads) made before the trace starts
     import tempfile
@@ -137,7 +145,8 @@ def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axi
   carry.clear()
   piped, _ = pipelined_ms(jax.jit(_step, donate_argnums=(0, 1)), (params, state, grads), steps)
   del params, state
-  print(f"  {name}: {ms:.2f} ms/step wall, {piped:.2f} ms pipelined", flush=True)
+  print(f"  {name}: {ms:.2f} ms/step wall ({dispatch_ms:.2f} ms to return from the call), "
+        f"{piped:.2f} ms pipelined", flush=True)
   return ms, piped, state_bytes / n, device_ms
 
 
@@ -200,13 +209,14 @@ def main():
                       help="column kernel tiles BLOCKxWARPS or BLOCKxCHUNKxWARPS,... for the "
                            "column rows (default: the kernel's COLS_BLOCK / COLS_CHUNK / "
                            "COLS_WARPS)")
-  parser.add_argument("--triton-calls", default="ffi",
+  parser.add_argument("--triton-calls", default=None,
                       help="comma-separated custom calls for the jax-triton kernels, of "
-                           "ffi (typed FFI, CUDA-graph capturable: the default) and legacy "
-                           "(jax-triton 0.3.1's own); the coat rows repeat once per call")
+                           "legacy (jax-triton 0.3.1's own) and ffi (typed FFI, CUDA-graph "
+                           "capturable); the coat rows repeat once per call (default: "
+                           "pallas_kernels.call_triton.CUSTOM_CALL, from $COAT_JAX_TRITON_CALL)")
   args = parser.parse_args()
   from pallas_kernels import call_triton
-  calls = [c.strip() for c in args.triton_calls.split(",") if c.strip()]
+  calls = [c.strip() for c in (args.triton_calls or call_triton.CUSTOM_CALL).split(",") if c.strip()]
   if not calls or [c for c in calls if c not in call_triton.CUSTOM_CALLS]:
     parser.error(f"--triton-calls {args.triton_calls!r}: choose from {call_triton.CUSTOM_CALLS}")
   names = [r.strip() for r in args.rows.split(",") if r.strip()]

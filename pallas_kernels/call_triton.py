@@ -1,7 +1,8 @@
 """How this project's Triton kernels reach XLA: a typed-FFI custom call, compiled ahead in threads.
 
-Two changes to jax-triton 0.3.1's `triton_call`, for the calls that ask for them (`call_kwargs`);
-every other jax-triton call in the process keeps jax-triton's own lowering.
+Two changes to jax-triton 0.3.1's `triton_call` for this project's calls: the typed-FFI custom call
+(an option, CUSTOM_CALL, for the calls that ask for it with `call_kwargs`: every other jax-triton
+call in the process keeps jax-triton's own lowering) and the compile ahead (`precompile`, on).
 
 1. The custom call. jax-triton 0.3.1 lowers every call to the legacy custom call
    `triton_kernel_call` (API version 2), which XLA cannot record into a command buffer (CUDA
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 
 import jax
@@ -42,10 +44,14 @@ LEGACY_TARGET = "triton_kernel_call"       # jax-triton 0.3.1's custom call (API
 MARK = "coat_jax:" + FFI_TARGET            # the target name our calls pass: "lower me as FFI"
 MIN_JAX_FOR_FFI = (0, 10, 1)
 
-# Read when a call is traced (benchmarks A/B them; jax.clear_caches() between settings):
-#   "ffi": the typed-FFI custom call (CUDA-graph capturable); "legacy": jax-triton's own.
-CUSTOM_CALLS = ("ffi", "legacy")
-CUSTOM_CALL = "ffi"
+# Read when a call is traced (benchmarks A/B them; jax.clear_caches() between settings), default
+# from $COAT_JAX_TRITON_CALL: "legacy", jax-triton's own custom call; "ffi", the typed-FFI one
+# (CUDA-graph capturable). Legacy is the default: H100, 62-leaf 1.21e9-param coat_adamw_apply,
+# same GPU kernel time (6.70 ms), blocked wall 8.73 ms legacy vs 9.37 ms ffi, pipelined 7.08 vs
+# 7.22 (docs/benchmarks.md, seventh session): with 62 large kernels the host launching each one
+# overlaps the GPU's work, while a command buffer is updated with all 62 calls' buffers first.
+CUSTOM_CALLS = ("legacy", "ffi")
+CUSTOM_CALL = os.environ.get("COAT_JAX_TRITON_CALL", "legacy")
 PRECOMPILE = True                          # compile on worker threads while the step is traced
 WORKERS = 4
 

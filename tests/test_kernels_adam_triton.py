@@ -433,8 +433,8 @@ def test_gpu_fused_clip_matches_chain(group_axis):
 @pytest.mark.gpu
 @pytest.mark.parametrize("group_axis", [-1, -2])
 def test_gpu_ffi_call_equals_legacy_call_and_is_compiled_ahead(group_axis, monkeypatch):
-  """The typed-FFI custom call (call_triton, the default) runs the same kernel as jax-triton's
-  legacy call: bit-identical results; the lowered step names the FFI target, and tracing it
+  """The typed-FFI custom call (call_triton's option) runs the same kernel as jax-triton's
+  legacy call (the default): bit-identical results; the lowered step names the FFI target, and tracing it
   started the kernel's compile on a worker thread."""
   from pallas_kernels import call_triton
   if group_axis == -1:
@@ -454,7 +454,7 @@ def test_gpu_ffi_call_equals_legacy_call_and_is_compiled_ahead(group_axis, monke
     started = call_triton.pending()
     step = jax.jit(lambda *a: at.adam_step(*a, **kw))
     texts[mode] = step.lower(*args).as_text()
-    if mode == "legacy":   # no other test traces the legacy call: its compile key is new
+    if mode == "ffi":   # not the default: no other test traced this compile key
       assert call_triton.pending() == started + 1
     results[mode] = [np.asarray(a) for a in step(*args)]
   assert "@triton_kernel_call_ffi" in texts["ffi"]
