@@ -2,9 +2,10 @@
 
 A step over a parameter tree passes every leaf's buffers (optax.adamw: param, grad, mu, nu in and
 param, mu, nu out; coat_adamw: each moment is three arrays, codes, scales and k codes). This times
-one jitted call `xs -> [x + 1 for x in xs]` over N tiny float32 arrays (so the GPU work is
-nothing), blocked, with and without donating the inputs, for several N, and fits the time per
-buffer (in + out). Prints a table; the slope is what each extra buffer costs a blocked step.
+one jitted call `xs -> [x + 1 for x in xs]` over N float32 arrays of 16 elements (the GPU work:
+a few tiny fused kernels), blocked, with and without donating the inputs, for several N, and fits
+the time per buffer (in + out). Prints a table; the slope is what each extra buffer costs a
+blocked call (host work per argument and result, with the tiny kernels' share).
 
   python benchmarks/bench_dispatch.py                  # GPU
   JAX_PLATFORMS=cpu python benchmarks/bench_dispatch.py --steps 5 --counts 8,64   # smoke check

@@ -30,8 +30,7 @@ compiles it on abstract arguments (no parameters are allocated). Measured per va
 Variants: PRECISION:OPTIMIZER[/option...], options `kernels=SPEC` (COAT_JAX_KERNELS, e.g.
 kernels=gemm=reference), `remat=POLICY`, `set=KEY=VALUE` (a config override), `xla=FLAG` (added
 to XLA_FLAGS), `linear=KEY=VALUE` (an `ops.linear_options` value while tracing, e.g.
-linear=amax=kernel), `prewarm`, `noprecompile` (jax-triton kernels compiled in the lowering, one
-after another, instead of on worker threads while the step is traced: pallas_kernels/call_triton.py).
+linear=amax=kernel), `prewarm`.
 
 --signatures (no GPU needed): every distinct Mosaic GPU kernel the step would compile on one H100,
 with its call sites, from the traced step alone (nothing is lowered or compiled): the kernel
@@ -83,8 +82,7 @@ DEFAULT_VARIANTS = (
     "coat:coat_adamw/kernels=quantize=reference", "coat:adamw",
     "coat:coat_adamw/set=model.num_layers=1", "coat:coat_adamw/remat=full",
     "coat:coat_adamw/kernels=adam=reference", "fp8_linear:adamw", "bf16:adamw/remat=full")
-OPTIONS = ("kernels", "remat", "set", "xla", "linear", "prewarm", "noprecompile")
-FLAGS = ("prewarm", "noprecompile")   # options without a value
+OPTIONS = ("kernels", "remat", "set", "xla", "linear", "prewarm")
 # custom_call_target -> column; XLA's own Triton fusions are counted from fusion backend configs.
 TARGETS = (("mosaic", ("mosaic_gpu",)), ("jax-triton", ("triton_kernel_call",)),
            ("pallas-triton", ("__gpu$xla.gpu.triton",)), ("cudnn", ("__cudnn",)),
@@ -98,13 +96,12 @@ def parse_variant(text: str) -> dict:
   if not precision or not optimizer:
     raise ValueError(f"variant {text!r}: expected PRECISION:OPTIMIZER[/option...]")
   v = dict(name=text, precision=precision, optimizer=optimizer, kernels=None, remat=None, sets=[],
-           xla=[], linear={}, prewarm=False, noprecompile=False)
+           xla=[], linear={}, prewarm=False)
   for o in opts:
     key, eq, value = o.partition("=")
-    if key not in OPTIONS or (key in FLAGS) == bool(eq):
+    if key not in OPTIONS or (key == "prewarm") == bool(eq):
       raise ValueError(f"variant {text!r}: unknown option {o!r}; options: kernels=SPEC, "
-                       f"remat=POLICY, set=KEY=VALUE, xla=FLAG, linear=KEY=VALUE, prewarm, "
-                       f"noprecompile")
+                       f"remat=POLICY, set=KEY=VALUE, xla=FLAG, linear=KEY=VALUE, prewarm")
     if key == "linear":
       name, eq2, val = value.partition("=")
       if not eq2:
@@ -112,8 +109,8 @@ def parse_variant(text: str) -> dict:
       v["linear"][name] = val
     elif key in ("set", "xla"):
       v["sets" if key == "set" else "xla"].append(value)
-    elif key in FLAGS:
-      v[key] = True
+    elif key == "prewarm":
+      v["prewarm"] = True
     else:
       v[key] = value
   return v
@@ -334,9 +331,6 @@ def _measure(args, v, out) -> None:
   from coat_jax import kernels, ops
 
   jax.config.update("jax_enable_compilation_cache", False)
-  if v["noprecompile"]:
-    from pallas_kernels import call_triton
-    call_triton.PRECOMPILE = False
   t0 = time.perf_counter()
   built, state, tokens = _build_variant(args, v)
   dev = jax.devices()[0]

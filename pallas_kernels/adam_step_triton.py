@@ -424,6 +424,5 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
           v_fmax=v_fmax, m_log2_range=m_log2_range, v_log2_range=v_log2_range, expand=expand,
           expand_min=expand_min, max_k_code=max_k_code, amax_floor=amax_floor,
           grad_clamp=grad_clamp, fast_math=fast_math), **call_triton.call_kwargs())
-  call_triton.precompile(jt.triton_call, operands, **call)
   outs = jt.triton_call(*operands, **call)
   return tuple(outs)

@@ -206,7 +206,6 @@ def tree_step(params, grads, m_states, v_states, decay, *, lr, b1, b2, eps, weig
     call = dict(kernel=kernel, out_shape=out_shapes, grid=(launch.starts[-1],),
                 input_output_aliases=aliases, num_warps=num_warps, num_stages=1,
                 HAS_PARAM=has_param, **static, **call_triton.call_kwargs())
-    call_triton.precompile(single.jt.triton_call, operands, **call)
     outs = single.jt.triton_call(*operands, **call)
     for j, i in enumerate(launch.leaves):
       o = outs[7 * j:7 * j + 7]

@@ -229,11 +229,10 @@ def test_compile_breakdown_kernel_counts_and_pass_log():
   assert log["timers"] == {"GpuCompiler::RunHloPasses": 40.0}
   v = cb.parse_variant("coat:coat_adamw/kernels=gemm=reference/set=model.num_layers=1/prewarm")
   assert (v["kernels"], v["sets"], v["prewarm"]) == ("gemm=reference", ["model.num_layers=1"], True)
-  assert not v["noprecompile"] and cb.parse_variant("coat:coat_adamw/noprecompile")["noprecompile"]
   with pytest.raises(ValueError, match="unknown option"):
     cb.parse_variant("coat:coat_adamw/bogus=1")
   with pytest.raises(ValueError, match="unknown option"):
-    cb.parse_variant("coat:coat_adamw/noprecompile=1")
+    cb.parse_variant("coat:coat_adamw/prewarm=1")
 
 
 def test_dispatch_bench_table_and_fit(capsys, monkeypatch):

@@ -1,14 +1,10 @@
 """pallas_kernels/call_triton.py on the CPU: the legacy Triton custom call rewritten to the typed-FFI
-one (operands, results, aliases and the proto kept), the routing of marked and unmarked calls,
-and the compiles started ahead on worker threads (once per compile key, waited for).
+one (operands, results, aliases and the proto kept), and the routing of marked and unmarked calls.
 
 jax-triton cannot run here, so a stand-in primitive lowers to the same legacy custom call that
 jax-triton 0.3.1 emits (API version 2, the compressed proto as a string backend_config); the GPU
 run of the real kernels through the FFI call is in tests/test_kernels_adam_triton.py.
 """
-import concurrent.futures
-import threading
-import time
 import zlib
 
 import jax
@@ -96,82 +92,3 @@ def test_call_kwargs_follow_the_setting(monkeypatch):
   monkeypatch.setattr(call_triton, "CUSTOM_CALL", "graph")
   with pytest.raises(ValueError, match="CUSTOM_CALL must be one of"):
     call_triton.call_kwargs()
-
-
-@pytest.fixture
-def fresh_pool(monkeypatch):
-  monkeypatch.setattr(call_triton, "_pending", {})
-  monkeypatch.setattr(call_triton, "_pool", None)
-  monkeypatch.setattr(call_triton, "PRECOMPILE", True)
-  yield
-  if call_triton._pool is not None:
-    call_triton._pool.shutdown(wait=True)
-
-
-def _fake_triton_call(record):
-  """A stand-in for jax_triton.triton_call: records what the worker traced it with."""
-  def triton_call(*operands, kernel, out_shape, grid, **kw):
-    record.append((threading.current_thread().name, kernel,
-                   tuple((o.shape, str(o.dtype)) if hasattr(o, "shape") else o for o in operands)))
-    return [operands[0] * 2]
-  return triton_call
-
-
-def test_precompile_starts_one_worker_per_compile_key(fresh_pool):
-  record = []
-  fake = _fake_triton_call(record)
-  started = []
-
-  def step(a, b, c):
-    kw = dict(kernel="k", out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype)], grid=(1,),
-              num_warps=4, BLOCK=16)
-    started.append(call_triton.precompile(fake, [a, 5], **kw))
-    started.append(call_triton.precompile(fake, [b, 7], **kw))      # other shape, same key
-    started.append(call_triton.precompile(fake, [c, 5], **kw))      # other dtype: new key
-    started.append(call_triton.precompile(fake, [a, 1], **kw))      # size 1: Triton specializes
-    started.append(call_triton.precompile(fake, [a, 5], **dict(kw, BLOCK=32)))  # new constexpr
-    return a
-
-  rng = np.random.default_rng(SEED)
-  a = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
-  b = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
-  c = jnp.asarray(rng.standard_normal((4, 16)), jnp.bfloat16)
-  jax.jit(step).lower(a, b, c)
-  assert started == [True, False, True, True, True]
-  concurrent.futures.wait(list(call_triton._pending.values()))
-  assert call_triton.pending() == 4
-  assert all(f.exception() is None for f in call_triton._pending.values())
-  assert len(record) == 4 and all(name.startswith("triton-compile") for name, _, _ in record)
-  assert ((4, 16), "float32") in [ops[0] for _, _, ops in record]
-  assert ((4, 16), "bfloat16") in [ops[0] for _, _, ops in record]
-  assert sorted(ops[1] for _, _, ops in record) == [1, 5, 5, 5]   # scalars passed through
-
-
-def test_precompile_does_nothing_outside_tracing_or_when_off(fresh_pool, monkeypatch):
-  fake = _fake_triton_call([])
-  a = jnp.ones((2, 16), jnp.float32) * 3
-  kw = dict(kernel="k", out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype)], grid=(1,))
-  assert not call_triton.precompile(fake, [a, 5], **kw)            # concrete arrays: eager call
-  monkeypatch.setattr(call_triton, "PRECOMPILE", False)
-  jax.jit(lambda x: (call_triton.precompile(fake, [x, 5], **kw), x)[1]).lower(a)
-  assert call_triton.pending() == 0
-
-
-def test_lowering_waits_for_the_workers_but_a_worker_does_not(fresh_pool, monkeypatch):
-  done = threading.Event()
-  pool = concurrent.futures.ThreadPoolExecutor(1)
-  monkeypatch.setattr(call_triton, "_pending",
-                      {"slow": pool.submit(lambda: (time.sleep(0.3), done.set()))})
-  call_triton._wait_for_workers()
-  assert done.is_set()
-  blocker = threading.Event()
-  call_triton._pending["never"] = pool.submit(blocker.wait)
-  call_triton._in_worker.active = True
-  try:
-    t = time.perf_counter()
-    call_triton._wait_for_workers()                                # would hang if it waited
-    assert time.perf_counter() - t < 0.2
-  finally:
-    call_triton._in_worker.active = False
-    blocker.set()
-    pool.shutdown(wait=True)

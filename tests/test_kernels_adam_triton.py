@@ -434,8 +434,7 @@ def test_gpu_fused_clip_matches_chain(group_axis):
 @pytest.mark.parametrize("group_axis", [-1, -2])
 def test_gpu_ffi_call_equals_legacy_call_and_is_compiled_ahead(group_axis, monkeypatch):
   """The typed-FFI custom call (call_triton's option) runs the same kernel as jax-triton's
-  legacy call (the default): bit-identical results; the lowered step names the FFI target, and tracing it
-  started the kernel's compile on a worker thread."""
+  legacy call (the default): bit-identical results, and the lowered step names each target."""
   from pallas_kernels import call_triton
   if group_axis == -1:
     p, g, m0, v0 = _state((96, 384), seed=61)
@@ -451,11 +450,8 @@ def test_gpu_ffi_call_equals_legacy_call_and_is_compiled_ahead(group_axis, monke
   for mode in ("legacy", "ffi"):
     monkeypatch.setattr(call_triton, "CUSTOM_CALL", mode)
     jax.clear_caches()
-    started = call_triton.pending()
     step = jax.jit(lambda *a: at.adam_step(*a, **kw))
     texts[mode] = step.lower(*args).as_text()
-    if mode == "ffi":   # not the default: no other test traced this compile key
-      assert call_triton.pending() == started + 1
     results[mode] = [np.asarray(a) for a in step(*args)]
   assert "@triton_kernel_call_ffi" in texts["ffi"]
   assert "@triton_kernel_call(" in texts["legacy"] and "triton_kernel_call_ffi" not in texts["legacy"]
