@@ -11,6 +11,9 @@ back-to-back calls of the same step without donated gradients (the gradients are
 copies; one block at the end), as a training loop that does not wait for each step sees it: the
 host's dispatch of a call overlaps the previous call's GPU work. --profile also prints each
 optimizer's top GPU kernels (device time per step) and counts the copies in its compiled HLO.
+Each row also prints the ms until a blocked-timed call returns to Python (the host's share);
+--triton-calls legacy,ffi repeats the coat rows once per custom call of the jax-triton kernels
+(pallas_kernels/call_triton.py).
 
 Rows (--rows picks some; the default leaves out the per-leaf chains and the jnp reference):
 optax.adamw; coat_adamw (writes the update, optax.apply_updates adds it); optax.adamw and
