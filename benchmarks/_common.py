@@ -65,9 +65,11 @@ def median_ms_back_to_back(fn: Callable, *args, iters: int = 10, repeats: int = 
   return 1e3 * statistics.median(times)
 
 
-def time_calls(fn: Callable, args_fn: Callable, steps: int, warmup: int = 2) -> float:
+def time_calls(fn: Callable, args_fn: Callable, steps: int, warmup: int = 2,
+               returned: list | None = None) -> float:
   """Median milliseconds of fn(*args) over `steps` calls; args_fn(out) gives the next call's args
-  (args_fn(None) the first), so donated or stateful calls can chain."""
+  (args_fn(None) the first), so donated or stateful calls can chain. `returned`, if given, gets
+  each timed call's milliseconds until fn returned (before the block: the host's share)."""
   import jax
 
   args = args_fn(None)
@@ -80,6 +82,8 @@ def time_calls(fn: Callable, args_fn: Callable, steps: int, warmup: int = 2) -> 
     jax.block_until_ready(args)
     t0 = time.perf_counter()
     out = fn(*args)
+    if returned is not None:
+      returned.append((time.perf_counter() - t0) * 1e3)
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) * 1e3)
     args = args_fn(out)

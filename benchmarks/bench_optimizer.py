@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import statistics
 import time
 
 from _common import kernel_times, time_calls
@@ -121,15 +122,9 @@ def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axi
           f"{hlo.count('custom-call(')} custom calls", flush=True)
     for line in [ln for ln in hlo.splitlines() if " copy(" in ln][:2]:
       print(f"    {line.strip()[:160]}")
-  ms = time_calls(step, next_args, steps)
-  dispatch = []   # ms until the call returns (the host's work before the GPU runs it all)
-  for _ in range(steps):
-    args = jax.block_until_ready(next_args(None))
-    t0 = time.perf_counter()
-    out = step(*args)
-    dispatch.append((time.perf_counter() - t0) * 1e3)
-    next_args(jax.block_until_ready(out))
-  dispatch_ms = sorted(dispatch)[len(dispatch) // 2]
+  returned = []   # ms until each timed call returns (the host's work before the GPU has it all)
+  ms = time_calls(step, next_args, steps, returned=returned)
+  dispatch_ms = statistics.median(returned)
   device_ms = None
   if profile:  # one traced step, its inputs (fresh grads) made before the trace starts
     import tempfile
@@ -151,6 +146,11 @@ def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axi
   print(f"  {name}: {ms:.2f} ms/step wall ({dispatch_ms:.2f} ms to return from the call), "
         f"{piped:.2f} ms pipelined", flush=True)
   return ms, piped, state_bytes / n, device_ms
+
+
+def _uses_triton(key: str) -> bool:
+  """Whether a --rows key steps COAT's moments (the jax-triton kernels on a GPU)."""
+  return key.startswith(("coat", "apply", "chain_"))
 
 
 def _chain(tx):
@@ -235,7 +235,7 @@ def main():
                   adam_step_triton.COLS_WARPS)
   runs = []   # (row key, column tile or None, custom call)
   for key in names:
-    for call in (calls if key.startswith(("coat", "apply", "chain_")) else calls[:1]):
+    for call in (calls if _uses_triton(key) else calls[:1]):
       runs += [(key, t, call) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None, call)]
 
   rows = lambda r: max(1, round(r * args.scale))
@@ -259,7 +259,7 @@ def main():
     if call != call_triton.CUSTOM_CALL:   # read when the kernels are traced
       call_triton.CUSTOM_CALL = call
       jax.clear_caches()
-    if len(calls) > 1 and key.startswith(("coat", "apply", "chain_")):
+    if len(calls) > 1 and _uses_triton(key):
       name = f"{name}, {call} custom call"
     if key in COLUMN_ROWS:
       tile = tile or default_tile

@@ -409,8 +409,8 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
     if output == "param":
       aliases[1] = 0
     aliases.update({3 + i: 1 + i for i in range(6)})
-  call = dict(
-      kernel=kernel,
+  outs = jt.triton_call(
+      *operands, kernel=kernel,
       out_shape=[jax.ShapeDtypeStruct(like.shape, out_dtype),
                  jax.ShapeDtypeStruct(like.shape, m_q.dtype),
                  jax.ShapeDtypeStruct(meta_shape, jnp.float32),
@@ -424,5 +424,4 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
           v_fmax=v_fmax, m_log2_range=m_log2_range, v_log2_range=v_log2_range, expand=expand,
           expand_min=expand_min, max_k_code=max_k_code, amax_floor=amax_floor,
           grad_clamp=grad_clamp, fast_math=fast_math), **call_triton.call_kwargs())
-  outs = jt.triton_call(*operands, **call)
   return tuple(outs)

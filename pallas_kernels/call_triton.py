@@ -30,7 +30,6 @@ except ImportError:  # pragma: no cover - CPU machines
 FFI_TARGET = "triton_kernel_call_ffi"      # JAX's typed-FFI Triton handler
 LEGACY_TARGET = "triton_kernel_call"       # jax-triton 0.3.1's custom call (API version 2)
 MARK = "coat_jax:" + FFI_TARGET            # the target name our calls pass: "lower me as FFI"
-MIN_JAX_FOR_FFI = (0, 10, 1)
 
 # Read when a call is traced (benchmarks A/B them; jax.clear_caches() between settings), default
 # from $COAT_JAX_TRITON_CALL: "legacy", jax-triton's own custom call; "ffi", the typed-FFI one
@@ -43,16 +42,11 @@ CUSTOM_CALLS = ("legacy", "ffi")
 CUSTOM_CALL = os.environ.get("COAT_JAX_TRITON_CALL", "legacy")
 
 
-def ffi_supported() -> bool:
-  """True when this JAX registers the typed-FFI Triton target (JAX >= 0.10.1)."""
-  return jax.__version_info__ >= MIN_JAX_FOR_FFI
-
-
 def call_kwargs() -> dict:
   """Extra keyword arguments for `jax_triton.triton_call`: the custom call CUSTOM_CALL names."""
   if CUSTOM_CALL not in CUSTOM_CALLS:
     raise ValueError(f"call_triton.CUSTOM_CALL must be one of {CUSTOM_CALLS}, got {CUSTOM_CALL!r}")
-  if CUSTOM_CALL == "ffi" and ffi_supported():
+  if CUSTOM_CALL == "ffi":   # JAX >= 0.10.1 registers the target (pinned: 0.11.2)
     return {"custom_call_target_name": MARK}
   return {}
 
