@@ -12,8 +12,10 @@ compiles it on abstract arguments (no parameters are allocated). Measured per va
                                  signatures and seconds
   mosaic                         Mosaic GPU kernel modules made by the lowering: the Mosaic GPU
                                  runtime compiles each distinct one (by hash) inside XLA's compile
-  triton                         jax-triton kernel requests, Triton compiles (cache misses) and
-                                 their seconds (jax_triton.triton_lib.get_or_create_triton_kernel)
+  triton                         jax-triton kernel requests, Triton compiles (cache misses, or
+                                 kernels from pallas_kernels/compile_triton.py's workers) and the
+                                 lowering's seconds in them: compiling, or waiting for a worker
+                                 (jax_triton.triton_lib.get_or_create_triton_kernel)
   custom calls                   in the optimized HLO by target: mosaic_gpu, jax-triton, Pallas
                                  Triton (XLA-compiled), cuDNN, cuBLAS; XLA's own Triton fusions
   HLO                            instructions after optimization (all computations), kernels
@@ -30,7 +32,9 @@ compiles it on abstract arguments (no parameters are allocated). Measured per va
 Variants: PRECISION:OPTIMIZER[/option...], options `kernels=SPEC` (COAT_JAX_KERNELS, e.g.
 kernels=gemm=reference), `remat=POLICY`, `set=KEY=VALUE` (a config override), `xla=FLAG` (added
 to XLA_FLAGS), `linear=KEY=VALUE` (an `ops.linear_options` value while tracing, e.g.
-linear=amax=kernel), `prewarm`.
+linear=amax=kernel), `prewarm`, `triton_compile=MODE` (COAT_JAX_TRITON_COMPILE: `process`, the
+default, compiles the Triton kernels in worker processes while the rest lowers; `inline`, in the
+lowering).
 
 --signatures (no GPU needed): every distinct Mosaic GPU kernel the step would compile on one H100,
 with its call sites, from the traced step alone (nothing is lowered or compiled): the kernel
@@ -82,7 +86,7 @@ DEFAULT_VARIANTS = (
     "coat:coat_adamw/kernels=quantize=reference", "coat:adamw",
     "coat:coat_adamw/set=model.num_layers=1", "coat:coat_adamw/remat=full",
     "coat:coat_adamw/kernels=adam=reference", "fp8_linear:adamw", "bf16:adamw/remat=full")
-OPTIONS = ("kernels", "remat", "set", "xla", "linear", "prewarm")
+OPTIONS = ("kernels", "remat", "set", "xla", "linear", "prewarm", "triton_compile")
 # custom_call_target -> column; XLA's own Triton fusions are counted from fusion backend configs.
 TARGETS = (("mosaic", ("mosaic_gpu",)), ("jax-triton", ("triton_kernel_call",)),
            ("pallas-triton", ("__gpu$xla.gpu.triton",)), ("cudnn", ("__cudnn",)),
@@ -96,12 +100,13 @@ def parse_variant(text: str) -> dict:
   if not precision or not optimizer:
     raise ValueError(f"variant {text!r}: expected PRECISION:OPTIMIZER[/option...]")
   v = dict(name=text, precision=precision, optimizer=optimizer, kernels=None, remat=None, sets=[],
-           xla=[], linear={}, prewarm=False)
+           xla=[], linear={}, prewarm=False, triton_compile=None)
   for o in opts:
     key, eq, value = o.partition("=")
     if key not in OPTIONS or (key == "prewarm") == bool(eq):
       raise ValueError(f"variant {text!r}: unknown option {o!r}; options: kernels=SPEC, "
-                       f"remat=POLICY, set=KEY=VALUE, xla=FLAG, linear=KEY=VALUE, prewarm")
+                       f"remat=POLICY, set=KEY=VALUE, xla=FLAG, linear=KEY=VALUE, prewarm, "
+                       f"triton_compile=MODE")
     if key == "linear":
       name, eq2, val = value.partition("=")
       if not eq2:
@@ -219,13 +224,16 @@ def instrument():
   except Exception:  # CPU machines: no jax-triton
     triton_lib = None
   if triton_lib is not None:
+    # compile_triton's stand-in first, so that this timer also sees the waits for its workers
+    from pallas_kernels import call_triton, compile_triton  # noqa: F401 - installs it
     original = triton_lib.get_or_create_triton_kernel
+    made = lambda: len(triton_lib._COMPILED_KERNEL_CACHE) + compile_triton.stats["from_worker"]
 
     def get_or_create(*a, **k):
-      n, t0 = len(triton_lib._COMPILED_KERNEL_CACHE), time.perf_counter()
+      n, t0 = made(), time.perf_counter()
       out = original(*a, **k)
       stats["triton_requests"] += 1
-      if len(triton_lib._COMPILED_KERNEL_CACHE) > n:
+      if made() > n:
         stats["triton_compiles"] += 1
         stats["triton_compile_s"] += time.perf_counter() - t0
       return out
@@ -486,6 +494,8 @@ def run_child(args, variant: dict, budget: Budget) -> dict:
     env["TF_CPP_VMODULE"] = args.vmodule
   if variant["kernels"]:
     env["COAT_JAX_KERNELS"] = variant["kernels"]
+  if variant["triton_compile"]:
+    env["COAT_JAX_TRITON_COMPILE"] = variant["triton_compile"]
   if variant["xla"]:
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *variant["xla"]]).strip()
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

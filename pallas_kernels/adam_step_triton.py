@@ -409,7 +409,7 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
     if output == "param":
       aliases[1] = 0
     aliases.update({3 + i: 1 + i for i in range(6)})
-  outs = jt.triton_call(
+  outs = call_triton.triton_call(
       *operands, kernel=kernel,
       out_shape=[jax.ShapeDtypeStruct(like.shape, out_dtype),
                  jax.ShapeDtypeStruct(like.shape, m_q.dtype),
@@ -423,5 +423,5 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
           group_size, block, has_param=param is not None, output=output, m_fmax=m_fmax,
           v_fmax=v_fmax, m_log2_range=m_log2_range, v_log2_range=v_log2_range, expand=expand,
           expand_min=expand_min, max_k_code=max_k_code, amax_floor=amax_floor,
-          grad_clamp=grad_clamp, fast_math=fast_math), **call_triton.call_kwargs())
+          grad_clamp=grad_clamp, fast_math=fast_math))
   return tuple(outs)

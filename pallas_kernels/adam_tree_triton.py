@@ -203,10 +203,10 @@ def tree_step(params, grads, m_states, v_states, decay, *, lr, b1, b2, eps, weig
         aliases.update({base + 2 + k: 7 * j + 1 + k for k in range(6)})
     kernel = _kernel(launch.rows, launch.starts,
                      tuple(bool(decay[i]) and has_param for i in launch.leaves))
-    outs = single.jt.triton_call(
+    outs = call_triton.triton_call(
         *operands, kernel=kernel, out_shape=out_shapes, grid=(launch.starts[-1],),
         input_output_aliases=aliases, num_warps=num_warps, num_stages=1,
-        HAS_PARAM=has_param, **static, **call_triton.call_kwargs())
+        HAS_PARAM=has_param, **static)
     for j, i in enumerate(launch.leaves):
       o = outs[7 * j:7 * j + 7]
       results[i] = (o[0], tuple(o[1:4]), tuple(o[4:7]))

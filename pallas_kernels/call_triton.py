@@ -9,7 +9,9 @@ loads the kernel in its initialize stage and is marked command-buffer compatible
 registered here runs jax-triton's lowering (which compiles the kernel and builds the proto), takes
 the proto out of the legacy op it emitted, erases that op and emits the typed-FFI call with the
 same operands, results and aliases (`legacy_to_ffi`). Every other jax-triton call in the process
-keeps jax-triton's own lowering.
+keeps jax-triton's own lowering. `triton_call` is how our kernels call jax-triton: the target
+above, and the kernel's compile started in a worker process as the call is traced
+(pallas_kernels/compile_triton.py).
 
 Imports jax, and jax-triton where installed (GPU machines).
 """
@@ -21,6 +23,8 @@ import os
 import jax
 from jax.interpreters import mlir
 from jax._src.lib.mlir import ir
+
+from pallas_kernels import compile_triton
 
 try:  # GPU machines only
   from jax_triton import triton_lib
@@ -49,6 +53,16 @@ def call_kwargs() -> dict:
   if CUSTOM_CALL == "ffi":   # JAX >= 0.10.1 registers the target (pinned: 0.11.2)
     return {"custom_call_target_name": MARK}
   return {}
+
+
+def triton_call(*args, kernel, **kwargs):
+  """`jax_triton.triton_call` with CUSTOM_CALL's target (`call_kwargs`), its kernel's compile
+  started in a worker process as it is traced (`compile_triton.start`, MODE "process")."""
+  if triton_lib is None:
+    raise ValueError("call_triton.triton_call: jax-triton is not installed (GPU machines only)")
+  kwargs = {**kwargs, **call_kwargs()}
+  compile_triton.start(triton_lib.triton_call, kernel, args, kwargs)
+  return triton_lib.triton_call(*args, kernel=kernel, **kwargs)
 
 
 def legacy_to_ffi(ctx, results):
@@ -81,9 +95,11 @@ def _lowering(original, ctx, *args, custom_call_target_name, **params):
 
 
 def register():
-  """Route jax-triton's CUDA lowering through `_lowering` (idempotent; GPU machines)."""
+  """Route jax-triton's CUDA lowering through `_lowering` and its compile through
+  `compile_triton.get_or_create` (idempotent; GPU machines)."""
   if triton_lib is None or getattr(register, "done", False):
     return
+  compile_triton.install()
   original = functools.partial(triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend)
   mlir.register_lowering(triton_lib.triton_kernel_call_p,
                          functools.partial(_lowering, original), platform="cuda")

@@ -458,3 +458,34 @@ def test_gpu_ffi_call_equals_legacy_call_and_is_compiled_ahead(group_axis, monke
   assert np.isfinite(results["ffi"][0]).all()
   for a, b in zip(results["ffi"], results["legacy"]):
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_axis", [-1, -2])
+def test_gpu_kernel_compiled_in_a_worker_process_equals_the_one_compiled_in_the_lowering(
+    group_axis, monkeypatch):
+  """compile_triton's worker builds the kernel jax-triton builds in the lowering: bit-identical
+  results, and the worker's kernel is the one the step ran."""
+  from pallas_kernels import compile_triton
+  if group_axis == -1:
+    p, g, m0, v0 = _state((96, 384), seed=67)
+    m_state, v_state = _np_quantize(m0, "e4m3", True)[:3], _np_quantize(v0, "e4m3", True)[:3]
+  else:
+    p, g, m_state, v_state = _np_cols_case((256, 96), 67, "e4m3", "param")[:4]
+    m_state, v_state = ([np.ascontiguousarray(a) for a in s] for s in (m_state, v_state))
+  kw = dict(count=jnp.int32(3), m_fmax=448.0, v_fmax=448.0, m_log2_range=_log2_range(448.0),
+            v_log2_range=_log2_range(448.0), group_size=G, expand=True, expand_min=EM,
+            output="param", group_axis=group_axis, num_warps=2, **HYPER)  # no other test's compile
+  args = [jnp.asarray(p), jnp.asarray(g), *map(jnp.asarray, m_state), *map(jnp.asarray, v_state)]
+  results = {}
+  for mode in ("inline", "process"):
+    monkeypatch.setattr(compile_triton, "MODE", mode)
+    jax.clear_caches()
+    before = dict(compile_triton.stats)
+    results[mode] = [np.asarray(a) for a in jax.jit(lambda *a: at.adam_step(*a, **kw))(*args)]
+    if mode == "process":
+      assert compile_triton.stats["from_worker"] == before["from_worker"] + 1
+      assert compile_triton.stats["worker_failed"] == before["worker_failed"]
+  assert np.isfinite(results["process"][0]).all()
+  for a, b in zip(results["process"], results["inline"]):
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))

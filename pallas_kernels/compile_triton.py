@@ -1,0 +1,296 @@
+"""Compile this project's Triton kernels in worker processes while JAX lowers the rest of the step.
+
+jax-triton compiles a kernel inside its lowering rule (`get_or_create_triton_kernel`: Triton's
+front end, then TTIR -> TTGIR -> LLVM IR -> PTX; 1.3 s per Adam kernel on an idle core, 2-3 s on
+the GPU host), on the thread that lowers the whole step, and a train step lowers its optimizer
+last, after every Mosaic GPU kernel of the forward and backward. A thread cannot overlap the two
+(both hold the GIL: docs/benchmarks.md, seventh session); another process can.
+
+`start`, called as our code traces a Triton call (`call_triton.triton_call`), finds the compile
+that call's lowering will ask for by a dry lowering of the call alone (jax-triton's own rule,
+stopped where it asks `get_or_create_triton_kernel`: the exact arguments, nothing of jax-triton's
+logic copied) and hands it to a worker: a Python process (`python -m pallas_kernels.compile_triton`, JAX
+on its CPU platform: no GPU memory; up to MAX_WORKERS, each kept for later compiles) that runs that same jax-triton function and sends back what
+it built jaxlib's TritonKernel from (name, PTX, TTIR, shared memory). When the real lowering asks
+for the same compile, `get_or_create` (installed over jax-triton's by `install`) waits for that
+result and builds the TritonKernel in this process. One compile per distinct (kernel, operand
+types, launch options, constexprs), as jax-triton's own cache; a compile that fails in the worker
+is done again here, with a warning naming the failure.
+
+MODE ($COAT_JAX_TRITON_COMPILE): "process" (default) or "inline" (jax-triton's compile in the
+lowering, as without this file). Kernels defined at a module's top level only (the worker imports
+them by name); others compile inline. Imports jax, and jax-triton where installed (GPU machines).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import types
+import warnings
+
+import jax
+import numpy as np
+
+try:  # GPU machines only
+  from jax_triton import triton_lib
+except ImportError:  # pragma: no cover - CPU machines
+  triton_lib = None
+
+MODES = ("process", "inline")
+MODE = os.environ.get("COAT_JAX_TRITON_COMPILE", "process")
+MAX_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))   # processes compiling at once
+WORKER_TIMEOUT_S = 600
+# What a worker runs: (module, function) taking a request's "args" (tests point it elsewhere).
+WORKER_CALL = (__name__ if __name__ != "__main__" else "pallas_kernels.compile_triton",
+               "compile_in_worker")
+# triton_call keywords that do not reach the compile (the others: launch options, constexprs)
+_CALL_ONLY = frozenset({"out_shape", "grid", "input_output_aliases", "zeroed_outputs", "name",
+                        "custom_call_target_name", "serialized_metadata"})
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_lock = threading.Lock()
+_traced: set = set()    # trace keys already looked at
+_jobs: dict = {}        # compile key -> Future of a worker's result
+_built: dict = {}       # compile key -> (TritonKernel, attrs)
+_pool = None
+_dry = threading.local()
+_thread = threading.local()    # a pool thread's worker process
+stats = {"started": 0, "from_worker": 0, "inline": 0, "worker_failed": 0}
+
+
+class _Asked(Exception):
+  """Raised by `get_or_create` in a dry lowering, with the compile that was asked for."""
+
+  def __init__(self, key, request):
+    super().__init__("compile_triton: dry lowering")
+    self.key, self.request = key, request
+
+
+def check_mode() -> str:
+  if MODE not in MODES:
+    raise ValueError(f"compile_triton.MODE (from $COAT_JAX_TRITON_COMPILE) must be one of {MODES}, "
+                     f"got {MODE!r}")
+  return MODE
+
+
+def compile_key(fn, arg_dtypes, scalar_args, kw: dict) -> tuple:
+  """What jax-triton's compile depends on (as its cache key): the kernel, the operand types,
+  which scalars are None or 1, the launch options and the constexprs (`metaparams`)."""
+  scalars = tuple((i, t, v is None, v is not None and v == 1) for i, t, v in scalar_args)
+  rest = tuple(sorted((k, v) for k, v in kw.items() if k != "metaparams"))
+  return (fn, tuple(arg_dtypes), scalars, tuple(sorted(kw["metaparams"].items())), rest)
+
+
+def _scalar_type(v) -> tuple:
+  """A scalar operand's part of the trace key: its Triton type class and whether it is 1."""
+  if isinstance(v, bool):
+    kind = "B"
+  elif isinstance(v, int):
+    kind = next(t for t, lim in (("i32", 2**31), ("u32", 2**32), ("i64", 2**63), ("u64", 2**64))
+                if -lim <= v < lim)
+  else:
+    kind = type(v).__name__
+  return (kind, v == 1)
+
+
+def _is_scalar(a) -> bool:  # as jax-triton's triton_call splits its operands
+  return isinstance(a, (bool, int, float, np.float32))
+
+
+def trace_key(kernel, args, kwargs) -> tuple:
+  """Calls with equal trace keys ask for the same compile (the leaf's shape is not in it)."""
+  ops = tuple(_scalar_type(a) if _is_scalar(a) else str(a.dtype) for a in args)
+  outs = tuple(str(s.dtype) for s in jax.tree.leaves(kwargs.get("out_shape")))
+  rest = tuple(sorted((k, v) for k, v in kwargs.items() if k not in _CALL_ONLY))
+  return (kernel, ops, outs, rest)
+
+
+def _recipe(fn):
+  """(module, name) the worker imports `fn` by, or None for a kernel not at a module's top level."""
+  inner = getattr(fn, "fn", None)
+  module, name = getattr(inner, "__module__", None), getattr(inner, "__name__", None)
+  if module and name and getattr(sys.modules.get(module), name, None) is fn:
+    return module, name
+  return None
+
+
+def _request(fn, platform, arg_dtypes, scalar_args, kw) -> dict | None:
+  recipe = _recipe(fn)
+  if recipe is None:
+    return None
+  kw = dict(kw)
+  if kw.get("compute_capability") is None:   # as jax-triton: device 0's
+    kw["compute_capability"] = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
+  return {"call": WORKER_CALL, "args": dict(kernel=recipe, platform=platform,
+                                            arg_dtypes=list(arg_dtypes),
+                                            scalar_args=tuple(scalar_args), kw=kw)}
+
+
+def _build(result) -> tuple:
+  """jaxlib's TritonKernel from a worker's result, and the specialization attrs."""
+  return triton_lib.triton_kernel_call_lib.TritonKernel(*result["kernel_args"]), result["attrs"]
+
+
+def get_or_create(original, backend_init_func, platform, fn, arg_dtypes, scalar_args, **kw):
+  """Stands in for jax-triton's `get_or_create_triton_kernel` (`original`): in a dry lowering,
+  raise the compile asked for; else the worker's kernel when one was started, else `original`."""
+  key = compile_key(fn, arg_dtypes, scalar_args, kw)
+  if getattr(_dry, "active", False):
+    raise _Asked(key, _request(fn, platform, arg_dtypes, scalar_args, kw))
+  with _lock:
+    built = _built.get(key)
+    job = None if built is not None else _jobs.pop(key, None)
+  if built is not None:
+    return built
+  if job is not None:
+    try:
+      built = _build(job.result(timeout=WORKER_TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001 - any failure there: compile here instead
+      stats["worker_failed"] += 1
+      lines = str(e).strip().splitlines() or [type(e).__name__]
+      warnings.warn(f"compile_triton: the worker process failed ({lines[-1]}); compiling "
+                    f"{getattr(fn, '__name__', fn)} in this process", RuntimeWarning, stacklevel=2)
+    else:
+      with _lock:
+        _built[key] = built
+      stats["from_worker"] += 1
+      return built
+  stats["inline"] += 1
+  return original(backend_init_func, platform, fn, arg_dtypes, scalar_args, **kw)
+
+
+def dry_lower(call, args, kwargs) -> _Asked | None:
+  """Lower `call(*args, **kwargs)` alone for CUDA with `get_or_create` installed, up to the
+  compile it asks for; None when it asks for none."""
+  arrays = [i for i, a in enumerate(args) if not _is_scalar(a)]
+  structs = [jax.ShapeDtypeStruct(np.shape(args[i]), args[i].dtype) for i in arrays]
+
+  def one_call(*xs):
+    full = list(args)
+    for i, x in zip(arrays, xs):
+      full[i] = x
+    return call(*full, **kwargs)
+
+  _dry.active = True
+  try:
+    jax.jit(one_call).trace(*structs).lower(lowering_platforms=("cuda",))
+  except _Asked as asked:
+    return asked
+  finally:
+    _dry.active = False
+  return None
+
+
+def start(call, kernel, args, kwargs) -> bool:
+  """As `call(*args, kernel=kernel, **kwargs)` (jax-triton's triton_call) is traced: start its
+  compile in a worker process unless it is started or done. True when one was started."""
+  if check_mode() != "process":
+    return False
+  try:
+    tkey = trace_key(kernel, args, kwargs)
+    hash(tkey)
+  except (TypeError, AttributeError, StopIteration):
+    return False          # an operand this key cannot describe: the lowering compiles it
+  with _lock:
+    if tkey in _traced:
+      return False
+    _traced.add(tkey)
+  asked = dry_lower(functools.partial(call, kernel=kernel), args, kwargs)
+  if asked is None or asked.request is None:
+    return False
+  global _pool
+  with _lock:
+    if asked.key in _jobs or asked.key in _built:
+      return False
+    if _pool is None:
+      _pool = concurrent.futures.ThreadPoolExecutor(MAX_WORKERS, "coat-triton-compile")
+    _jobs[asked.key] = _pool.submit(run_worker, asked.request)
+  stats["started"] += 1
+  return True
+
+
+def _worker_process() -> subprocess.Popen:
+  """This pool thread's worker process (`python -m pallas_kernels.compile_triton`), started on
+  its first request and kept: later compiles skip Python's and jax-triton's start-up."""
+  proc = getattr(_thread, "proc", None)
+  if proc is None or proc.poll() is not None:
+    path = [_PACKAGE_ROOT] + [p for p in sys.path if p and p != _PACKAGE_ROOT]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(path))
+    proc = subprocess.Popen([sys.executable, "-m", "pallas_kernels.compile_triton"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env)
+    _thread.proc = proc
+  return proc
+
+
+def run_worker(request: dict):
+  """Run `request` in this pool thread's worker process and return its result; RuntimeError
+  naming the error when the request raised there or the process died."""
+  proc = _worker_process()
+  try:
+    pickle.dump(request, proc.stdin)
+    proc.stdin.flush()
+    reply = pickle.load(proc.stdout)
+  except (OSError, EOFError, pickle.UnpicklingError) as e:
+    proc.kill()
+    raise RuntimeError(f"the worker process exited (status {proc.wait()}): {e!r}") from None
+  if "error" in reply:
+    raise RuntimeError(reply["error"])
+  return reply["result"]
+
+
+def compile_in_worker(kernel, platform, arg_dtypes, scalar_args, kw) -> dict:
+  """In the worker: jax-triton's get_or_create_triton_kernel for the kernel imported by
+  (module, name), with jaxlib's TritonKernel replaced by a recorder of its arguments."""
+  from jax_triton import triton_lib as tl
+
+  class Recorded:  # what get_or_create builds the kernel from
+    def __init__(self, *args):
+      self.args = args
+
+  tl.triton_kernel_call_lib = types.SimpleNamespace(TritonKernel=Recorded)
+  fn = getattr(importlib.import_module(kernel[0]), kernel[1])
+  backend = {"cuda": tl.get_cuda_backend, "rocm": tl.get_hip_backend}[platform]
+  original = getattr(tl.get_or_create_triton_kernel, "original", tl.get_or_create_triton_kernel)
+  recorded, attrs = original(backend, platform, fn, arg_dtypes, scalar_args, **kw)
+  return {"kernel_args": recorded.args, "attrs": attrs}
+
+
+def install() -> None:
+  """Put `get_or_create` in place of jax-triton's (idempotent; GPU machines). Calls that did not
+  pass `start` go to jax-triton's own compile."""
+  if triton_lib is None or hasattr(triton_lib.get_or_create_triton_kernel, "original"):
+    return
+  original = triton_lib.get_or_create_triton_kernel
+  wrapped = functools.partial(get_or_create, original)
+  wrapped.original = original
+  triton_lib.get_or_create_triton_kernel = wrapped
+
+
+def _worker_main() -> None:
+  """The worker's loop: a pickled request from stdin, its pickled reply to stdout, until EOF."""
+  out = os.fdopen(os.dup(1), "wb")   # replies go to the real stdout; prints to stderr
+  os.dup2(2, 1)
+  while True:
+    try:
+      request = pickle.load(sys.stdin.buffer)
+    except EOFError:
+      return
+    try:
+      module, name = request["call"]
+      reply = {"result": getattr(importlib.import_module(module), name)(**request["args"])}
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which compiles inline
+      lines = str(e).strip().splitlines()
+      reply = {"error": f"{type(e).__name__}: {lines[-1] if lines else ''}"}
+    pickle.dump(reply, out)
+    out.flush()
+
+
+if __name__ == "__main__":
+  _worker_main()
