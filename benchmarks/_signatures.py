@@ -26,13 +26,16 @@ def as_if_on_hopper():
   (the GEMM's grid: the H100's 132 SMs where the device reports none). Only tracing works so:
   nothing may be lowered."""
   from coat_jax import kernels
-  saved = kernels._on_hopper, kernels.interpret_mode, kernels.per_shard
+  from pallas_kernels import lower_ahead
+  saved = kernels._on_hopper, kernels.interpret_mode, kernels.per_shard, lower_ahead.MODE
   kernels._on_hopper, kernels.interpret_mode, kernels.per_shard = (
       (lambda: True), (lambda: False), (lambda: False))
+  lower_ahead.MODE = "inline"    # the kernels' own equations in the jaxpr, no worker processes
   try:
     yield
   finally:
-    kernels._on_hopper, kernels.interpret_mode, kernels.per_shard = saved
+    (kernels._on_hopper, kernels.interpret_mode, kernels.per_shard,
+     lower_ahead.MODE) = saved
 
 
 def signature_backend(spec: str | None) -> str:

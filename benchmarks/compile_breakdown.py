@@ -6,12 +6,14 @@ builds the real train step as bench_e2e does (`coat_jax.training.build.build`) a
 compiles it on abstract arguments (no parameters are allocated). Measured per variant:
 
   trace s / lower s / compile s  jitted.trace(), .lower() (StableHLO: the Pallas kernels are
-                                 lowered to Mosaic GPU MLIR here, jax-triton kernels compiled by
-                                 Triton here) and XLA's .compile()
-  pallas                         Pallas kernel lowerings (pallas_call / mpmd_map), their distinct
+                                 lowered to Mosaic GPU MLIR, jax-triton kernels compiled by
+                                 Triton, here or in worker processes) and XLA's .compile()
+  pallas                         Pallas kernel lowerings (pallas_call / mpmd_map, or waits for
+                                 pallas_kernels/lower_ahead.py's workers), their distinct
                                  signatures and seconds
-  mosaic                         Mosaic GPU kernel modules made by the lowering: the Mosaic GPU
-                                 runtime compiles each distinct one (by hash) inside XLA's compile
+  mosaic                         Mosaic GPU kernel modules made by the lowering or a worker: the
+                                 Mosaic GPU runtime compiles each distinct one (by hash) inside
+                                 XLA's compile
   triton                         jax-triton kernel requests, Triton compiles (cache misses, or
                                  kernels from pallas_kernels/compile_triton.py's workers) and the
                                  lowering's seconds in them: compiling, or waiting for a worker
@@ -34,7 +36,8 @@ kernels=gemm=reference), `remat=POLICY`, `set=KEY=VALUE` (a config override), `x
 to XLA_FLAGS), `linear=KEY=VALUE` (an `ops.linear_options` value while tracing, e.g.
 linear=amax=kernel), `prewarm`, `triton_compile=MODE` (COAT_JAX_TRITON_COMPILE: `process`, the
 default, compiles the Triton kernels in worker processes while the rest lowers; `inline`, in the
-lowering).
+lowering), `kernel_lowering=MODE` (COAT_JAX_KERNEL_LOWERING: `process`, the default, lowers the
+Mosaic GPU kernels in worker processes while the step is traced; `inline`, in the lowering).
 
 --signatures (no GPU needed): every distinct Mosaic GPU kernel the step would compile on one H100,
 with its call sites, from the traced step alone (nothing is lowered or compiled): the kernel
@@ -86,7 +89,8 @@ DEFAULT_VARIANTS = (
     "coat:coat_adamw/kernels=quantize=reference", "coat:adamw",
     "coat:coat_adamw/set=model.num_layers=1", "coat:coat_adamw/remat=full",
     "coat:coat_adamw/kernels=adam=reference", "fp8_linear:adamw", "bf16:adamw/remat=full")
-OPTIONS = ("kernels", "remat", "set", "xla", "linear", "prewarm", "triton_compile")
+OPTIONS = ("kernels", "remat", "set", "xla", "linear", "prewarm", "triton_compile",
+           "kernel_lowering")
 # custom_call_target -> column; XLA's own Triton fusions are counted from fusion backend configs.
 TARGETS = (("mosaic", ("mosaic_gpu",)), ("jax-triton", ("triton_kernel_call",)),
            ("pallas-triton", ("__gpu$xla.gpu.triton",)), ("cudnn", ("__cudnn",)),
@@ -100,13 +104,13 @@ def parse_variant(text: str) -> dict:
   if not precision or not optimizer:
     raise ValueError(f"variant {text!r}: expected PRECISION:OPTIMIZER[/option...]")
   v = dict(name=text, precision=precision, optimizer=optimizer, kernels=None, remat=None, sets=[],
-           xla=[], linear={}, prewarm=False, triton_compile=None)
+           xla=[], linear={}, prewarm=False, triton_compile=None, kernel_lowering=None)
   for o in opts:
     key, eq, value = o.partition("=")
     if key not in OPTIONS or (key == "prewarm") == bool(eq):
       raise ValueError(f"variant {text!r}: unknown option {o!r}; options: kernels=SPEC, "
                        f"remat=POLICY, set=KEY=VALUE, xla=FLAG, linear=KEY=VALUE, prewarm, "
-                       f"triton_compile=MODE")
+                       f"triton_compile=MODE, kernel_lowering=MODE")
     if key == "linear":
       name, eq2, val = value.partition("=")
       if not eq2:
@@ -163,9 +167,12 @@ def say(msg: str) -> None:
 
 
 def _kernel_primitives() -> list:
-  """The primitives Pallas kernels are bound as: pallas_call, and mpmd_map (plgpu.kernel)."""
+  """The primitives Pallas kernels are bound as: pallas_call, mpmd_map (plgpu.kernel), and
+  lower_ahead's (a kernel lowered in a worker process: its lowering here waits for it)."""
   from jax._src.pallas import pallas_call as pc
-  prims = [pc.pallas_call_p]
+
+  from pallas_kernels import lower_ahead
+  prims = [pc.pallas_call_p, lower_ahead.lowered_ahead_p]
   try:
     from jax._src.pallas import mpmd
     prims.append(mpmd.mpmd_map_p)
@@ -182,6 +189,7 @@ def instrument():
   `prewarm` re-binds)."""
   from jax._src.interpreters import mlir
 
+  from pallas_kernels import lower_ahead
   stats = dict(pallas_lowerings=0, pallas_lower_s=0.0, kernels={}, mosaic_kernels=0,
                triton_requests=0, triton_compiles=0, triton_compile_s=0.0)
   try:
@@ -195,17 +203,19 @@ def instrument():
     entry = table[prim]
 
     def rule(ctx, *args, **params):
-      before, t0 = len(known), time.perf_counter()
+      before = len(known) + lower_ahead.stats["from_worker"]
+      t0 = time.perf_counter()
       out = entry.rule(ctx, *args, **params)
       dt = time.perf_counter() - t0
       stats["pallas_lowerings"] += 1
       stats["pallas_lower_s"] += dt
-      body = params.get("jaxpr", params.get("jaxprs"))
-      sig = (params.get("name"), tuple(str(a) for a in ctx.avals_in), hash(str(body)))
-      new = len(known) - before
+      body = params.get("jaxpr", params.get("jaxprs", params.get("key")))
+      name = params.get("name") or (params["key"][1] if "key" in params else None)
+      sig = (name, tuple(str(a) for a in ctx.avals_in), hash(str(body)))
+      new = len(known) + lower_ahead.stats["from_worker"] - before
       stats["mosaic_kernels"] += new
       rec = stats["kernels"].setdefault(sig, dict(
-          name=params.get("name"), prim=prim, params=params, avals=list(ctx.avals_in),
+          name=name, prim=prim, params=params, avals=list(ctx.avals_in),
           lowerings=0, lower_s=0.0, mosaic=0))
       rec["lowerings"] += 1
       rec["lower_s"] += dt
@@ -496,6 +506,8 @@ def run_child(args, variant: dict, budget: Budget) -> dict:
     env["COAT_JAX_KERNELS"] = variant["kernels"]
   if variant["triton_compile"]:
     env["COAT_JAX_TRITON_COMPILE"] = variant["triton_compile"]
+  if variant["kernel_lowering"]:
+    env["COAT_JAX_KERNEL_LOWERING"] = variant["kernel_lowering"]
   if variant["xla"]:
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *variant["xla"]]).strip()
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

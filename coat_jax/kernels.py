@@ -241,6 +241,16 @@ def _rows(kernel, args, kinds_in, kinds_out, group_size, group_axis=-1):
   return sharded.rowwise(kernel, args, kinds_in, kinds_out, group_size, group_axis)
 
 
+def _launch(fn, *args, **kwargs):
+  """fn(*args, **kwargs), a Mosaic GPU kernel: on one device its lowering runs in a worker
+  process while the step is still traced (pallas_kernels/lower_ahead.py); per shard (lowered
+  inside XLA's partitioning) and in interpret mode, here."""
+  if interpret_mode() or per_shard():
+    return fn(*args, **kwargs)
+  from pallas_kernels import lower_ahead
+  return lower_ahead.call(fn, *args, **kwargs)
+
+
 def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
   """A Mosaic GPU kernel per shard (`_rows`); in interpret mode unwrapped (its ordered callbacks
   cannot pass custom_partitioning: XLA partitions the interpreted ops like any others)."""
@@ -287,7 +297,7 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
 
       def stage1(a):   # per shard; a shard the kernel does not take: the reference's maxima
         if qm.supported_per_group(a.shape, a.dtype, tile):
-          return (qm.tile_amax(a, **_row_kernel_kw()),)
+          return (_launch(qm.tile_amax, a, **_row_kernel_kw()),)
         return (quantize.group_amax(a, tile),)
 
       if amax is None:   # stage 1 per shard; stage 2 (jnp.max, global, propagates NaN) by XLA
@@ -296,8 +306,8 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
       amax = jnp.asarray(amax, jnp.float32)
       scale = quantize.scale_from_amax(amax, f, floor)
       if not per_shard() or interpret_mode():
-        data, _, data_t = qm.quantize_per_tensor(x, scale=scale, floor=floor,
-                                                 with_transpose=with_transpose, **kw)
+        data, _, data_t = _launch(qm.quantize_per_tensor, x, scale=scale, floor=floor,
+                                  with_transpose=with_transpose, **kw)
       else:   # per shard (a shard the kernel does not take: the reference on that shard)
         def quant(a, am, s):
           if qm.supported_per_tensor(a.shape, a.dtype, False):
@@ -329,8 +339,8 @@ def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", 
     if qm.supported_per_group(x.shape, x.dtype, group_size):
       def kernel(a):   # per shard; a shard the kernel does not take: the reference
         if qm.supported_per_group(a.shape, a.dtype, group_size):
-          return qm.quantize_per_group(a, group_size=group_size, out_dtype=f.dtype, fmax=f.max,
-                                       floor=floor, **_row_kernel_kw())
+          return _launch(qm.quantize_per_group, a, group_size=group_size, out_dtype=f.dtype,
+                         fmax=f.max, floor=floor, **_row_kernel_kw())
         ref = quantize.quantize_per_group(a, group_size, f, floor=floor)
         return ref.data, ref.scale
 
@@ -351,8 +361,8 @@ def dequantize(q: QuantizedArray, dtype):
 
       def kernel(d, sc):
         if qm.supported_per_group(d.shape, d.dtype, g):
-          return (qm.dequantize_per_group(d, sc, group_size=g, dtype=out_dtype,
-                                          **_row_kernel_kw()),)
+          return (_launch(qm.dequantize_per_group, d, sc, group_size=g, dtype=out_dtype,
+                          **_row_kernel_kw()),)
         return (quantize.dequantize(QuantizedArray(d, sc, q.fmt, g), out_dtype),)
 
       (out,) = _mosaic(kernel, [q.data, q.scale], ["data", "meta"], ["data"], g)
@@ -379,7 +389,7 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
     if a2 is not None and jnp.dtype(out_dtype) in pk.OUT_DTYPES:
       scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
       interp = pk.interpret_params(interpret_mode())
-      kernel = lambda x, y, s: pk.fp8_matmul_tn(x, y, s, out_dtype, interpret=interp)
+      kernel = lambda x, y, s: _launch(pk.fp8_matmul_tn, x, y, s, out_dtype, interpret=interp)
       if not wrap:
         out = kernel(a2, b2, scale)
       else:

@@ -9,9 +9,9 @@ last, after every Mosaic GPU kernel of the forward and backward. A thread cannot
 `start`, called as our code traces a Triton call (`call_triton.triton_call`), finds the compile
 that call's lowering will ask for by a dry lowering of the call alone (jax-triton's own rule,
 stopped where it asks `get_or_create_triton_kernel`: the exact arguments, nothing of jax-triton's
-logic copied) and hands it to a worker: a Python process (`python -m pallas_kernels.compile_triton`, JAX
-on its CPU platform: no GPU memory; up to MAX_WORKERS, each kept for later compiles) that runs that same jax-triton function and sends back what
-it built jaxlib's TritonKernel from (name, PTX, TTIR, shared memory). When the real lowering asks
+logic copied) and hands it to a worker process (pallas_kernels/workers.py: JAX on its CPU
+platform, no GPU memory; kept for later requests) that runs that same jax-triton function and
+sends back what it built jaxlib's TritonKernel from (name, PTX, TTIR, shared memory). When the real lowering asks
 for the same compile, `get_or_create` (installed over jax-triton's by `install`) waits for that
 result and builds the TritonKernel in this process. One compile per distinct (kernel, operand
 types, launch options, constexprs), as jax-triton's own cache; a compile that fails in the worker
@@ -23,12 +23,9 @@ them by name); others compile inline. Imports jax, and jax-triton where installe
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import importlib
 import os
-import pickle
-import subprocess
 import sys
 import threading
 import types
@@ -37,6 +34,8 @@ import warnings
 import jax
 import numpy as np
 
+from pallas_kernels import workers
+
 try:  # GPU machines only
   from jax_triton import triton_lib
 except ImportError:  # pragma: no cover - CPU machines
@@ -44,23 +43,17 @@ except ImportError:  # pragma: no cover - CPU machines
 
 MODES = ("process", "inline")
 MODE = os.environ.get("COAT_JAX_TRITON_COMPILE", "process")
-MAX_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))   # processes compiling at once
-WORKER_TIMEOUT_S = 600
 # What a worker runs: (module, function) taking a request's "args" (tests point it elsewhere).
-WORKER_CALL = (__name__ if __name__ != "__main__" else "pallas_kernels.compile_triton",
-               "compile_in_worker")
+WORKER_CALL = (__name__, "compile_in_worker")
 # triton_call keywords that do not reach the compile (the others: launch options, constexprs)
 _CALL_ONLY = frozenset({"out_shape", "grid", "input_output_aliases", "zeroed_outputs", "name",
                         "custom_call_target_name", "serialized_metadata"})
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _lock = threading.Lock()
 _traced: set = set()    # trace keys already looked at
 _jobs: dict = {}        # compile key -> Future of a worker's result
 _built: dict = {}       # compile key -> (TritonKernel, attrs)
-_pool = None
 _dry = threading.local()
-_thread = threading.local()    # a pool thread's worker process
 stats = {"started": 0, "from_worker": 0, "inline": 0, "worker_failed": 0}
 
 
@@ -127,9 +120,8 @@ def _request(fn, platform, arg_dtypes, scalar_args, kw) -> dict | None:
   kw = dict(kw)
   if kw.get("compute_capability") is None:   # as jax-triton: device 0's
     kw["compute_capability"] = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
-  return {"call": WORKER_CALL, "args": dict(kernel=recipe, platform=platform,
-                                            arg_dtypes=list(arg_dtypes),
-                                            scalar_args=tuple(scalar_args), kw=kw)}
+  return dict(kernel=recipe, platform=platform, arg_dtypes=list(arg_dtypes),
+              scalar_args=tuple(scalar_args), kw=kw)
 
 
 def _build(result) -> tuple:
@@ -150,7 +142,7 @@ def get_or_create(original, backend_init_func, platform, fn, arg_dtypes, scalar_
     return built
   if job is not None:
     try:
-      built = _build(job.result(timeout=WORKER_TIMEOUT_S))
+      built = _build(job.result(timeout=workers.TIMEOUT_S))
     except Exception as e:  # noqa: BLE001 - any failure there: compile here instead
       stats["worker_failed"] += 1
       lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -204,45 +196,12 @@ def start(call, kernel, args, kwargs) -> bool:
   asked = dry_lower(functools.partial(call, kernel=kernel), args, kwargs)
   if asked is None or asked.request is None:
     return False
-  global _pool
   with _lock:
     if asked.key in _jobs or asked.key in _built:
       return False
-    if _pool is None:
-      _pool = concurrent.futures.ThreadPoolExecutor(MAX_WORKERS, "coat-triton-compile")
-    _jobs[asked.key] = _pool.submit(run_worker, asked.request)
+    _jobs[asked.key] = workers.submit(WORKER_CALL, **asked.request)
   stats["started"] += 1
   return True
-
-
-def _worker_process() -> subprocess.Popen:
-  """This pool thread's worker process (`python -m pallas_kernels.compile_triton`), started on
-  its first request and kept: later compiles skip Python's and jax-triton's start-up."""
-  proc = getattr(_thread, "proc", None)
-  if proc is None or proc.poll() is not None:
-    path = [_PACKAGE_ROOT] + [p for p in sys.path if p and p != _PACKAGE_ROOT]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(path))
-    proc = subprocess.Popen([sys.executable, "-m", "pallas_kernels.compile_triton"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env)
-    _thread.proc = proc
-  return proc
-
-
-def run_worker(request: dict):
-  """Run `request` in this pool thread's worker process and return its result; RuntimeError
-  naming the error when the request raised there or the process died."""
-  proc = _worker_process()
-  try:
-    pickle.dump(request, proc.stdin)
-    proc.stdin.flush()
-    reply = pickle.load(proc.stdout)
-  except (OSError, EOFError, pickle.UnpicklingError) as e:
-    proc.kill()
-    raise RuntimeError(f"the worker process exited (status {proc.wait()}): {e!r}") from None
-  if "error" in reply:
-    raise RuntimeError(reply["error"])
-  return reply["result"]
 
 
 def compile_in_worker(kernel, platform, arg_dtypes, scalar_args, kw) -> dict:
@@ -271,26 +230,3 @@ def install() -> None:
   wrapped = functools.partial(get_or_create, original)
   wrapped.original = original
   triton_lib.get_or_create_triton_kernel = wrapped
-
-
-def _worker_main() -> None:
-  """The worker's loop: a pickled request from stdin, its pickled reply to stdout, until EOF."""
-  out = os.fdopen(os.dup(1), "wb")   # replies go to the real stdout; prints to stderr
-  os.dup2(2, 1)
-  while True:
-    try:
-      request = pickle.load(sys.stdin.buffer)
-    except EOFError:
-      return
-    try:
-      module, name = request["call"]
-      reply = {"result": getattr(importlib.import_module(module), name)(**request["args"])}
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which compiles inline
-      lines = str(e).strip().splitlines()
-      reply = {"error": f"{type(e).__name__}: {lines[-1] if lines else ''}"}
-    pickle.dump(reply, out)
-    out.flush()
-
-
-if __name__ == "__main__":
-  _worker_main()

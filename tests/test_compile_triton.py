@@ -17,7 +17,7 @@ import pytest
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pallas_kernels import compile_triton as ct
+from pallas_kernels import compile_triton as ct, workers
 
 SEED = 11
 METAPARAMS = {"BLOCK": 16, "FAST": True}
@@ -171,11 +171,11 @@ def test_the_compile_key_keeps_what_the_compile_depends_on_only():
 
 def test_a_worker_that_dies_is_reported_and_replaced():
   with pytest.raises(RuntimeError, match="No module named 'no_such_module'"):
-    ct.run_worker({"call": ("no_such_module", "f"), "args": {}})
-  proc = ct._worker_process()
+    workers.run({"call": ("no_such_module", "f"), "args": {}})
+  proc = workers._worker_process()
   proc.kill()
   proc.wait()
-  result = ct.run_worker({"call": (__name__, "_worker_compile"), "args": dict(
+  result = workers.run({"call": (__name__, "_worker_compile"), "args": dict(
       kernel=("m", "k"), platform="cuda", arg_dtypes=["*fp32"], scalar_args=(),
       kw={"metaparams": {}})})
   assert result["kernel_args"][1] != proc.pid

@@ -1,0 +1,172 @@
+"""pallas_kernels/lower_ahead.py on the CPU: a kernel call exported in a worker process while the
+step is traced and called from the step's lowering, equal to the call itself; its fallbacks.
+
+The numerics run on the CPU platform (the workers export for it here: `PLATFORM` patched); the
+real Mosaic GPU GEMM is cross-lowered for CUDA, as on the GPU (where tests/test_kernels_*.py run
+it through the dispatch).
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.interpreters import mlir
+
+from coat_jax import kernels
+from pallas_kernels import lower_ahead as la
+
+SEED = 23
+
+
+def scaled_mix(x, y, scale, *, power: int, out_dtype=jnp.float32, note=None):
+  """The stand-in kernel: (x * scale + y ** power) in out_dtype, and the row sums (note: any
+  value, unused)."""
+  del note
+  z = (x.astype(jnp.float32) * scale + y.astype(jnp.float32) ** power).astype(out_dtype)
+  return z, jnp.sum(z.astype(jnp.float32), axis=-1)
+
+
+def failing_export(**_):
+  raise ValueError("no CUDA here")
+
+
+@pytest.fixture
+def cpu_ahead(monkeypatch):
+  """Workers export for the CPU, whose lowering then calls their exports."""
+  monkeypatch.setattr(la, "PLATFORM", "cpu")
+  monkeypatch.setattr(la, "MODE", "process")
+  monkeypatch.setattr(la, "stats", dict.fromkeys(la.stats, 0))
+  la._calls.clear()
+  mlir.register_lowering(la.lowered_ahead_p, la.ahead_rule, platform="cpu")
+  yield
+  mlir._platform_specific_lowerings["cpu"].pop(la.lowered_ahead_p, None)
+  la._calls.clear()
+
+
+def _inputs(shape=(64, 256)):
+  rng = np.random.default_rng(SEED)
+  return (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+          jnp.asarray(rng.standard_normal(shape), jnp.float32), jnp.float32(1.5))
+
+
+def _expected(x, y, scale, power):
+  z = np.asarray(x, np.float64) * float(scale) + np.asarray(y, np.float64) ** power
+  return z, z.sum(-1)
+
+
+def _prims(f, *args):
+  return {str(e.primitive) for e in jax.make_jaxpr(f)(*args).eqns}
+
+
+def test_calls_exported_in_a_worker_compute_what_the_function_computes(cpu_ahead):
+  x, y, scale = _inputs()
+
+  def step(x, y, scale):
+    a = la.call(scaled_mix, x, y, scale, power=2)
+    b = la.call(scaled_mix, x * 2, y, scale, power=2)     # the same call: one export
+    c = la.call(scaled_mix, x, y, scale, power=3)         # another static argument
+    return a, b, c
+
+  assert "coat_lowered_ahead" in _prims(step, x, y, scale)
+  (az, asum), (bz, _), (cz, csum) = jax.jit(step)(x, y, scale)
+  assert la.stats == {"started": 2, "from_worker": 2, "worker_failed": 0}
+  for (z, s), power, xs in [((az, asum), 2, x), ((cz, csum), 3, x), ((bz, None), 2, x * 2)]:
+    ez, es = _expected(xs, y, scale, power)
+    assert np.isfinite(np.asarray(z)).all()
+    np.testing.assert_allclose(np.asarray(z), ez, rtol=1e-6, atol=1e-5)
+    if s is not None:
+      np.testing.assert_allclose(np.asarray(s), es, rtol=1e-5, atol=1e-3)
+
+
+def test_a_failed_export_is_lowered_here_with_a_warning(cpu_ahead, monkeypatch):
+  monkeypatch.setattr(la, "WORKER_CALL", (__name__, "failing_export"))
+  x, y, scale = _inputs((8, 128))
+  with pytest.warns(RuntimeWarning, match="no CUDA here.*lowering scaled_mix in this process"):
+    z, s = jax.jit(lambda x, y: la.call(scaled_mix, x, y, scale, power=2))(x, y)
+  assert la.stats["worker_failed"] == 1 and la.stats["from_worker"] == 0
+  np.testing.assert_allclose(np.asarray(z), _expected(x, y, scale, 2)[0], rtol=1e-6, atol=1e-5)
+
+
+def test_inline_mode_local_functions_and_unhashable_arguments_call_the_function(cpu_ahead,
+                                                                                 monkeypatch):
+  x, y, scale = _inputs((8, 128))
+  local = lambda x, y: (x.astype(jnp.float32) + y,)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert "coat_lowered_ahead" not in _prims(lambda x, y: la.call(local, x, y), x, y)
+    assert "coat_lowered_ahead" not in _prims(
+        lambda x, y: la.call(scaled_mix, x, y, scale, power=2, note={"unhashable": 1}), x, y)
+    monkeypatch.setattr(la, "MODE", "inline")
+    assert "coat_lowered_ahead" not in _prims(
+        lambda x, y: la.call(scaled_mix, x, y, scale, power=2), x, y)
+  assert la.stats["started"] == 0
+  monkeypatch.setattr(la, "MODE", "later")
+  with pytest.raises(ValueError, match="COAT_JAX_KERNEL_LOWERING.*'later'"):
+    la.call(scaled_mix, x, y, scale, power=2)
+
+
+def test_the_mosaic_gpu_gemm_exported_in_a_worker_lowers_to_the_same_custom_call(monkeypatch):
+  from pallas_kernels import fp8_matmul as fm
+  monkeypatch.setattr(la, "stats", dict.fromkeys(la.stats, 0))
+  la._calls.clear()
+  a = jax.ShapeDtypeStruct((256, 512), jnp.float8_e4m3fn)
+  b = jax.ShapeDtypeStruct((128, 512), jnp.float8_e4m3fn)
+  s = jax.ShapeDtypeStruct((), jnp.float32)
+  calls = {}
+  for mode in ("inline", "process"):
+    monkeypatch.setattr(la, "MODE", mode)
+    step = jax.jit(lambda a, b, s: la.call(fm.fp8_matmul_tn, a, b, s, jnp.bfloat16))
+    text = step.trace(a, b, s).lower(lowering_platforms=("cuda",)).as_text()
+    calls[mode] = [l.split("{")[0] + l.split("}")[-1] for l in text.splitlines()
+                   if "@mosaic_gpu_v2" in l]
+  assert la.stats["from_worker"] == 1
+  assert len(calls["inline"]) == len(calls["process"]) == 1
+  signature = lambda line: line.split(":")[-1].strip()      # operand and result types
+  assert signature(calls["process"][0]) == signature(calls["inline"][0])
+  assert "tensor<256x128xbf16>" in signature(calls["process"][0])
+  la._calls.clear()
+
+
+def test_the_dispatch_lowers_ahead_on_one_device_and_not_per_shard(monkeypatch):
+  monkeypatch.setattr(kernels, "_on_hopper", lambda: True)
+  monkeypatch.setattr(kernels, "interpret_mode", lambda: False)
+  monkeypatch.setattr(la, "MODE", "process")
+  x = jnp.asarray(np.random.default_rng(SEED).standard_normal((256, 512)), jnp.bfloat16)
+  quantize = lambda x: kernels.quantize_per_group(x, 128).data
+  monkeypatch.setattr(kernels, "per_shard", lambda: False)
+  assert "coat_lowered_ahead" in _prims(quantize, x)
+  monkeypatch.setattr(kernels, "per_shard", lambda: True)
+  assert "coat_lowered_ahead" not in _prims(lambda x: kernels.quantize_per_group(x, 128).data, x)
+  la._calls.clear()
+
+
+@pytest.mark.gpu
+def test_gpu_coat_linear_with_kernels_lowered_ahead_equals_kernels_lowered_inline(monkeypatch):
+  """On the GPU: a coat linear's forward and backward (FP8 GEMMs, quantize kernels) give
+  bit-identical results with its Mosaic GPU kernels exported by workers or lowered here."""
+  from coat_jax import ops
+  rng = np.random.default_rng(SEED)
+  x = jnp.asarray(rng.standard_normal((4, 512, 1024)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((1024, 768)) / 32, jnp.bfloat16)
+  ct = jnp.asarray(rng.standard_normal((4, 512, 768)), jnp.bfloat16)
+
+  def fwd_bwd(x, w, ct):
+    y, pull = jax.vjp(lambda x, w: ops.linear(x, w, mode="coat"), x, w)
+    return (y, *pull(ct))
+
+  results = {}
+  for mode in ("inline", "process"):
+    monkeypatch.setattr(la, "MODE", mode)
+    jax.clear_caches()
+    la._calls.clear()
+    before = la.stats["from_worker"]
+    step = jax.jit(fwd_bwd)
+    assert "mosaic_gpu" in step.lower(x, w, ct).as_text()
+    results[mode] = [np.asarray(r) for r in step(x, w, ct)]
+    if mode == "process":
+      assert la.stats["from_worker"] > before
+  y = results["process"][0].astype(np.float32)
+  assert np.isfinite(y).all() and np.abs(y).max() > 0
+  for got, want in zip(results["process"], results["inline"]):
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
