@@ -248,7 +248,17 @@ def _launch(fn, *args, **kwargs):
   if interpret_mode() or per_shard():
     return fn(*args, **kwargs)
   from pallas_kernels import lower_ahead
+  _prestart_triton_compiles()
   return lower_ahead.call(fn, *args, **kwargs)
+
+
+@functools.cache
+def _prestart_triton_compiles() -> None:
+  """As the first kernel is traced: start the workers that will compile the optimizer's Triton
+  kernels (traced last), so that their start-up overlaps the trace (compile_triton.prestart)."""
+  if implementation("adam") == "triton":
+    from pallas_kernels import compile_triton
+    compile_triton.prestart()
 
 
 def _mosaic(kernel, args, kinds_in, kinds_out, group_size):

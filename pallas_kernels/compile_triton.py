@@ -45,6 +45,10 @@ MODES = ("process", "inline")
 MODE = os.environ.get("COAT_JAX_TRITON_COMPILE", "process")
 # What a worker runs: (module, function) taking a request's "args" (tests point it elsewhere).
 WORKER_CALL = (__name__, "compile_in_worker")
+# The compiles' own worker pool (not behind the Mosaic GPU lowerings' queue): the Adam step
+# compiles 2 kernels (rows, columns); `prestart` starts it early (the dispatch does).
+POOL, POOL_SIZE = "triton", 2
+PRELOAD = ("jax_triton", "pallas_kernels.adam_step_triton")
 # triton_call keywords that do not reach the compile (the others: launch options, constexprs)
 _CALL_ONLY = frozenset({"out_shape", "grid", "input_output_aliases", "zeroed_outputs", "name",
                         "custom_call_target_name", "serialized_metadata"})
@@ -199,9 +203,16 @@ def start(call, kernel, args, kwargs) -> bool:
   with _lock:
     if asked.key in _jobs or asked.key in _built:
       return False
-    _jobs[asked.key] = workers.submit(WORKER_CALL, **asked.request)
+    _jobs[asked.key] = workers.submit(WORKER_CALL, pool=POOL, size=POOL_SIZE, **asked.request)
   stats["started"] += 1
   return True
+
+
+def prestart() -> None:
+  """Start the compile workers (and their imports of jax-triton and the kernels) now, before
+  the first Triton call is traced (MODE "process" on a machine with jax-triton)."""
+  if triton_lib is not None and check_mode() == "process":
+    workers.prestart(POOL, POOL_SIZE, PRELOAD)
 
 
 def compile_in_worker(kernel, platform, arg_dtypes, scalar_args, kw) -> dict:

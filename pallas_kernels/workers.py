@@ -1,9 +1,10 @@
 """Worker processes for kernel compiles and lowerings that would otherwise hold this process' GIL.
 
-`submit(call, **args)` runs `module.function(**args)` (call = (module, function), importable by
-name) in a worker: a Python process (`python -m pallas_kernels.workers`, JAX on its CPU platform:
-no GPU memory is taken) that stays up for later requests, one per thread of a pool of
-MAX_WORKERS ($COAT_JAX_KERNEL_WORKERS; default half the cores, at most 8). Requests and results
+`submit(call, pool=..., **args)` runs `module.function(**args)` (call = (module, function),
+importable by name) in a worker: a Python process (`python -m pallas_kernels.workers`, JAX on
+its CPU platform: no GPU memory is taken) that stays up for later requests, one per thread of
+the named pool (default size MAX_WORKERS, $COAT_JAX_KERNEL_WORKERS: half the cores, at most 8;
+`prestart` makes a pool and starts its processes ahead of its first request). Requests and results
 travel pickled over the process' stdin / stdout; a request that raises there, or a worker that
 dies, makes the Future raise RuntimeError naming the error (the caller then does the work
 itself). Workers end when this process does (their stdin closes).
@@ -27,17 +28,40 @@ TIMEOUT_S = 600          # how long a caller waits for one result
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _lock = threading.Lock()
-_pool = None
+_pools: dict = {}              # pool name -> ThreadPoolExecutor
 _thread = threading.local()    # a pool thread's worker process
 
 
-def submit(call: tuple[str, str], **args) -> concurrent.futures.Future:
-  """A Future of `getattr(import_module(call[0]), call[1])(**args)` run in a worker process."""
-  global _pool
+def _pool(name: str, size: int | None):
   with _lock:
-    if _pool is None:
-      _pool = concurrent.futures.ThreadPoolExecutor(MAX_WORKERS, "coat-kernel-worker")
-  return _pool.submit(run, {"call": tuple(call), "args": args})
+    if name not in _pools:
+      _pools[name] = concurrent.futures.ThreadPoolExecutor(size or MAX_WORKERS,
+                                                           f"coat-{name}-worker")
+    return _pools[name]
+
+
+def submit(call: tuple[str, str], *, pool: str = "kernels", size: int | None = None,
+           **args) -> concurrent.futures.Future:
+  """A Future of `getattr(import_module(call[0]), call[1])(**args)` run in a worker process of
+  the pool `pool` (made on first use with `size` workers, default MAX_WORKERS)."""
+  return _pool(pool, size).submit(run, {"call": tuple(call), "args": args})
+
+
+def prestart(pool: str, size: int, preload: tuple[str, ...] = ()) -> None:
+  """Make the pool `pool` of `size` workers now and start their processes, each importing the
+  modules `preload`, so that later requests do not wait for Python's start-up and imports."""
+  with _lock:
+    fresh = pool not in _pools
+  executor = _pool(pool, size)
+  if fresh:
+    for _ in range(size):
+      executor.submit(run, {"call": (__name__, "preload"), "args": {"modules": tuple(preload)}})
+
+
+def preload(modules) -> None:
+  """In a worker: import `modules` (what its later requests will need)."""
+  for name in modules:
+    importlib.import_module(name)
 
 
 def _worker_process() -> subprocess.Popen:

@@ -84,6 +84,8 @@ def fresh(monkeypatch):
   monkeypatch.setattr(ct, "WORKER_CALL", (__name__, "_worker_compile"))
   monkeypatch.setattr(ct, "_build", lambda r: (tuple(r["kernel_args"]), r["attrs"]))
   monkeypatch.setattr(ct, "MODE", "process")
+  monkeypatch.setattr(ct, "POOL", "test-triton")   # one process: the reuse test sees its pid
+  monkeypatch.setattr(ct, "POOL_SIZE", 1)
   for d in (ct._traced, ct._jobs, ct._built):
     d.clear()
   monkeypatch.setattr(ct, "stats", dict.fromkeys(ct.stats, 0))

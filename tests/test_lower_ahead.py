@@ -134,10 +134,13 @@ def test_the_dispatch_lowers_ahead_on_one_device_and_not_per_shard(monkeypatch):
   monkeypatch.setattr(la, "MODE", "process")
   x = jnp.asarray(np.random.default_rng(SEED).standard_normal((256, 512)), jnp.bfloat16)
   quantize = lambda x: kernels.quantize_per_group(x, 128).data
-  monkeypatch.setattr(kernels, "per_shard", lambda: False)
-  assert "coat_lowered_ahead" in _prims(quantize, x)
-  monkeypatch.setattr(kernels, "per_shard", lambda: True)
-  assert "coat_lowered_ahead" not in _prims(lambda x: kernels.quantize_per_group(x, 128).data, x)
+  with kernels.backend("adam=reference"), warnings.catch_warnings():
+    warnings.simplefilter("error")
+    monkeypatch.setattr(kernels, "per_shard", lambda: False)
+    assert "coat_lowered_ahead" in _prims(quantize, x)
+    monkeypatch.setattr(kernels, "per_shard", lambda: True)
+    assert "coat_lowered_ahead" not in _prims(
+        lambda x: kernels.quantize_per_group(x, 128).data, x)
   la._calls.clear()
 
 
