@@ -48,7 +48,7 @@ WORKER_CALL = (__name__, "compile_in_worker")
 # The compiles' own worker pool (not behind the Mosaic GPU lowerings' queue): the Adam step
 # compiles 2 kernels (rows, columns); `prestart` starts it early (the dispatch does).
 POOL, POOL_SIZE = "triton", 2
-PRELOAD = ("jax_triton", "pallas_kernels.adam_step_triton")
+PRELOAD = ("pallas_kernels.compile_triton", "jax_triton", "pallas_kernels.adam_step_triton")
 # triton_call keywords that do not reach the compile (the others: launch options, constexprs)
 _CALL_ONLY = frozenset({"out_shape", "grid", "input_output_aliases", "zeroed_outputs", "name",
                         "custom_call_target_name", "serialized_metadata"})
@@ -208,6 +208,15 @@ def start(call, kernel, args, kwargs) -> bool:
   return True
 
 
+def _block_torch() -> None:
+  """In a worker only: make `import torch` fail at once. Triton's native argument specializer
+  (called by jax-triton's compile) tries `import torch` to recognize torch tensors; where torch is
+  installed (the GPU image) that import took 3.5-5.5 s of the first compile in every process
+  (measured on the H100 host, docs/benchmarks.md, eighth session). A worker never sees torch
+  tensors; the user's process is left alone."""
+  sys.modules["torch"] = None
+
+
 def prestart() -> None:
   """Start the compile workers (and their imports of jax-triton and the kernels) now, before
   the first Triton call is traced (MODE "process" on a machine with jax-triton)."""
@@ -218,6 +227,8 @@ def prestart() -> None:
 def compile_in_worker(kernel, platform, arg_dtypes, scalar_args, kw) -> dict:
   """In the worker: jax-triton's get_or_create_triton_kernel for the kernel imported by
   (module, name), with jaxlib's TritonKernel replaced by a recorder of its arguments."""
+  if "torch" not in sys.modules:   # see _block_torch
+    _block_torch()
   from jax_triton import triton_lib as tl
 
   class Recorded:  # what get_or_create builds the kernel from
