@@ -499,9 +499,8 @@ def run_child(args, variant: dict, budget: Budget) -> dict:
   for item in args.overrides:
     cmd += ["--set", item]
   env = dict(os.environ)
-  # GPU memory preallocated as in a training run (an equal share per child): without it XLA's
-  # GEMM autotuning allocates per candidate, which slowed bf16's compile (20 cuBLAS GEMMs) more
-  # than coat's (3): 10.2 s here against 7.4 s in bench_e2e on one H100 (eighth session).
+  # GPU memory preallocated as in a training run (an equal share per child), so that XLA's GEMM
+  # autotuning allocates as it would there.
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / max(1, args.parallel):.3f}")
   env.update(JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="0")
   if args.vmodule:

@@ -204,9 +204,11 @@ def _exported(key):
       stats["from_worker"] += 1
     except Exception as e:  # noqa: BLE001 - any failure there: lower here instead
       stats["worker_failed"] += 1
-      lines = str(e).strip().splitlines() or [type(e).__name__]
-      warnings.warn(f"lower_ahead: the worker process failed ({lines[-1]}); lowering "
-                    f"{key[1]} in this process", RuntimeWarning, stacklevel=2)
+      if stats["worker_failed"] == 1:    # once per process: the rest fail alike
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        warnings.warn(f"lower_ahead: the worker process failed ({lines[-1]}); lowering "
+                      f"{key[1]} (and any other kernel whose export fails) in this process",
+                      RuntimeWarning, stacklevel=2)
     entry.job = None
   return entry.exported
 

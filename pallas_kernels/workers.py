@@ -7,7 +7,8 @@ the named pool (default size MAX_WORKERS, $COAT_JAX_KERNEL_WORKERS: half the cor
 `prestart` makes a pool and starts its processes ahead of its first request). Requests and results
 travel pickled over the process' stdin / stdout; a request that raises there, or a worker that
 dies, makes the Future raise RuntimeError naming the error (the caller then does the work
-itself). Workers end when this process does (their stdin closes).
+itself). Workers end when this process does (their stdin closes) or after IDLE_S seconds without
+a request.
 
 Used by pallas_kernels/compile_triton.py (Triton compiles) and pallas_kernels/lower_ahead.py
 (Mosaic GPU lowerings). Imports the standard library only.
@@ -18,6 +19,7 @@ import concurrent.futures
 import importlib
 import os
 import pickle
+import select
 import subprocess
 import sys
 import threading
@@ -25,6 +27,8 @@ import threading
 MAX_WORKERS = int(os.environ.get("COAT_JAX_KERNEL_WORKERS", 0)) or max(
     1, min(8, (os.cpu_count() or 2) // 2))
 TIMEOUT_S = 600          # how long a caller waits for one result
+# a worker with no request for this long exits (its memory back); read by the worker
+IDLE_S = float(os.environ.get("COAT_JAX_WORKER_IDLE_S", 300))
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _lock = threading.Lock()
@@ -100,6 +104,8 @@ def _main() -> None:
   out = os.fdopen(os.dup(1), "wb")   # replies go to the real stdout; prints to stderr
   os.dup2(2, 1)
   while True:
+    if not select.select([sys.stdin.buffer], [], [], IDLE_S)[0]:
+      return                            # idle: the parent's pool starts a new one if needed
     try:
       request = pickle.load(sys.stdin.buffer)
     except EOFError:

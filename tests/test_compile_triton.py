@@ -181,3 +181,20 @@ def test_a_worker_that_dies_is_reported_and_replaced():
       kernel=("m", "k"), platform="cuda", arg_dtypes=["*fp32"], scalar_args=(),
       kw={"metaparams": {}})})
   assert result["kernel_args"][1] != proc.pid
+
+
+def _pid():
+  return os.getpid()
+
+
+def test_an_idle_worker_exits_and_the_next_request_starts_another(monkeypatch):
+  monkeypatch.setenv("COAT_JAX_WORKER_IDLE_S", "0.5")
+  old = getattr(workers._thread, "proc", None)
+  if old is not None:
+    old.kill()
+    old.wait()
+  first = workers.run({"call": (__name__, "_pid"), "args": {}})
+  proc = workers._thread.proc
+  assert first == proc.pid != os.getpid()
+  assert proc.wait(timeout=30) == 0            # exits by itself once idle
+  assert workers.run({"call": (__name__, "_pid"), "args": {}}) == workers._thread.proc.pid != first
