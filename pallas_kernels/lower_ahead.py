@@ -163,7 +163,10 @@ def _warm_later(job, specs) -> None:
   with _lock:
     if _warm_pool is None:
       _warm_pool = concurrent.futures.ThreadPoolExecutor(2, "coat-kernel-warm")
-  _warm_pool.submit(_warm, job, specs)
+  try:
+    _warm_pool.submit(_warm, job, specs)
+  except RuntimeError:   # the interpreter is shutting down: nothing left to warm for
+    pass
 
 
 def _warm(job, specs) -> None:
@@ -230,8 +233,15 @@ def ahead_rule(ctx, *operands, key, out_avals):
   return mlir.lower_fun(flat, multiple_results=True)(ctx, *operands)
 
 
+def _eager(*operands, key, out_avals):
+  """Outside jit: the call jitted alone (its lowering as above)."""
+  bind = lambda *xs: lowered_ahead_p.bind(*xs, key=key, out_avals=out_avals)
+  return jax.jit(bind)(*operands)
+
+
 lowered_ahead_p = Primitive("coat_lowered_ahead")
 lowered_ahead_p.multiple_results = True
 lowered_ahead_p.def_abstract_eval(lambda *avals, key, out_avals: out_avals)
+lowered_ahead_p.def_impl(_eager)
 mlir.register_lowering(lowered_ahead_p, _inline_rule)
 mlir.register_lowering(lowered_ahead_p, ahead_rule, platform=PLATFORM)

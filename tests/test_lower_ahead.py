@@ -84,6 +84,15 @@ def test_calls_exported_in_a_worker_compute_what_the_function_computes(cpu_ahead
       np.testing.assert_allclose(np.asarray(s), es, rtol=1e-5, atol=1e-3)
 
 
+def test_an_eager_call_runs_the_worker_export(cpu_ahead):
+  x, y, scale = _inputs((16, 128))
+  z, s = la.call(scaled_mix, x, y, scale, power=3)      # outside jit
+  assert la.stats["from_worker"] == 1
+  ez, es = _expected(x, y, scale, 3)
+  np.testing.assert_allclose(np.asarray(z), ez, rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(s), es, rtol=1e-5, atol=1e-3)
+
+
 def test_a_failed_export_is_lowered_here_with_a_warning(cpu_ahead, monkeypatch):
   monkeypatch.setattr(la, "WORKER_CALL", (__name__, "failing_export"))
   x, y, scale = _inputs((8, 128))
