@@ -256,7 +256,7 @@ def _launch(fn, *args, **kwargs):
 def _prestart_triton_compiles() -> None:
   """As the first kernel is traced: start the workers that will compile the optimizer's Triton
   kernels (traced last), so that their start-up overlaps the trace (compile_triton.prestart)."""
-  if implementation("adam") == "triton":
+  if _triton_available() and implementation("adam") == "triton":
     from pallas_kernels import compile_triton
     compile_triton.prestart()
 

@@ -176,7 +176,7 @@ def test_tree_step_operands_aliases_and_results(monkeypatch):
 
   monkeypatch.setattr(tk, "available", lambda: True)
   monkeypatch.setattr(tk, "_kernel", lambda rows, starts, decay: (rows, starts, decay))
-  monkeypatch.setattr(tk.single, "jt", FakeJT)
+  monkeypatch.setattr(tk.call_triton, "triton_call", FakeJT.triton_call)
   f8, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
   shapes = [(4, 128), (3, 256), (40, 128)]
   grad_dtypes = [jnp.float32, jnp.bfloat16, jnp.float32]
@@ -362,7 +362,7 @@ def test_tree_step_puts_the_grad_scale_in_the_step_scalars(monkeypatch):
 
   monkeypatch.setattr(tk, "available", lambda: True)
   monkeypatch.setattr(tk, "_kernel", lambda rows, starts, decay: None)
-  monkeypatch.setattr(tk.single, "jt", FakeJT)
+  monkeypatch.setattr(tk.call_triton, "triton_call", FakeJT.triton_call)
   f8 = jnp.float8_e4m3fn
   m = (jnp.zeros((2, 128), f8), jnp.ones((2, 1)), jnp.ones((2, 1), jnp.uint8))
   kw = dict(count=jnp.int32(1), m_fmax=448.0, v_fmax=448.0, m_log2_range=16.6, v_log2_range=16.6,
