@@ -399,7 +399,9 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
     if a2 is not None and jnp.dtype(out_dtype) in pk.OUT_DTYPES:
       scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
       interp = pk.interpret_params(interpret_mode())
-      kernel = lambda x, y, s: _launch(pk.fp8_matmul_tn, x, y, s, out_dtype, interpret=interp)
+      ctas = None if interp is not None else pk.num_sms()   # this device's, also for a worker
+      kernel = lambda x, y, s: _launch(pk.fp8_matmul_tn, x, y, s, out_dtype, interpret=interp,
+                                       num_ctas=ctas)
       if not wrap:
         out = kernel(a2, b2, scale)
       else:

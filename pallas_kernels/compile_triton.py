@@ -24,7 +24,6 @@ them by name); others compile inline. Imports jax, and jax-triton where installe
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import sys
 import threading
@@ -108,17 +107,8 @@ def trace_key(kernel, args, kwargs) -> tuple:
   return (kernel, ops, outs, rest)
 
 
-def _recipe(fn):
-  """(module, name) the worker imports `fn` by, or None for a kernel not at a module's top level."""
-  inner = getattr(fn, "fn", None)
-  module, name = getattr(inner, "__module__", None), getattr(inner, "__name__", None)
-  if module and name and getattr(sys.modules.get(module), name, None) is fn:
-    return module, name
-  return None
-
-
 def _request(fn, platform, arg_dtypes, scalar_args, kw) -> dict | None:
-  recipe = _recipe(fn)
+  recipe = workers.recipe(fn, getattr(fn, "fn", None))   # a JITFunction: its Python function
   if recipe is None:
     return None
   kw = dict(kw)
@@ -225,8 +215,9 @@ def prestart() -> None:
 
 
 def compile_in_worker(kernel, platform, arg_dtypes, scalar_args, kw) -> dict:
-  """In the worker: jax-triton's get_or_create_triton_kernel for the kernel imported by
-  (module, name), with jaxlib's TritonKernel replaced by a recorder of its arguments."""
+  """In the worker: jax-triton's get_or_create_triton_kernel for the kernel `workers.resolve`
+  imports by its recipe (the caller's, checked), with jaxlib's TritonKernel replaced by a
+  recorder of its arguments."""
   if "torch" not in sys.modules:   # see _block_torch
     _block_torch()
   from jax_triton import triton_lib as tl
@@ -236,7 +227,7 @@ def compile_in_worker(kernel, platform, arg_dtypes, scalar_args, kw) -> dict:
       self.args = args
 
   tl.triton_kernel_call_lib = types.SimpleNamespace(TritonKernel=Recorded)
-  fn = getattr(importlib.import_module(kernel[0]), kernel[1])
+  fn = workers.resolve(kernel, lambda jit_function: jit_function.fn)
   backend = {"cuda": tl.get_cuda_backend, "rocm": tl.get_hip_backend}[platform]
   original = getattr(tl.get_or_create_triton_kernel, "original", tl.get_or_create_triton_kernel)
   recorded, attrs = original(backend, platform, fn, arg_dtypes, scalar_args, **kw)

@@ -119,7 +119,10 @@ def _swizzled(elems_minor: int, dtype):
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
+  """The device's SM count (132, an H100 SXM's, where the device reports none): the persistent
+  GEMM's default grid. Read in the process that traces the step (a worker exporting the kernel
+  has no GPU: the dispatch passes it as num_ctas)."""
   try:
     return jax.devices()[0].core_count
   except (AttributeError, RuntimeError):
@@ -293,7 +296,7 @@ def fp8_matmul_tn(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype=jnp.bf
   scale = jnp.asarray(scale, jnp.float32).reshape(1)
   tiles = (mp // cfg.cta_m) * (np_ // cfg.cta_n)
   if num_ctas is None:
-    num_ctas = 2 if interpret is not None else _num_sms()
+    num_ctas = 2 if interpret is not None else num_sms()
   ctas = min(num_ctas, tiles)
   out = _kernel_fn(mp, np_, kp, jnp.dtype(out_dtype), cfg, ctas, interpret, with_amax)(a, b, scale)
   if with_amax:

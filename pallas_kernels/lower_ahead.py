@@ -5,9 +5,10 @@ Python per kernel: the kernel's jaxpr to the Mosaic GPU dialect, layout inferenc
 lowering; 15 kernels in the olmo-1b coat step, ~4.5 s on the GPU host), one kernel after
 another on the thread that holds the GIL. `call(fn, *args, **kwargs)` instead:
   1. hands `fn(*args, **kwargs)` (fn at a module's top level; array arguments by shape and dtype,
-     the rest as given) to a worker process (pallas_kernels/workers.py), which exports it for
-     CUDA with `jax.export` (the Mosaic GPU module travels inside the exported StableHLO) and
-     sends back the `Exported`;
+     the rest as given) to a worker process (pallas_kernels/workers.py), which checks it imports
+     the same `fn` (module file, code hash), exports the call for CUDA with `jax.export` under
+     this process' x64 and matmul-precision settings (the Mosaic GPU module travels inside the
+     exported StableHLO) and sends back the `Exported`;
   2. binds a primitive carrying the call's key and result types (from `jax.eval_shape` of the
      call: the kernel is traced here once per distinct call, as before);
   3. whose CUDA lowering waits for that `Exported` and lowers its call (the exported module
@@ -15,9 +16,10 @@ another on the thread that holds the GIL. `call(fn, *args, **kwargs)` instead:
   4. and, as soon as the `Exported` is in, XLA-compiles it alone on a thread here (WARM), which
      leaves the kernel compiled in the Mosaic GPU runtime's cache (keyed by the module's hash,
      which the export fixes) for the step's own compile.
-One export per distinct call (function, operand shapes and dtypes, other arguments); a call
-whose export fails in the worker is lowered here, with a warning naming the failure. Other
-platforms lower `fn` itself.
+One export per distinct call (function and its code, operand shapes and dtypes, the other
+arguments with their types, the settings above). A call whose export fails in the worker, or
+whose export's result types differ from the call's, is lowered here (one warning). Other
+platforms, `jax.disable_jit`, vmap and differentiation go to `fn` itself.
 
 MODE ($COAT_JAX_KERNEL_LOWERING): "process" (default) or "inline" (`call` is `fn(*args,
 **kwargs)`). The dispatch (coat_jax/kernels.py) uses `call` on one device outside interpret
@@ -26,18 +28,15 @@ during XLA's partitioning, where nothing is left to overlap. Imports jax only.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import importlib
 import os
-import sys
 import threading
 import warnings
 
 import jax
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
 from pallas_kernels import workers
 
@@ -45,14 +44,15 @@ MODES = ("process", "inline")
 MODE = os.environ.get("COAT_JAX_KERNEL_LOWERING", "process")
 WORKER_CALL = (__name__, "export_in_worker")   # what a worker runs (tests point it elsewhere)
 PLATFORM = "cuda"      # what the workers export for, and the platform whose lowering waits for them
-
-_lock = threading.Lock()
-_calls: dict = {}   # key -> _Call
-stats = {"started": 0, "from_worker": 0, "worker_failed": 0, "warmed": 0, "warm_failed": 0}
 # WARM ($COAT_JAX_KERNEL_WARM, default on): compile each exported kernel alone as soon as it is in
 # (`_warm`), on threads of this process, while the step is still traced and lowered.
 WARM = os.environ.get("COAT_JAX_KERNEL_WARM", "1") != "0"
-_warm_pool = None
+# jax settings an export depends on beyond its arguments: sent to the worker, part of the key
+SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision")
+
+_lock = threading.RLock()
+_calls: dict = {}   # key -> _Call
+stats = {"started": 0, "from_worker": 0, "worker_failed": 0, "warmed": 0, "warm_failed": 0}
 
 
 @dataclasses.dataclass
@@ -74,8 +74,24 @@ def check_mode() -> str:
   return MODE
 
 
+def _count(name: str) -> int:
+  with _lock:
+    stats[name] += 1
+    return stats[name]
+
+
 def _is_operand(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray)) or isinstance(x, jax.core.Tracer)
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+
+
+def _static_key(v):
+  """A static argument's part of the key: its type with its value, through tuples and lists
+  (2 and 2.0, or 1.5 and np.float32(1.5), are different calls)."""
+  if isinstance(v, (tuple, list)):
+    return (type(v), tuple(_static_key(x) for x in v))
+  if isinstance(v, dict):
+    return (dict, tuple((k, _static_key(x)) for k, x in sorted(v.items())))
+  return (type(v), v)
 
 
 def _split(args, kwargs):
@@ -89,7 +105,7 @@ def _split(args, kwargs):
       static_args[i] = None
       key.append(("operand", np.shape(a), str(a.dtype)))
     else:
-      key.append(("static", a))
+      key.append(("static", _static_key(a)))
   static_kwargs = {}
   for name in sorted(kwargs):
     v = kwargs[name]
@@ -99,7 +115,7 @@ def _split(args, kwargs):
       key.append((name, "operand", np.shape(v), str(v.dtype)))
     else:
       static_kwargs[name] = v
-      key.append((name, "static", v))
+      key.append((name, "static", _static_key(v)))
   return operands, tuple(slots), tuple(static_args), static_kwargs, tuple(key)
 
 
@@ -116,17 +132,20 @@ def _bind_operands(fn, static_args, static_kwargs, slots):
   return of_operands
 
 
-def _importable(fn) -> bool:
-  module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-  return bool(module and name) and getattr(sys.modules.get(module), name, None) is fn
+def _settings() -> tuple:
+  return tuple((name, getattr(jax.config, name)) for name in SETTINGS)
 
 
 def call(fn, *args, **kwargs):
   """fn(*args, **kwargs), its lowering done in a worker process (MODE "process"; see above)."""
-  if check_mode() != "process" or not _importable(fn):
+  if check_mode() != "process" or jax.config.jax_disable_jit:
+    return fn(*args, **kwargs)
+  recipe = workers.recipe(fn)
+  if recipe is None:
     return fn(*args, **kwargs)
   operands, slots, static_args, static_kwargs, key_part = _split(args, kwargs)
-  key = (fn.__module__, fn.__qualname__, key_part)
+  settings = _settings()
+  key = (recipe["module"], recipe["name"], recipe["code"], key_part, settings)
   try:
     hash(key)
   except TypeError:    # an argument this key cannot hold: lowered here
@@ -135,10 +154,10 @@ def call(fn, *args, **kwargs):
     entry = _calls.get(key)
   if entry is None:
     specs = [(np.shape(x), str(x.dtype)) for x in operands]
-    job = workers.submit(WORKER_CALL, fn=(fn.__module__, fn.__qualname__), operands=specs,
-                         slots=slots, static_args=static_args, static_kwargs=static_kwargs,
-                         platform=PLATFORM)
-    stats["started"] += 1
+    job = workers.submit(WORKER_CALL, fn=recipe, operands=specs, slots=slots,
+                         static_args=static_args, static_kwargs=static_kwargs,
+                         platform=PLATFORM, settings=settings)
+    _count("started")
     of_operands = _bind_operands(fn, static_args, static_kwargs, slots)
     out = jax.eval_shape(of_operands, *[jax.ShapeDtypeStruct(s, d) for s, d in specs])
     flat, out_tree = jax.tree.flatten(out)
@@ -147,7 +166,7 @@ def call(fn, *args, **kwargs):
     with _lock:
       entry = _calls.setdefault(key, entry)
     if WARM and _backend_platform() == PLATFORM:
-      job.add_done_callback(lambda _, specs=specs: _warm_later(job, specs))
+      job.add_done_callback(lambda _: _warm_later(job, specs, dict(settings)))
   outs = lowered_ahead_p.bind(*operands, key=key, out_avals=entry.out_avals)
   return jax.tree.unflatten(entry.out_tree, outs)
 
@@ -157,19 +176,12 @@ def _backend_platform() -> str:
   return "cuda" if platform == "gpu" else platform
 
 
-def _warm_later(job, specs) -> None:
+def _warm_later(job, specs, settings) -> None:
   """Once a worker's export is in: compile it alone on a thread (`_warm`)."""
-  global _warm_pool
-  with _lock:
-    if _warm_pool is None:
-      _warm_pool = concurrent.futures.ThreadPoolExecutor(2, "coat-kernel-warm")
-  try:
-    _warm_pool.submit(_warm, job, specs)
-  except RuntimeError:   # the interpreter is shutting down: nothing left to warm for
-    pass
+  workers.thread_pool("warm", 2).submit(_warm, job, specs, settings)
 
 
-def _warm(job, specs) -> None:
+def _warm(job, specs, settings) -> None:
   """XLA-compile the exported kernel alone (nothing runs). The Mosaic GPU runtime compiles a
   kernel module when XLA compiles a step that calls it and keeps it by the module's hash, which
   an Exported carries fixed: the step's own compile then finds the kernel compiled (measured on
@@ -177,55 +189,73 @@ def _warm(job, specs) -> None:
   lose the head start."""
   try:
     exported = job.result()
-    structs = [jax.ShapeDtypeStruct(s, d) for s, d in specs]
-    jax.jit(exported.call).trace(*structs).lower().compile()
-    stats["warmed"] += 1
+    with jax.enable_x64(settings["jax_enable_x64"]), \
+        jax.default_matmul_precision(settings["jax_default_matmul_precision"]):
+      structs = [jax.ShapeDtypeStruct(s, d) for s, d in specs]
+      jax.jit(exported.call).trace(*structs).lower().compile()
+    _count("warmed")
   except Exception:  # noqa: BLE001 - the step's compile compiles the kernel itself
-    stats["warm_failed"] += 1
+    _count("warm_failed")
 
 
-def export_in_worker(fn, operands, slots, static_args, static_kwargs, platform="cuda"):
-  """In the worker: `jax.export` of the call for `platform` (its vjp dropped: not picklable,
-  unused)."""
+def export_in_worker(fn, operands, slots, static_args, static_kwargs, platform="cuda",
+                     settings=()):
+  """In the worker: `jax.export` of the call for `platform` under the caller's `settings`, fn
+  resolved and checked by `workers.resolve` (its vjp dropped: not picklable, unused)."""
   from jax import export
-  module, name = fn
-  target = importlib.import_module(module)
-  for part in name.split("."):
-    target = getattr(target, part)
+  for name, value in settings:
+    jax.config.update(name, value)
+  target = workers.resolve(fn)
   of_operands = _bind_operands(target, static_args, static_kwargs, slots)
   structs = [jax.ShapeDtypeStruct(s, d) for s, d in operands]
   exported = export.export(jax.jit(of_operands), platforms=[platform])(*structs)
   return dataclasses.replace(exported, _get_vjp=None)
 
 
+def _warn_once(key, why: str) -> None:
+  if _count("worker_failed") == 1:    # once per process: the rest fail alike
+    warnings.warn(f"lower_ahead: {why}; lowering {key[1]} (and any other kernel whose export "
+                  "fails) in this process", RuntimeWarning, stacklevel=3)
+
+
 def _exported(key):
-  """The worker's Exported for `key`, or None when its export failed (warned once)."""
-  entry = _calls[key]
-  if entry.exported is None and entry.job is not None:
+  """The worker's Exported for `key`, or None when its export failed or does not match the
+  call's result types (warned once)."""
+  with _lock:
+    entry = _calls[key]
+    job, entry.job = entry.job, None
+  if job is not None:
     try:
-      entry.exported = entry.job.result(timeout=workers.TIMEOUT_S)
-      stats["from_worker"] += 1
+      exported = job.result(timeout=workers.TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - any failure there: lower here instead
-      stats["worker_failed"] += 1
-      if stats["worker_failed"] == 1:    # once per process: the rest fail alike
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        warnings.warn(f"lower_ahead: the worker process failed ({lines[-1]}); lowering "
-                      f"{key[1]} (and any other kernel whose export fails) in this process",
-                      RuntimeWarning, stacklevel=2)
-    entry.job = None
+      lines = str(e).strip().splitlines() or [type(e).__name__]
+      _warn_once(key, f"the worker process failed ({lines[-1]})")
+    else:
+      got = [(tuple(a.shape), a.dtype) for a in exported.out_avals]
+      if got != [(tuple(a.shape), a.dtype) for a in entry.out_avals]:
+        _warn_once(key, f"the worker's export returns {got}, the call "
+                        f"{[(a.shape, a.dtype) for a in entry.out_avals]}")
+      else:
+        _count("from_worker")
+        with _lock:
+          entry.exported = exported
   return entry.exported
+
+
+def _of_operands(key):
+  entry = _calls[key]
+  return _bind_operands(entry.fn, entry.args, entry.kwargs, entry.slots)
 
 
 def _inline_rule(ctx, *operands, key, out_avals):
   del out_avals
-  entry = _calls[key]
-  fn = _bind_operands(entry.fn, entry.args, entry.kwargs, entry.slots)
-  flat = lambda *xs: jax.tree.leaves(fn(*xs))
-  return mlir.lower_fun(flat, multiple_results=True)(ctx, *operands)
+  fn = _of_operands(key)
+  return mlir.lower_fun(lambda *xs: jax.tree.leaves(fn(*xs)), multiple_results=True)(
+      ctx, *operands)
 
 
 def ahead_rule(ctx, *operands, key, out_avals):
-  """PLATFORM's lowering: the worker's Exported called (or, if its export failed, `fn`)."""
+  """PLATFORM's lowering: the worker's Exported called (or, if that failed, `fn`)."""
   exported = _exported(key)
   if exported is None:
     return _inline_rule(ctx, *operands, key=key, out_avals=out_avals)
@@ -233,15 +263,33 @@ def ahead_rule(ctx, *operands, key, out_avals):
   return mlir.lower_fun(flat, multiple_results=True)(ctx, *operands)
 
 
+@jax.jit(static_argnames=("key", "out_avals"))
 def _eager(*operands, key, out_avals):
-  """Outside jit: the call jitted alone (its lowering as above)."""
-  bind = lambda *xs: lowered_ahead_p.bind(*xs, key=key, out_avals=out_avals)
-  return jax.jit(bind)(*operands)
+  """Outside jit: the call jitted alone (its lowering as above), compiled once per call."""
+  return lowered_ahead_p.bind(*operands, key=key, out_avals=out_avals)
+
+
+def _batch(args, dims, *, key, out_avals):
+  """vmap: `fn`'s own batching (the kernel's), as if `call` had not been used."""
+  del out_avals
+  fn = _of_operands(key)
+  out = jax.vmap(lambda *xs: jax.tree.leaves(fn(*xs)), in_axes=dims)(*args)
+  return out, [0] * len(out)
+
+
+def _jvp(primals, tangents, *, key, out_avals):
+  del out_avals
+  fn = _of_operands(key)
+  tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+  return jax.jvp(lambda *xs: jax.tree.leaves(fn(*xs)), tuple(primals), tangents)
 
 
 lowered_ahead_p = Primitive("coat_lowered_ahead")
 lowered_ahead_p.multiple_results = True
 lowered_ahead_p.def_abstract_eval(lambda *avals, key, out_avals: out_avals)
-lowered_ahead_p.def_impl(_eager)
+lowered_ahead_p.def_impl(lambda *operands, key, out_avals: _eager(*operands, key=key,
+                                                                  out_avals=out_avals))
+batching.primitive_batchers[lowered_ahead_p] = _batch
+ad.primitive_jvps[lowered_ahead_p] = _jvp
 mlir.register_lowering(lowered_ahead_p, _inline_rule)
 mlir.register_lowering(lowered_ahead_p, ahead_rule, platform=PLATFORM)

@@ -110,7 +110,7 @@ def test_inline_mode_local_functions_and_unhashable_arguments_call_the_function(
     warnings.simplefilter("error")
     assert "coat_lowered_ahead" not in _prims(lambda x, y: la.call(local, x, y), x, y)
     assert "coat_lowered_ahead" not in _prims(
-        lambda x, y: la.call(scaled_mix, x, y, scale, power=2, note={"unhashable": 1}), x, y)
+        lambda x, y: la.call(scaled_mix, x, y, scale, power=2, note={1, 2}), x, y)
     monkeypatch.setattr(la, "MODE", "inline")
     assert "coat_lowered_ahead" not in _prims(
         lambda x, y: la.call(scaled_mix, x, y, scale, power=2), x, y)
@@ -187,3 +187,58 @@ def test_gpu_coat_linear_with_kernels_lowered_ahead_equals_kernels_lowered_inlin
   assert np.isfinite(y).all() and np.abs(y).max() > 0
   for got, want in zip(results["process"], results["inline"]):
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def times(x, factor):
+  """A stand-in whose result dtype follows its static argument's type (int32 x: 2 -> int32,
+  2.0 -> float32)."""
+  return x * factor
+
+
+def iota_like(x):
+  """A stand-in whose result dtype follows jax_enable_x64 (int64 with it)."""
+  return x + jnp.arange(x.shape[0])
+
+
+def test_static_arguments_of_equal_value_and_other_types_are_other_calls(cpu_ahead):
+  x = jnp.arange(4, dtype=jnp.int32)
+  f = jax.jit(lambda x: (la.call(times, x, 2), la.call(times, x, 2.0)))
+  a, b = f(x)
+  assert a.dtype == jnp.int32 and b.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(a), [0, 2, 4, 6])
+  np.testing.assert_array_equal(np.asarray(b), [0.0, 2.0, 4.0, 6.0])
+  assert la.stats["started"] == 2 and la.stats["worker_failed"] == 0
+
+
+def test_the_worker_exports_under_the_callers_x64_setting(cpu_ahead):
+  x = jnp.zeros(3, jnp.int32)
+  with jax.enable_x64(True):
+    got = jax.jit(lambda x: la.call(iota_like, x))(np.zeros(3, np.int64))
+    want = iota_like(np.zeros(3, np.int64))
+  assert got.dtype == want.dtype == jnp.int64
+  narrow = jax.jit(lambda x: la.call(iota_like, x))(x)
+  assert narrow.dtype == jnp.int32
+  assert la.stats["started"] == 2 and la.stats["from_worker"] == 2
+
+
+def test_vmap_grad_and_disable_jit_go_through_the_function_itself(cpu_ahead):
+  x, y, scale = _inputs((4, 8, 128))
+  f = lambda x, y: la.call(scaled_mix, x, y, scale, power=2)[1]
+  direct = lambda x, y: scaled_mix(x, y, scale, power=2)[1]
+  np.testing.assert_allclose(np.asarray(jax.vmap(f)(x, y)), np.asarray(jax.vmap(direct)(x, y)),
+                             rtol=1e-6)
+  g = jax.grad(lambda y: jnp.sum(f(x, y)))(y)
+  g_ref = 2 * np.asarray(y, np.float64)             # d/dy of sum(x * s + y^2) = 2y
+  np.testing.assert_allclose(np.asarray(g), g_ref, rtol=1e-5, atol=1e-5)
+  with jax.disable_jit():
+    z, _ = la.call(scaled_mix, x[0], y[0], scale, power=2)
+  np.testing.assert_allclose(np.asarray(z), _expected(x[0], y[0], scale, 2)[0], rtol=1e-6,
+                             atol=1e-5)
+
+
+def test_eager_calls_compile_once(cpu_ahead):
+  x, y, scale = _inputs((8, 128))
+  before = la._eager._cache_size()
+  for _ in range(3):
+    la.call(scaled_mix, x, y, scale, power=2)
+  assert la._eager._cache_size() == before + 1 and la.stats["started"] == 1

@@ -1,0 +1,99 @@
+"""pallas_kernels/workers.py: the worker processes that export and compile kernels off the
+step's critical path: replies, errors, deaths, time-outs, idle exits, and that a worker runs the
+caller's own function or refuses."""
+import os
+import pickle
+import sys
+import time
+
+import pytest
+
+from pallas_kernels import workers
+
+
+def pid():
+  return os.getpid()
+
+
+def nap(seconds):
+  time.sleep(seconds)
+  return seconds
+
+
+def echo(value):
+  return value
+
+
+def _fresh_process():
+  old = getattr(workers._thread, "proc", None)
+  if old is not None:
+    old.kill()
+    old.wait()
+
+
+def test_a_request_runs_in_another_process_and_errors_come_back_by_name():
+  first = workers.run({"call": (__name__, "pid"), "args": {}})
+  assert first != os.getpid() and first == workers._thread.proc.pid
+  assert workers.run({"call": (__name__, "pid"), "args": {}}) == first      # kept
+  with pytest.raises(RuntimeError, match="No module named 'no_such_module'"):
+    workers.run({"call": ("no_such_module", "f"), "args": {}})
+  assert workers.run({"call": (__name__, "pid"), "args": {}}) == first      # still alive
+
+
+def test_a_worker_that_dies_is_reported_and_replaced():
+  proc = workers._worker_process()
+  proc.kill()
+  proc.wait()
+  assert workers.run({"call": (__name__, "pid"), "args": {}}) != proc.pid
+
+
+def test_a_request_that_cannot_be_pickled_sends_nothing():
+  before = workers.run({"call": (__name__, "pid"), "args": {}})
+  big = "x" * 200_000                  # over a pipe's buffer: a partial write would be visible
+  with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+    workers.run({"call": (__name__, "echo"), "args": {"value": [big, lambda: 0]}})
+  assert workers.run({"call": (__name__, "echo"), "args": {"value": "next"}}) == "next"
+  assert workers._thread.proc.pid == before
+
+
+def test_a_reply_later_than_the_time_limit_kills_the_worker(monkeypatch):
+  monkeypatch.setattr(workers, "TIMEOUT_S", 0.5)
+  with pytest.raises(RuntimeError, match="no reply in 0.5 s"):
+    workers.run({"call": (__name__, "nap"), "args": {"seconds": 30}})
+  assert workers._thread.proc.poll() is not None
+  assert workers.run({"call": (__name__, "nap"), "args": {"seconds": 0}}) == 0
+
+
+def test_an_idle_worker_exits_and_the_next_request_starts_another(monkeypatch):
+  monkeypatch.setenv("COAT_JAX_WORKER_IDLE_S", "0.5")
+  _fresh_process()
+  first = workers.run({"call": (__name__, "pid"), "args": {}})
+  proc = workers._thread.proc
+  assert proc.wait(timeout=30) == 0            # exits by itself once idle
+  assert workers.run({"call": (__name__, "pid"), "args": {}}) == workers._thread.proc.pid != first
+
+
+def test_the_worker_resolves_the_callers_function_or_refuses():
+  recipe = workers.recipe(nap)
+  assert recipe["module"] == __name__ and recipe["name"] == "nap"
+  assert workers.resolve(recipe) is nap
+  with pytest.raises(ValueError, match="imports .* from .*, the caller from /elsewhere.py"):
+    workers.resolve(dict(recipe, file="/elsewhere.py"))
+  with pytest.raises(ValueError, match="differs from the caller's"):
+    workers.resolve(dict(recipe, code=workers.recipe(echo)["code"]))
+  assert workers.recipe(lambda: 0) is None                       # not reachable by name
+  patched = lambda seconds: seconds                              # a module attribute rebound:
+  module = sys.modules[__name__]
+  saved, module.nap = module.nap, patched
+  try:
+    assert workers.recipe(saved) is None                         # the old object is not it
+  finally:
+    module.nap = saved
+
+
+def test_the_worker_search_path_puts_the_package_first_and_names_the_current_directory(monkeypatch):
+  monkeypatch.setattr(sys, "path", ["", "/some/where"] + sys.path)
+  path = workers.search_path()
+  assert path[0] == workers._PACKAGE_ROOT
+  assert os.getcwd() in path and "" not in path
+  assert path.index(os.getcwd()) < path.index("/some/where")
