@@ -430,22 +430,28 @@ def test_gpu_fused_clip_matches_chain(group_axis):
       assert rel < 5e-3, (k, rel)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("group_axis", [-1, -2])
-def test_gpu_ffi_call_equals_legacy_call_and_is_compiled_ahead(group_axis, monkeypatch):
-  """The typed-FFI custom call (call_triton's option) runs the same kernel as jax-triton's
-  legacy call (the default): bit-identical results, and the lowered step names each target."""
-  from pallas_kernels import call_triton
+def _one_leaf_case(group_axis: int, seed: int, **extra):
+  """(args, kwargs) of one at.adam_step on a small E4M3 leaf grouped along `group_axis`."""
   if group_axis == -1:
-    p, g, m0, v0 = _state((96, 384), seed=61)
+    p, g, m0, v0 = _state((96, 384), seed=seed)
     m_state, v_state = _np_quantize(m0, "e4m3", True)[:3], _np_quantize(v0, "e4m3", True)[:3]
   else:
-    p, g, m_state, v_state = _np_cols_case((256, 96), 61, "e4m3", "param")[:4]
+    p, g, m_state, v_state = _np_cols_case((256, 96), seed, "e4m3", "param")[:4]
     m_state, v_state = ([np.ascontiguousarray(a) for a in s] for s in (m_state, v_state))
   kw = dict(count=jnp.int32(3), m_fmax=448.0, v_fmax=448.0, m_log2_range=_log2_range(448.0),
             v_log2_range=_log2_range(448.0), group_size=G, expand=True, expand_min=EM,
-            output="param", group_axis=group_axis, **HYPER)
+            output="param", group_axis=group_axis, **HYPER, **extra)
   args = [jnp.asarray(p), jnp.asarray(g), *map(jnp.asarray, m_state), *map(jnp.asarray, v_state)]
+  return args, kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_axis", [-1, -2])
+def test_gpu_ffi_call_equals_legacy_call(group_axis, monkeypatch):
+  """The typed-FFI custom call (call_triton's option) runs the same kernel as jax-triton's
+  legacy call (the default): bit-identical results, and the lowered step names each target."""
+  from pallas_kernels import call_triton
+  args, kw = _one_leaf_case(group_axis, seed=61)
   results, texts = {}, {}
   for mode in ("legacy", "ffi"):
     monkeypatch.setattr(call_triton, "CUSTOM_CALL", mode)
@@ -467,16 +473,7 @@ def test_gpu_kernel_compiled_in_a_worker_process_equals_the_one_compiled_in_the_
   """compile_triton's worker builds the kernel jax-triton builds in the lowering: bit-identical
   results, and the worker's kernel is the one the step ran."""
   from pallas_kernels import compile_triton
-  if group_axis == -1:
-    p, g, m0, v0 = _state((96, 384), seed=67)
-    m_state, v_state = _np_quantize(m0, "e4m3", True)[:3], _np_quantize(v0, "e4m3", True)[:3]
-  else:
-    p, g, m_state, v_state = _np_cols_case((256, 96), 67, "e4m3", "param")[:4]
-    m_state, v_state = ([np.ascontiguousarray(a) for a in s] for s in (m_state, v_state))
-  kw = dict(count=jnp.int32(3), m_fmax=448.0, v_fmax=448.0, m_log2_range=_log2_range(448.0),
-            v_log2_range=_log2_range(448.0), group_size=G, expand=True, expand_min=EM,
-            output="param", group_axis=group_axis, num_warps=2, **HYPER)  # no other test's compile
-  args = [jnp.asarray(p), jnp.asarray(g), *map(jnp.asarray, m_state), *map(jnp.asarray, v_state)]
+  args, kw = _one_leaf_case(group_axis, seed=67, num_warps=2)   # a compile no other test makes
   results = {}
   for mode in ("inline", "process"):
     monkeypatch.setattr(compile_triton, "MODE", mode)
