@@ -323,9 +323,11 @@ def test_gpu_tree_matches_float64_reference(output):
 
 
 @pytest.mark.gpu
-def test_gpu_coat_adamw_apply_takes_one_launch_for_the_tree(rng):
+def test_gpu_coat_adamw_apply_takes_one_launch_for_the_tree(rng, monkeypatch):
   """coat_adamw_apply on a 6-leaf tree (one leaf keeps float32 moments) compiles to one tree
-  kernel launch and agrees with the per-leaf kernels (adam_tree=reference) within one code."""
+  kernel launch and agrees with the per-leaf kernels (adam_tree=reference) within one code.
+  One device's path (the tree kernel has no per-shard form), also on a host with several GPUs."""
+  monkeypatch.setattr(kernels, "per_shard", lambda: False)
   shapes = {f"w{i}": (64 * (i + 1), 256) for i in range(5)} | {"bias": (7,)}
   params = {n: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for n, s in shapes.items()}
   grads = {n: jnp.asarray(rng.standard_normal(s) * 1e-3, jnp.float32) for n, s in shapes.items()}
