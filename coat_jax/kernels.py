@@ -245,10 +245,12 @@ def _launch(fn, *args, **kwargs):
   """fn(*args, **kwargs), a Mosaic GPU kernel: on one device its lowering runs in a worker
   process while the step is still traced (pallas_kernels/lower_ahead.py); per shard (lowered
   inside XLA's partitioning) and in interpret mode, here."""
-  if interpret_mode() or per_shard():
+  if interpret_mode():
+    return fn(*args, **kwargs)
+  _prestart_triton_compiles()
+  if per_shard():
     return fn(*args, **kwargs)
   from pallas_kernels import lower_ahead
-  _prestart_triton_compiles()
   return lower_ahead.call(fn, *args, **kwargs)
 
 
