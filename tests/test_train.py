@@ -68,6 +68,8 @@ def test_tiny_default_loss_falls_and_writes_outputs(cache, tmp_path):
   assert config_lib.load(tmp_path / "config.yaml") == cfg
   assert ckpt_lib.Checkpointer(tmp_path / "checkpoints", 0, 3, False).all_steps() == [20, 40]
   assert "train loss" in summary_line(s) and "tokens/s" in summary_line(s)
+  # the first step (trace, compile, run) timed apart, and it is part of the run's wall time
+  assert 0 < s["first_step_s"] < s["wall_s"] and "first step" in summary_line(s)
 
 
 @pytest.mark.parametrize("optimizer,precision", [  # CI time: bf16 runs with --slow

@@ -260,6 +260,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         "mfu": metrics_lib.mfu(flops_per_token, tokens_per_s, devices_used) if tokens_per_s else None,
         "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,
         "flops_per_token": flops_per_token, "wall_s": time.time() - t_start,
+        "first_step_s": logger.first_step_s,
         "losses": history, "eval_losses": eval_history, "out_dir": str(out_dir),
         "checkpoint_dir": str(ckpt_dir),
     }

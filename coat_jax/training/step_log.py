@@ -2,6 +2,8 @@
 device between log steps; and the one-line run summary."""
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
@@ -22,12 +24,17 @@ class StepLogger:
     self._pending: list[tuple[int, dict]] = []
     self._throughput = metrics_lib.Throughput()
     self._compiled = False
+    self._started = time.perf_counter()
+    self.first_step_s: float | None = None   # this process' first step: trace, compile and run
 
   def step_done(self, step: int, out: dict, log_now: bool) -> None:
     self._pending.append((step, out))
     self.bar.update(1)
     if not self._compiled:  # the first step compiles: leave it out of the throughput
       jax.block_until_ready(out["loss"])
+      self.first_step_s = time.perf_counter() - self._started
+      (self.say if self.bar.disable else self.bar.write)(
+          f"[run] first step in {self.first_step_s:.1f} s (tracing and compiling included)")
       self._throughput.reset()
       self._compiled = True
       log_now = log_now or step == 1  # log the starting loss
@@ -83,4 +90,5 @@ def summary_line(s: dict) -> str:
           f"{fmt(s['train_loss_last'])}, "
           f"eval loss {fmt(s['final_eval_loss'])}, {s['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
           f"peak memory {metrics_lib.format_bytes(s['peak_memory_bytes'])} ({s['peak_memory_kind']}), "
-          f"{s['wall_s']:.0f} s")
+          f"{s['wall_s']:.0f} s"
+          + ("" if s.get("first_step_s") is None else f" (first step {s['first_step_s']:.1f} s)"))
