@@ -11,9 +11,9 @@ that call's lowering will ask for by a dry lowering of the call alone (jax-trito
 stopped where it asks `get_or_create_triton_kernel`: the exact arguments, nothing of jax-triton's
 logic copied) and hands it to a worker process (pallas_kernels/workers.py: JAX on its CPU
 platform, no GPU memory; kept for later requests) that runs that same jax-triton function and
-sends back what it built jaxlib's TritonKernel from (name, PTX, TTIR, shared memory). When the real lowering asks
-for the same compile, `get_or_create` (installed over jax-triton's by `install`) waits for that
-result and builds the TritonKernel in this process. One compile per distinct (kernel, operand
+sends back what it built jaxlib's TritonKernel from (name, PTX, TTIR, shared memory). When the
+real lowering asks for the same compile, `get_or_create` (installed over jax-triton's by
+`install`) waits for that result and builds the TritonKernel in this process. One compile per distinct (kernel, operand
 types, launch options, constexprs), as jax-triton's own cache; a compile that fails in the worker
 is done again here, with a warning naming the failure.
 
@@ -139,8 +139,8 @@ def get_or_create(original, backend_init_func, platform, fn, arg_dtypes, scalar_
       built = _build(job.result(timeout=workers.TIMEOUT_S))
     except Exception as e:  # noqa: BLE001 - any failure there: compile here instead
       stats["worker_failed"] += 1
-      lines = str(e).strip().splitlines() or [type(e).__name__]
-      warnings.warn(f"compile_triton: the worker process failed ({lines[-1]}); compiling "
+      why = workers.last_line(str(e)) or type(e).__name__
+      warnings.warn(f"compile_triton: the worker process failed ({why}); compiling "
                     f"{getattr(fn, '__name__', fn)} in this process", RuntimeWarning, stacklevel=2)
     else:
       with _lock:

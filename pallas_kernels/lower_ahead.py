@@ -57,10 +57,7 @@ stats = {"started": 0, "from_worker": 0, "worker_failed": 0, "warmed": 0, "warm_
 
 @dataclasses.dataclass
 class _Call:
-  fn: object
-  args: tuple          # static arguments as given; operands as None (filled from `operands`)
-  kwargs: dict
-  slots: tuple         # ("arg", i) / ("kwarg", name) per operand, in operand order
+  flat_fn: object      # the call as a function of its operands, returning its flat outputs
   out_tree: object
   out_avals: tuple
   job: object          # Future of the worker's Exported
@@ -161,7 +158,7 @@ def call(fn, *args, **kwargs):
     of_operands = _bind_operands(fn, static_args, static_kwargs, slots)
     out = jax.eval_shape(of_operands, *[jax.ShapeDtypeStruct(s, d) for s, d in specs])
     flat, out_tree = jax.tree.flatten(out)
-    entry = _Call(fn, static_args, static_kwargs, slots, out_tree,
+    entry = _Call(lambda *xs: jax.tree.leaves(of_operands(*xs)), out_tree,
                   tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in flat), job)
     with _lock:
       entry = _calls.setdefault(key, entry)
@@ -228,8 +225,8 @@ def _exported(key):
     try:
       exported = job.result(timeout=workers.TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - any failure there: lower here instead
-      lines = str(e).strip().splitlines() or [type(e).__name__]
-      _warn_once(key, f"the worker process failed ({lines[-1]})")
+      why = workers.last_line(str(e)) or type(e).__name__
+      _warn_once(key, f"the worker process failed ({why})")
     else:
       got = [(tuple(a.shape), a.dtype) for a in exported.out_avals]
       if got != [(tuple(a.shape), a.dtype) for a in entry.out_avals]:
@@ -242,16 +239,9 @@ def _exported(key):
   return entry.exported
 
 
-def _of_operands(key):
-  entry = _calls[key]
-  return _bind_operands(entry.fn, entry.args, entry.kwargs, entry.slots)
-
-
 def _inline_rule(ctx, *operands, key, out_avals):
   del out_avals
-  fn = _of_operands(key)
-  return mlir.lower_fun(lambda *xs: jax.tree.leaves(fn(*xs)), multiple_results=True)(
-      ctx, *operands)
+  return mlir.lower_fun(_calls[key].flat_fn, multiple_results=True)(ctx, *operands)
 
 
 def ahead_rule(ctx, *operands, key, out_avals):
@@ -272,16 +262,14 @@ def _eager(*operands, key, out_avals):
 def _batch(args, dims, *, key, out_avals):
   """vmap: `fn`'s own batching (the kernel's), as if `call` had not been used."""
   del out_avals
-  fn = _of_operands(key)
-  out = jax.vmap(lambda *xs: jax.tree.leaves(fn(*xs)), in_axes=dims)(*args)
+  out = jax.vmap(_calls[key].flat_fn, in_axes=dims)(*args)
   return out, [0] * len(out)
 
 
 def _jvp(primals, tangents, *, key, out_avals):
   del out_avals
-  fn = _of_operands(key)
   tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-  return jax.jvp(lambda *xs: jax.tree.leaves(fn(*xs)), tuple(primals), tangents)
+  return jax.jvp(_calls[key].flat_fn, tuple(primals), tangents)
 
 
 lowered_ahead_p = Primitive("coat_lowered_ahead")

@@ -174,6 +174,12 @@ def _worker_process() -> subprocess.Popen:
   return proc
 
 
+def last_line(text: str) -> str:
+  """The last line of `text` (an error message, a process' stderr): what names the failure."""
+  lines = text.strip().splitlines()
+  return lines[-1] if lines else ""
+
+
 def _death(proc, error) -> RuntimeError:
   """Kill `proc`; a RuntimeError with its exit status and last stderr line."""
   proc.kill()
@@ -181,8 +187,8 @@ def _death(proc, error) -> RuntimeError:
   tail = ""
   try:
     _thread.stderr.seek(0)
-    lines = _thread.stderr.read().decode(errors="replace").strip().splitlines()
-    tail = f": {lines[-1]}" if lines else ""
+    tail = last_line(_thread.stderr.read().decode(errors="replace"))
+    tail = f": {tail}" if tail else ""
   except (OSError, AttributeError):
     pass
   return RuntimeError(f"the worker process exited (status {status}; {error}){tail}")
@@ -227,8 +233,7 @@ def _main() -> None:
       module, name = request["call"]
       reply = {"result": getattr(importlib.import_module(module), name)(**request["args"])}
     except Exception as e:  # noqa: BLE001 - reported to the caller, which does the work itself
-      lines = str(e).strip().splitlines()
-      reply = {"error": f"{type(e).__name__}: {lines[-1] if lines else ''}"}
+      reply = {"error": f"{type(e).__name__}: {last_line(str(e))}"}
     pickle.dump(reply, out)
     out.flush()
 
