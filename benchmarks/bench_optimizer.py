@@ -51,13 +51,12 @@ bandwidth measured here (a jitted x + 1 over a large array, read + write counted
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import optax
-
-import statistics
-import time
 
 from _common import kernel_times, time_calls
 from coat_jax import kernels
