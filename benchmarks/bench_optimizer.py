@@ -23,7 +23,9 @@ clipping fused into the step (the README's first example: the global norm reads 
 the kernel scales it as it loads it, no clipped gradient is written); coat_adamw_apply (one pass
 writing the params). "per leaf": one kernel launch per parameter
 (kernel family adam_tree=reference); "tree": the tree kernel (pallas_kernels/adam_tree_triton.py,
-a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again).
+a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again);
+"packed state": coat_adamw(state_layout="packed"), the moments of all leaves in 8 flat buffers
+(coat_jax/packed_state.py) instead of 6 arrays per leaf, one launch per leaf at its slot.
 Group axis: the coat rows group along each matrix's last axis (group_axis="last"), except
 coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an (in, out)
 kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
@@ -46,6 +48,7 @@ bandwidth measured here (a jitted x + 1 over a large array, read + write counted
   python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,64x4,64x8
   python benchmarks/bench_optimizer.py --rows apply_leaf,apply_cols --cols-tiles 32x4,64x8x4,128x8x8
   python benchmarks/bench_optimizer.py --rows optax_chain,chain_leaf,coat_clip,apply_clip --profile
+  python benchmarks/bench_optimizer.py --rows optax,coat_leaf,coat_packed,apply_leaf,apply_packed
   JAX_PLATFORMS=cpu python benchmarks/bench_optimizer.py --scale 0.001 --steps 3   # smoke check
 """
 from __future__ import annotations
@@ -91,12 +94,15 @@ def pipelined_ms(step, args, steps: int) -> tuple[float, tuple]:
   return (time.perf_counter() - t0) * 1e3 / steps, (params, state)
 
 
-def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axis="last"):
+def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axis="last",
+                    state_layout="leaves"):
   """Returns (wall ms, pipelined ms, state bytes per param, GPU kernel ms or None) for one
-  optimizer; frees its buffers. group_axis: the state's, for coat_adamw_apply (no init)."""
+  optimizer; frees its buffers. group_axis, state_layout: the state's, for coat_adamw_apply (no
+  init)."""
   params = params_fn()
   n = sum(p.size for p in jax.tree.leaves(params))
-  init = opt.init if hasattr(opt, "init") else coat_adamw(1e-3, group_axis=group_axis).init
+  init = opt.init if hasattr(opt, "init") else coat_adamw(
+      1e-3, group_axis=group_axis, state_layout=state_layout).init
   state = jax.jit(init)(params)
   state_bytes = optimizer_state_bytes(state)
 
@@ -163,6 +169,7 @@ def _columns(params):
 
 # --rows key -> (label, make optimizer, kernel backend, bytes per param beyond the one-pass step's)
 LAST = dict(group_axis="last")
+PACKED = dict(state_layout="packed")
 CONFIGS = {
     "optax": ("optax.adamw", lambda: optax.adamw(1e-3, weight_decay=1e-4), "reference", 0),
     "optax_chain": ("chain(clip, optax.adamw)",
@@ -189,12 +196,22 @@ CONFIGS = {
     "apply_cols": ("coat_adamw_apply, per leaf, groups along axis -2 (column kernel)",
                    lambda: coat_adamw_apply(1e-3, group_axis=_columns),
                    "adam=pallas,adam_tree=reference", 0),
+    "coat_packed": ("coat_adamw + apply_updates, packed state",
+                    lambda: coat_adamw(1e-3, **LAST, **PACKED), "adam=pallas,adam_tree=reference",
+                    12),
+    "apply_packed": ("coat_adamw_apply, packed state",
+                     lambda: coat_adamw_apply(1e-3, **LAST, **PACKED),
+                     "adam=pallas,adam_tree=reference", 0),
+    "apply_cols_packed": ("coat_adamw_apply, packed state, groups along axis -2 (column kernel)",
+                          lambda: coat_adamw_apply(1e-3, group_axis=_columns, **PACKED),
+                          "adam=pallas,adam_tree=reference", 0),
     "apply_tree": ("coat_adamw_apply, tree", lambda: coat_adamw_apply(1e-3, **LAST),
                    "adam=pallas", 0),
     "apply_jnp": ("coat_adamw_apply, jnp reference", lambda: coat_adamw_apply(1e-3, **LAST),
                   "reference", 0),
 }
-COLUMN_ROWS = ("coat_cols", "apply_cols")
+COLUMN_ROWS = ("coat_cols", "apply_cols", "apply_cols_packed")
+PACKED_ROWS = ("coat_packed", "apply_packed", "apply_cols_packed")
 DEFAULT_ROWS = ["optax", "optax_chain", "coat_tree", "chain_tree", "apply_leaf", "apply_tree"]
 
 
@@ -270,7 +287,8 @@ def main():
     with kernels.backend(backend):
       ms, piped, bpp, device_ms = bench_optimizer(
           name, make(), params_fn, grads, args.steps, args.profile,
-          group_axis=_columns if key in COLUMN_ROWS else "last")
+          group_axis=_columns if key in COLUMN_ROWS else "last",
+          state_layout="packed" if key in PACKED_ROWS else "leaves")
     moved = 4 + 4 + 4 + 2 * bpp + extra  # read param + grad + state, write param + state
     floor_ms = moved * n / bw * 1e3
     rows_out.append((name, ms, piped, bpp, moved, floor_ms, device_ms))

@@ -12,10 +12,10 @@ import math
 
 import jax.numpy as jnp
 
-from coat_jax import adam_math, expansion, formats, kernels
+from coat_jax import adam_math, expansion, formats, kernels, packed_state
 from coat_jax.expansion import ExpandedMoment
 
-__all__ = ["adam_kernel_limits", "coat_adam_step", "coat_adam_tree_step"]
+__all__ = ["adam_kernel_limits", "coat_adam_packed_step", "coat_adam_step", "coat_adam_tree_step"]
 
 
 def adam_kernel_limits(m_format, v_format) -> dict:
@@ -27,6 +27,27 @@ def adam_kernel_limits(m_format, v_format) -> dict:
               v_log2_range=math.log2(expansion.expansion_range(vf)),
               floor=float(expansion.AMAX_FLOOR), max_code=expansion.MAX_K_CODE,
               grad_clamp=adam_math.GRAD_CLAMP)
+
+
+def _triton_static(m_format, v_format, *, group_size, expand, expand_min, output, group_axis):
+  """The jax-triton kernel's static arguments (`adam_step_triton.adam_step`) for these
+  settings: format limits, fast math, in-place outputs."""
+  limits = adam_kernel_limits(m_format, v_format)
+  return dict(m_fmax=formats.get_format(m_format).max, v_fmax=formats.get_format(v_format).max,
+              m_log2_range=limits["m_log2_range"], v_log2_range=limits["v_log2_range"],
+              max_k_code=limits["max_code"], amax_floor=limits["floor"],
+              grad_clamp=limits["grad_clamp"], group_size=group_size, expand=expand,
+              expand_min=expand_min, output=output, alias=True, fast_math=True,
+              group_axis=group_axis)
+
+
+def _hyper(lr, b1, b2, eps, weight_decay, count, grad_scale) -> dict:
+  """The step's hyperparameters as kernel arguments: Python numbers stay Python numbers, arrays
+  (schedules, inject_hyperparams, count) are float32 / int scalars."""
+  hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count)
+  if grad_scale is not None:
+    hyper["grad_scale"] = jnp.asarray(grad_scale, jnp.float32)
+  return hyper
 
 
 def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m_format,
@@ -65,19 +86,14 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
     from pallas_kernels import adam_step as pk
     ok = pk.supported(like, group_size)
   if impl is not None and ok:
-    limits = adam_kernel_limits(m_format, v_format)
     # alias: new param and moments written over the old ones, in place when the caller donates
     # them (a jitted train step with donated state does).
     if impl == "triton":
-      static = dict(m_fmax=formats.get_format(m_format).max,
-                    v_fmax=formats.get_format(v_format).max,
-                    m_log2_range=limits["m_log2_range"], v_log2_range=limits["v_log2_range"],
-                    max_k_code=limits["max_code"], amax_floor=limits["floor"],
-                    grad_clamp=limits["grad_clamp"], group_size=group_size, expand=expand,
-                    expand_min=expand_min, output=output, alias=True, fast_math=True,
-                    group_axis=group_axis)
+      static = _triton_static(m_format, v_format, group_size=group_size, expand=expand,
+                              expand_min=expand_min, output=output, group_axis=group_axis)
       step = lambda p, g, m3, v3, **h: pk.adam_step(p, g, *m3, *v3, **static, **h)
     else:
+      limits = adam_kernel_limits(m_format, v_format)
       # fast_math: MUFU approximations (errors ~2^-22, far below FP8 rounding). On the H100
       # (one 1.21e9 leaf) fast_math + alias took the step from 17.4 to 7.1 ms
       # (benchmarks/sweep_adam_kernel.py).
@@ -89,11 +105,8 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
           g = (g.astype(jnp.float32) * grad_scale).astype(g.dtype)
         out, m3, v3 = pk.adam_step(p, g, m3, v3, **static, **h)
         return (out, *m3, *v3)
-    # Python numbers stay Python numbers; arrays (schedules, inject_hyperparams, count) are
-    # replicated scalar operands.
-    hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count)
-    if grad_scale is not None:
-      hyper["grad_scale"] = jnp.asarray(grad_scale, jnp.float32)
+    # arrays (schedules, inject_hyperparams, count) are replicated scalar operands on a mesh
+    hyper = _hyper(lr, b1, b2, eps, weight_decay, count, grad_scale)
     traced = [k for k, x in hyper.items() if not isinstance(x, (int, float))]
     fixed = {k: x for k, x in hyper.items() if k not in traced}
     p_in = [] if param is None else [param]
@@ -184,3 +197,61 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
         results[i] = adam_math.adam_step_reference(params[i], grads[i], ms[i], vs[i],
                                                    weight_decay=wd, **common)
   return results
+
+
+def coat_adam_packed_step(params, grads, m: packed_state.PackedMoments,
+                          v: packed_state.PackedMoments, slots, decay, *, lr, b1, b2, eps,
+                          weight_decay, count, m_format, v_format, group_size, expand,
+                          expand_min, output="param", grad_scale=None):
+  """`coat_adam_tree_step` on moments in the packed layout (coat_jax.packed_state): returns
+  ([new param or update per leaf], new m, new v). slots: each leaf's `packed_state.Slot`.
+
+  On one device with the jax-triton kernel (`kernels.implementation("adam") == "triton"`), a
+  quantized leaf the kernel takes is one launch on the packed buffers (`adam_step(...,
+  packed_at=slot.start)`: it writes the leaf's slot in place, the launches chained through the
+  buffers). Every other leaf (float32 moments, shapes the kernel does not take, CPU, meshes,
+  the Pallas Triton kernel) steps on its slice (`packed_state.leaf`) as `coat_adam_tree_step`
+  does, written back with `packed_state.with_leaf`; those go first, so that no slice is read
+  after a kernel has written over its buffer.
+  """
+  n = len(grads)
+  if not (len(params) == len(slots) == len(decay) == n):
+    raise ValueError(f"coat_adam_packed_step: {len(params)} params, {n} grads, {len(slots)} slots "
+                     f"and {len(decay)} decay flags: lengths must agree")
+  common = dict(lr=lr, b1=b1, b2=b2, eps=eps, count=count, m_format=m_format,
+                v_format=v_format, group_size=group_size, expand=expand, expand_min=expand_min,
+                output=output, grad_scale=grad_scale)
+  pk = None
+  if (kernels.implementation("adam") == "triton" and not kernels.per_shard()
+      and not kernels.interpret_mode()):
+    from pallas_kernels import adam_step_triton as pk
+    if not pk.available():
+      raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({kernels.INSTALL_HINT})")
+
+  def on_kernel(p, g, slot) -> bool:
+    like = g if p is None else p
+    return pk is not None and slot.quantized and pk.supported(
+        like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size, slot.axis)
+
+  kernel = [on_kernel(p, g, s) for p, g, s in zip(params, grads, slots)]
+  results = [None] * n
+  for i in [i for i in range(n) if not kernel[i]]:
+    slot = slots[i]
+    (out, mi, vi), = coat_adam_tree_step(
+        [params[i]], [grads[i]], [packed_state.leaf(m, slot, group_size)],
+        [packed_state.leaf(v, slot, group_size)], [decay[i]], weight_decay=weight_decay,
+        group_axes=[slot.axis], **common)
+    m = packed_state.with_leaf(m, slot, mi, group_size)
+    v = packed_state.with_leaf(v, slot, vi, group_size)
+    results[i] = out
+  hyper = _hyper(lr, b1, b2, eps, weight_decay, count, grad_scale)
+  for i in [i for i in range(n) if kernel[i]]:
+    slot = slots[i]
+    static = _triton_static(m_format, v_format, group_size=group_size, expand=expand,
+                            expand_min=expand_min, output=output, group_axis=slot.axis)
+    h = dict(hyper, weight_decay=weight_decay if decay[i] else 0.0)
+    results[i], *mv = pk.adam_step(params[i], grads[i], *m[:3], *v[:3], **static, **h,
+                                   packed_at=slot.start, segment=packed_state.SEGMENT)
+    m = packed_state.PackedMoments(*mv[:3], m.plain)
+    v = packed_state.PackedMoments(*mv[3:], v.plain)
+  return results, m, v

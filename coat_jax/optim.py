@@ -60,16 +60,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from coat_jax import expansion, formats, kernels, kernels_adam
+from coat_jax import expansion, formats, kernels, kernels_adam, packed_state
 from coat_jax.adam_math import adam_step_reference, clip_scale
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format
-from coat_jax.optim_state import (DEFAULT_GROUP_AXIS, GROUP_AXES, CoatAdamWState,  # noqa: F401
-                                  check_group_split, group_axes, state_shardings)
+from coat_jax.optim_state import (DEFAULT_GROUP_AXIS, GROUP_AXES, STATE_LAYOUTS,  # noqa: F401
+                                  CoatAdamWState, check_group_split, group_axes, state_shardings)
 from coat_jax.rounding import MASTER_ROUNDINGS, round_to, split_bf16
 
 __all__ = ["CoatAdamWState", "DEFAULT_GROUP_AXIS", "ExpandedMoment", "GROUP_AXES",
-           "MASTER_ROUNDINGS", "adam_step_reference",
+           "MASTER_ROUNDINGS", "STATE_LAYOUTS", "adam_step_reference",
            "coat_adamw", "coat_adamw_apply", "group_axes", "optimizer_state_bytes", "state_shardings"]
 
 
@@ -135,7 +135,8 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
                min_quantized_size: int | None = None,
                master_rounding: str = "nearest",
                group_axis: str | Callable[[Any], Any] = DEFAULT_GROUP_AXIS,
-               max_grad_norm: float | None = None) -> optax.GradientTransformation:
+               max_grad_norm: float | None = None,
+               state_layout: str = "leaves") -> optax.GradientTransformation:
   """AdamW whose moments are stored in FP8 with per-group dynamic range expansion (COAT).
 
   Args:
@@ -166,6 +167,13 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       optax.chain(optax.clip_by_global_norm(max_grad_norm), coat_adamw(...)) up to float32
       rounding (optax scales each element as (g / n) * max_grad_norm), without writing the
       clipped gradients and reading them back (8 bytes per float32 param). Same state.
+    state_layout: "leaves" (default): mu / nu are trees like params (an ExpandedMoment or a
+      float32 array per leaf), each shardable like its param. "packed": mu / nu are each one
+      `packed_state.PackedMoments` (four flat buffers for the whole tree; same values and bytes
+      but alignment padding), for one device: a jitted step passes ~3 buffers per leaf instead
+      of ~15 (the host time per buffer is what a many-leaf step waits for; docs/benchmarks.md),
+      and `state_shardings` refuses it on a mesh of several devices. A state restores only into
+      the layout it was made with.
     The three integer knobs default to None (meaning the values above) rather than to ints, so
     that optax.inject_hyperparams, which turns every int/float argument into a traced
     hyperparameter, leaves them static; if you set them under inject_hyperparams, list them in
@@ -179,7 +187,7 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       learning_rate, b1, b2, eps, weight_decay, mask, m_format=m_format, v_format=v_format,
       group_size=group_size, expand=expand, expand_min=expand_min, quantize=quantize,
       min_quantized_size=min_quantized_size, master_rounding=master_rounding,
-      group_axis=group_axis, max_grad_norm=max_grad_norm)
+      group_axis=group_axis, max_grad_norm=max_grad_norm, state_layout=state_layout)
   return optax.GradientTransformation(init_fn, functools.partial(step_fn, output="update"))
 
 
@@ -230,9 +238,13 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
                     m_format="e4m3", v_format="e4m3", group_size=None, expand=True,
                     expand_min=None, quantize=True, min_quantized_size=None,
                     master_rounding="nearest", group_axis=DEFAULT_GROUP_AXIS,
-                    max_grad_norm=None):
+                    max_grad_norm=None, state_layout="leaves"):
   """(init_fn, step_fn(updates, state, params=None, *, output)) of `coat_adamw` (same args)."""
   _check_max_grad_norm(max_grad_norm)
+  if state_layout not in STATE_LAYOUTS:
+    raise ValueError(f"coat_adamw: state_layout must be one of {STATE_LAYOUTS}, got "
+                     f"{state_layout!r}")
+  packed = state_layout == "packed"
   if not callable(group_axis) and group_axis not in GROUP_AXES:
     group_axes(group_axis, {})  # raises the ValueError
   if master_rounding not in MASTER_ROUNDINGS:
@@ -257,11 +269,27 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
       return _zero_moment(p.shape, fmt, expand=expand, axis=axis, **qargs)
     return jnp.zeros(p.shape, jnp.float32)
 
+  def slots_of(leaves, axes):
+    """The packed layout of these leaves (`packed_state.layout`): slots, groups, plain size."""
+    q = [quantized(x) for x in leaves]
+    return packed_state.layout([jnp.shape(x) for x in leaves], q,
+                               [a if qi else -1 for a, qi in zip(axes, q)], group_size)
+
+  def init_packed(params, axes):
+    leaves = jax.tree.leaves(params)
+    _, groups, plain = slots_of(leaves, jax.tree.leaves(axes))
+    zero = lambda fmt: packed_state.zeros(
+        _zero_moment((group_size,), fmt, expand=expand, **qargs), groups, plain, group_size)
+    return zero(m_fmt), zero(v_fmt)
+
   def init_fn(params):
     _check_float_leaves(params)
     axes = group_axes(group_axis, params)
-    mu = jax.tree.map(lambda p, a: init_moment(p, m_fmt, a), params, axes)
-    nu = jax.tree.map(lambda p, a: init_moment(p, v_fmt, a), params, axes)
+    if packed:
+      mu, nu = init_packed(params, axes)
+    else:
+      mu = jax.tree.map(lambda p, a: init_moment(p, m_fmt, a), params, axes)
+      nu = jax.tree.map(lambda p, a: init_moment(p, v_fmt, a), params, axes)
     comp = jax.tree.map(lambda p: jnp.zeros(p.shape, _BF16) if _is_bf16(p) else None,
                         params) if kahan else None
     return CoatAdamWState(jnp.zeros([], jnp.int32), mu, nu, comp)
@@ -323,12 +351,61 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
 
     g_leaves, treedef = jax.tree.flatten(updates)
     p_leaves = treedef.flatten_up_to(params_or_none)
-    m_leaves = treedef.flatten_up_to(state.mu)
-    v_leaves = treedef.flatten_up_to(state.nu)
     d_leaves = treedef.flatten_up_to(decay)
     c_leaves = treedef.flatten_up_to(state.comp) if kahan else [None] * len(g_leaves)
-    # Each quantized leaf's group axis (`group_axes`); its moments are in the param's layout.
     axes = treedef.flatten_up_to(group_axes(group_axis, updates if params is None else params))
+    # Leaves rounded to bfloat16 master weights (stochastic / kahan) go one by one
+    # (`rounded_leaf`); all the others in one dispatch call (on a Hopper GPU the fused kernel).
+    rounded = [master_rounding != "nearest" and _is_bf16(p) for p in p_leaves]
+    plain = [i for i, r in enumerate(rounded) if not r]
+    common = dict(output=output, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                  count=count, m_format=m_fmt, v_format=v_fmt, expand=expand,
+                  grad_scale=grad_scale, **qargs)
+    pick = lambda xs, idx: [xs[i] for i in idx]
+    out = [None] * len(g_leaves)
+    if packed:
+      mu, nu, slots = check_packed_state(state, g_leaves, axes)
+      if plain:
+        res, mu, nu = kernels_adam.coat_adam_packed_step(
+            pick(p_leaves, plain), pick(g_leaves, plain), mu, nu, pick(slots, plain),
+            pick(d_leaves, plain), **common)
+        for i, o in zip(plain, res):
+          out[i] = (o, c_leaves[i])
+      for i in [i for i, r in enumerate(rounded) if r]:
+        s = slots[i]
+        new_p, m_i, v_i, c_i = rounded_leaf(
+            g_leaves[i], p_leaves[i], packed_state.leaf(mu, s, group_size),
+            packed_state.leaf(nu, s, group_size), d_leaves[i], c_leaves[i], i, s.axis)
+        mu = packed_state.with_leaf(mu, s, m_i, group_size)
+        nu = packed_state.with_leaf(nu, s, v_i, group_size)
+        out[i] = (new_p, c_i)
+    else:
+      m_leaves, v_leaves, axes = check_leaves_state(state, treedef, g_leaves, axes)
+      if plain:
+        res = kernels_adam.coat_adam_tree_step(
+            pick(p_leaves, plain), pick(g_leaves, plain), pick(m_leaves, plain),
+            pick(v_leaves, plain), pick(d_leaves, plain), group_axes=pick(axes, plain),
+            **common)
+        for i, o in zip(plain, res):
+          out[i] = (*o, c_leaves[i])
+      for i in [i for i, r in enumerate(rounded) if r]:
+        out[i] = rounded_leaf(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], d_leaves[i],
+                              c_leaves[i], i, axes[i])
+      mu = treedef.unflatten([o[1] for o in out])
+      nu = treedef.unflatten([o[2] for o in out])
+    new_updates = treedef.unflatten([o[0] for o in out])
+    comp = treedef.unflatten([o[-1] for o in out]) if kahan else state.comp
+    return new_updates, CoatAdamWState(count, mu, nu, comp)
+
+  def check_leaves_state(state, treedef, g_leaves, axes):
+    """(m leaves, v leaves, group axes: -1 for float32 moments) of a per-leaf state; ValueError
+    for a packed state or moments whose shapes do not fit the params and group_axis."""
+    if isinstance(state.mu, packed_state.PackedMoments):
+      raise ValueError("coat_adamw: the state is in the packed layout; this coat_adamw was made "
+                       "with state_layout='leaves' (init and step with the same state_layout)")
+    m_leaves = treedef.flatten_up_to(state.mu)
+    v_leaves = treedef.flatten_up_to(state.nu)
+    # Each quantized leaf's group axis (`group_axes`); its moments are in the param's layout.
     axes = [a if _is_moment_leaf(m) else -1 for a, m in zip(axes, m_leaves)]
     for g, m, a in zip(g_leaves, m_leaves, axes):
       if _is_moment_leaf(m) and (m.data.shape != jnp.shape(g) or m.amax.shape !=
@@ -337,30 +414,24 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
                          f"{m.amax.shape} for a parameter of shape {jnp.shape(g)} grouped along "
                          f"axis {a} (group_axis={group_axis!r}): init the state with the same "
                          f"group_axis")
-    # Leaves rounded to bfloat16 master weights (stochastic / kahan) go one by one
-    # (`rounded_leaf`);
-    # all the others in one dispatch call: on a Hopper GPU the quantized ones share a few launches.
-    rounded = [master_rounding != "nearest" and _is_bf16(p) for p in p_leaves]
-    plain = [i for i, r in enumerate(rounded) if not r]
-    out = [None] * len(g_leaves)
-    if plain:
-      res = kernels_adam.coat_adam_tree_step(
-          [p_leaves[i] for i in plain], [g_leaves[i] for i in plain],
-          [m_leaves[i] for i in plain], [v_leaves[i] for i in plain],
-          [d_leaves[i] for i in plain], output=output, lr=lr, b1=b1, b2=b2, eps=eps,
-          weight_decay=weight_decay, count=count, m_format=m_fmt, v_format=v_fmt,
-          expand=expand, group_axes=[axes[i] for i in plain], grad_scale=grad_scale, **qargs)
-      for i, o in zip(plain, res):
-        out[i] = (*o, c_leaves[i])
-    for i, r in enumerate(rounded):
-      if r:
-        out[i] = rounded_leaf(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], d_leaves[i],
-                              c_leaves[i], i, axes[i])
-    new_updates = treedef.unflatten([o[0] for o in out])
-    mu = treedef.unflatten([o[1] for o in out])
-    nu = treedef.unflatten([o[2] for o in out])
-    comp = treedef.unflatten([o[3] for o in out]) if kahan else state.comp
-    return new_updates, CoatAdamWState(count, mu, nu, comp)
+    return m_leaves, v_leaves, axes
+
+  def check_packed_state(state, g_leaves, axes):
+    """(mu, nu, slots) of a packed state; ValueError for a per-leaf state or buffers whose sizes
+    are not this tree's layout."""
+    if not isinstance(state.mu, packed_state.PackedMoments):
+      raise ValueError("coat_adamw: the state is in the per-leaf layout; this coat_adamw was "
+                       "made with state_layout='packed' (init and step with the same "
+                       "state_layout)")
+    slots, groups, plain_size = slots_of(g_leaves, axes)
+    for name, moment in (("mu", state.mu), ("nu", state.nu)):
+      have = (moment.data.shape, moment.amax.shape, moment.k_code.shape, moment.plain.shape)
+      want = ((groups * group_size,), (groups,), (groups,), (plain_size,))
+      if have != want:
+        raise ValueError(f"coat_adamw: packed {name} has buffers of shapes {have}, this tree "
+                         f"needs {want}: init the state from these params with the same "
+                         f"group_size, group_axis and min_quantized_size")
+    return state.mu, state.nu, slots
 
   return init_fn, step_fn
 

@@ -13,14 +13,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from coat_jax import formats, kernels
 from coat_jax.expansion import ExpandedMoment
+from coat_jax.packed_state import PackedMoments
 
-__all__ = ["CoatAdamWState", "DEFAULT_GROUP_AXIS", "GROUP_AXES", "check_group_split",
-           "group_axes", "state_shardings"]
+__all__ = ["CoatAdamWState", "DEFAULT_GROUP_AXIS", "GROUP_AXES", "STATE_LAYOUTS",
+           "check_group_split", "group_axes", "state_shardings"]
 
 
 class CoatAdamWState(NamedTuple):
-  """count: int32 () steps taken; mu, nu: pytrees like params of ExpandedMoment or float32 leaves;
-  comp: None, or with master_rounding="kahan" a pytree like params of bfloat16 compensation
+  """count: int32 () steps taken; mu, nu: pytrees like params of ExpandedMoment or float32 leaves
+  (state_layout "leaves"), or each one PackedMoments (state_layout "packed"); comp: None, or
+  with master_rounding="kahan" a pytree like params of bfloat16 compensation
   buffers (the low-order part of each bfloat16 master weight; None for other params)."""
   count: jax.Array
   mu: Any
@@ -30,6 +32,8 @@ class CoatAdamWState(NamedTuple):
 
 GROUP_AXES = formats.OPTIMIZER_GROUP_AXES
 DEFAULT_GROUP_AXIS = formats.OPTIMIZER_GROUP_AXIS
+# how mu / nu are stored: a tree like params ("leaves") or flat buffers (coat_jax.packed_state)
+STATE_LAYOUTS = ("leaves", "packed")
 
 
 def group_axes(group_axis: str | Callable[[Any], Any], params) -> Any:
@@ -137,6 +141,8 @@ def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> 
   group_axes: the tree `group_axes(group_axis, params)` of the state's coat_adamw, the axis the
   group check runs on; None: read from each moment (the one axis where its scales' shape differs
   from its data's; -1 where none does).
+  A packed state (state_layout "packed"): its buffers replicated on a one-device mesh;
+  ValueError on a mesh of several devices.
   """
   is_sharding = lambda x: isinstance(x, NamedSharding)
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=is_sharding)
@@ -148,6 +154,18 @@ def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> 
     if not isinstance(s, NamedSharding):
       raise ValueError(f"state_shardings: expected NamedSharding leaves, got {type(s).__name__}")
 
+  count = NamedSharding(shard_leaves[0].mesh, PartitionSpec())
+  comp = None
+  if state.comp is not None:  # compensation buffers: the param's sharding (None stays None)
+    comp = treedef.unflatten([None if c is None else s for s, c in
+                              zip(shard_leaves, treedef.flatten_up_to(state.comp))])
+  if isinstance(state.mu, PackedMoments):
+    if count.mesh.size > 1:
+      raise ValueError(f"state_shardings: the packed optimizer state (state_layout='packed') is "
+                       f"one device's layout and this mesh has {count.mesh.size} devices; use "
+                       f"state_layout='leaves', which shards each moment like its param")
+    packed = PackedMoments(count, count, count, count)
+    return CoatAdamWState(count, packed, packed, comp)
   per_shard_kernel = kernels.use_pallas("adam")
   axes = [None] * len(paths) if group_axes is None else treedef.flatten_up_to(group_axes)
 
@@ -167,9 +185,4 @@ def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> 
     leaves = treedef.flatten_up_to(tree)
     return treedef.unflatten([moment(*a) for a in zip(paths, shard_leaves, leaves, axes)])
 
-  count = NamedSharding(shard_leaves[0].mesh, PartitionSpec())
-  comp = None
-  if state.comp is not None:  # compensation buffers: the param's sharding (None stays None)
-    comp = treedef.unflatten([None if c is None else s for s, c in
-                              zip(shard_leaves, treedef.flatten_up_to(state.comp))])
   return CoatAdamWState(count, moments(state.mu), moments(state.nu), comp)

@@ -34,3 +34,34 @@ def check_operands(kernel: str, param, grad, m_q, m_amax, m_code, v_q, v_amax, v
     if a.shape != shape:
       raise ValueError(f"{kernel}: {name} has shape {a.shape}, expected {shape}")
   return like, meta_shape
+
+
+def check_packed_operands(param, grad, m3, v3, packed_at: int, segment: int, group_size: int,
+                          output: str, group_axis: int, problem: Callable[..., str | None]):
+  """As `check_operands` for moments in packed buffers (coat_jax.packed_state): m3 / v3 are
+  (codes, amax, k codes), 1-D, holding this leaf's slot from metadata group `packed_at` (a
+  multiple of `segment`) and code packed_at * group_size. Returns `like`."""
+  if output not in OUTPUTS:
+    raise ValueError(f"adam_step_triton: output must be one of {OUTPUTS}, got {output!r}")
+  if param is None and output == "param":
+    raise ValueError("adam_step_triton: output='param' needs param")
+  like = grad if param is None else param
+  if grad.shape != like.shape:
+    raise ValueError(f"adam_step_triton: grad has shape {grad.shape}, expected {like.shape}")
+  if packed_at < 0 or packed_at % segment:
+    raise ValueError(f"adam_step_triton: packed_at {packed_at} is not a multiple of the segment "
+                     f"{segment}")
+  size = 1
+  for d in like.shape:
+    size *= d
+  why = problem(like.shape, like.dtype, m3[0].dtype, v3[0].dtype, group_size, group_axis)
+  if why is not None:
+    raise ValueError(f"adam_step_triton: {why}")
+  groups = size // group_size
+  for name, (q, amax, code) in (("m", m3), ("v", v3)):
+    for part, arr, need in (("codes", q, (packed_at + groups) * group_size),
+                            ("amax", amax, packed_at + groups), ("k codes", code, packed_at + groups)):
+      if arr.ndim != 1 or arr.shape[0] < need:
+        raise ValueError(f"adam_step_triton: packed {name} {part} of shape {arr.shape} do not hold "
+                         f"a slot of {groups} groups from group {packed_at}")
+  return like

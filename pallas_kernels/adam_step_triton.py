@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import call_triton
-from pallas_kernels.adam_operands import OUTPUTS, check_operands
+from pallas_kernels.adam_operands import OUTPUTS, check_operands, check_packed_operands
 
 try:  # the kernels need triton only (they compile without a GPU); calling them needs jax-triton
   import triton
@@ -235,20 +235,40 @@ if triton is not None:
                          MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
   @triton.jit
+  def _segment(seg_arg, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr,
+               mko_ptr, vqo_ptr, vao_ptr, vko_ptr, SEG: tl.constexpr, G: tl.constexpr):
+    """The moment pointers moved to the leaf's slot of packed buffers (coat_jax.packed_state):
+    metadata from group seg_arg * SEG, codes from element seg_arg * SEG * G (int64; the
+    constexpr factors keep the alignment Triton vectorizes with). SEG 0: unmoved."""
+    if SEG > 0:
+      meta = seg_arg.to(tl.int64) * SEG
+      data = meta * G
+      mq_ptr, vq_ptr, mqo_ptr, vqo_ptr = mq_ptr + data, vq_ptr + data, mqo_ptr + data, vqo_ptr + data
+      ma_ptr, mk_ptr, va_ptr, vk_ptr = ma_ptr + meta, mk_ptr + meta, va_ptr + meta, vk_ptr + meta
+      mao_ptr, mko_ptr, vao_ptr, vko_ptr = (mao_ptr + meta, mko_ptr + meta, vao_ptr + meta,
+                                            vko_ptr + meta)
+    return (mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
+            vao_ptr, vko_ptr)
+
+  @triton.jit
   def _adam_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
-                   rows_arg, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+                   rows_arg, seg_arg, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
                    ROWS: tl.constexpr, EVEN: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                    HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
                    M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                    V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
                    MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
-                   FAST: tl.constexpr, GCLAMP: tl.constexpr):
+                   FAST: tl.constexpr, GCLAMP: tl.constexpr, SEG: tl.constexpr = 0):
     """Groups along the last axis: the leaf's rows of G are rows_arg (runtime: one compile for
-    every leaf size), or ROWS where ROWS > 0 (constexpr: one compile per leaf size)."""
+    every leaf size), or ROWS where ROWS > 0 (constexpr: one compile per leaf size). SEG > 0:
+    the moments are packed buffers, the leaf's slot at seg_arg (`_segment`)."""
     if ROWS > 0:
       rows = ROWS
     else:
       rows = rows_arg
+    (mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr,
+     vko_ptr) = _segment(seg_arg, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr,
+                         mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, SEG, G)
     adam_rows(tl.program_id(0), rows, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
@@ -256,21 +276,26 @@ if triton is not None:
 
   @triton.jit
   def _adam_cols_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
-                        cols_arg, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+                        cols_arg, seg_arg, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr,
+                        vko_ptr,
                         COLS: tl.constexpr, CDIV: tl.constexpr, EVEN: tl.constexpr,
                         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
                         M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                         V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
                         MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
-                        FAST: tl.constexpr, GCLAMP: tl.constexpr):
+                        FAST: tl.constexpr, GCLAMP: tl.constexpr, SEG: tl.constexpr = 0):
     """Groups along axis -2: the leaf's column count is cols_arg * CDIV (runtime; CDIV, a
     constexpr power of two dividing it, tells Triton the row stride's alignment, which jax-triton
-    does not specialize for scalars: vectorized loads), or COLS where COLS > 0 (constexpr)."""
+    does not specialize for scalars: vectorized loads), or COLS where COLS > 0 (constexpr). SEG
+    > 0: packed moments, as `_adam_kernel`."""
     if COLS > 0:
       cols = COLS
     else:
       cols = cols_arg * CDIV
+    (mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr,
+     vko_ptr) = _segment(seg_arg, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr,
+                         mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, SEG, G)
     adam_cols(tl.program_id(0), cols, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
@@ -364,14 +389,15 @@ def kernel_constants(group_size: int, block: int, *, has_param: bool, output: st
 @functools.partial(jax.jit, static_argnames=(
     "m_fmax", "v_fmax", "m_log2_range", "v_log2_range", "group_size", "expand", "expand_min",
     "max_k_code", "amax_floor", "output", "block", "num_warps", "alias", "fast_math",
-    "grad_clamp", "group_axis", "cols_chunk"))
+    "grad_clamp", "group_axis", "cols_chunk", "packed_at", "segment"))
 def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, b2, eps,
               weight_decay, count, m_fmax: float, v_fmax: float, m_log2_range: float,
               v_log2_range: float, group_size: int, expand: bool, expand_min: int,
               max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
               block: int | None = None, num_warps: int | None = None, alias: bool = False,
               fast_math: bool = False, grad_clamp: float = 2.0**63, group_axis: int = -1,
-              grad_scale=None, cols_chunk: int | None = None):
+              grad_scale=None, cols_chunk: int | None = None, packed_at: int | None = None,
+              segment: int = 16):
   """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
 
   group_axis: -1 (groups of G along the last axis, metadata (..., N / G)) or -2 (G consecutive
@@ -386,12 +412,23 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays finite; inf: none);
   grad_scale: None or a float32 scalar the kernel multiplies each gradient element by as it
   loads it (fused global-norm clipping: coat_jax.adam_math.clip_scale).
+  packed_at: None, or the moments are packed buffers (coat_jax.packed_state: 1-D codes, amax and
+  k codes of many leaves) and this leaf's slot starts at metadata group packed_at (a multiple of
+  `segment`) and code packed_at * G; the kernel writes the slot only and returns the whole
+  buffers (always aliased to the inputs: the rest of each buffer is kept).
   """
   if not available():
     raise ValueError("adam_step_triton: triton / jax-triton are not installed (GPU only)")
-  like, meta_shape = check_operands(
-      "adam_step_triton", param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code,
-      group_size=group_size, output=output, problem=problem, group_axis=group_axis)
+  if packed_at is None:
+    like, _ = check_operands(
+        "adam_step_triton", param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code,
+        group_size=group_size, output=output, problem=problem, group_axis=group_axis)
+    seg_arg, seg = 0, 0
+  else:
+    like = check_packed_operands(param, grad, (m_q, m_amax, m_code), (v_q, v_amax, v_code),
+                                 packed_at, segment, group_size, output, group_axis, problem)
+    seg_arg, seg = packed_at // segment, segment
+    alias = True
   if group_axis == -1:
     block = ROWS_BLOCK if block is None else block
     num_warps = ROWS_WARPS if num_warps is None else num_warps
@@ -403,7 +440,7 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   out_dtype = grad.dtype if output == "update" else param.dtype
   p_arg = grad if param is None else param
   operands = [step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale), p_arg, grad, m_q,
-              m_amax, m_code, v_q, v_amax, v_code, size_operand]
+              m_amax, m_code, v_q, v_amax, v_code, size_operand, seg_arg]
   aliases = {}
   if alias:
     if output == "param":
@@ -411,15 +448,11 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
     aliases.update({3 + i: 1 + i for i in range(6)})
   outs = call_triton.triton_call(
       *operands, kernel=kernel,
-      out_shape=[jax.ShapeDtypeStruct(like.shape, out_dtype),
-                 jax.ShapeDtypeStruct(like.shape, m_q.dtype),
-                 jax.ShapeDtypeStruct(meta_shape, jnp.float32),
-                 jax.ShapeDtypeStruct(meta_shape, jnp.uint8),
-                 jax.ShapeDtypeStruct(like.shape, v_q.dtype),
-                 jax.ShapeDtypeStruct(meta_shape, jnp.float32),
-                 jax.ShapeDtypeStruct(meta_shape, jnp.uint8)],
+      out_shape=[jax.ShapeDtypeStruct(like.shape, out_dtype)] + [
+          jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (m_q, m_amax, m_code, v_q, v_amax,
+                                                           v_code)],
       grid=(grid,), input_output_aliases=aliases, num_warps=num_warps,
-      num_stages=1, **size_consts, **kernel_constants(
+      num_stages=1, SEG=seg, **size_consts, **kernel_constants(
           group_size, block, has_param=param is not None, output=output, m_fmax=m_fmax,
           v_fmax=v_fmax, m_log2_range=m_log2_range, v_log2_range=v_log2_range, expand=expand,
           expand_min=expand_min, max_k_code=max_k_code, amax_floor=amax_floor,

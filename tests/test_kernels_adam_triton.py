@@ -218,15 +218,18 @@ class _HostTensor:
 
 
 def _launch_interpreted(ins, outs, shape, group_axis, block, chunk=0, size_arg="runtime",
-                        expand=True):
+                        expand=True, packed_at=None):
   """Runs the kernel `launch_plan` picks for a param of `shape` in Triton's interpreter on host
-  buffers (e5m2 moments, output="param"), as adam_step launches it: the size operand after the
-  inputs, the size constexprs with the others."""
+  buffers (e5m2 moments, output="param"), as adam_step launches it: the size and segment
+  operands after the inputs, the size constexprs and SEG with the others. packed_at: None, or
+  the moments are packed buffers holding the leaf's slot from that group (a multiple of 16)."""
   kernel, grid, size, consts = at.launch_plan(shape, G, group_axis, block, chunk, size_arg)
+  seg, seg_arg = (0, 0) if packed_at is None else (16, packed_at // 16)
   print(f"shape {shape} group_axis {group_axis} block {block} chunk {chunk} {size_arg}: "
-        f"grid {grid}, size operand {size}, {consts}")
+        f"grid {grid}, size operand {size}, {consts}, segment {seg_arg} x {seg}")
   kernel[(grid,)](
-      *map(_HostTensor, ins), size, *map(_HostTensor, outs), **consts, **at.kernel_constants(
+      *map(_HostTensor, ins), size, seg_arg, *map(_HostTensor, outs), SEG=seg, **consts,
+      **at.kernel_constants(
           G, block, has_param=True, output="param", m_fmax=57344.0, v_fmax=57344.0,
           m_log2_range=_log2_range(57344.0), v_log2_range=_log2_range(57344.0), expand=expand,
           expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63))
@@ -297,6 +300,55 @@ def _interpreter_check_cols(shape=(2, 256, 72), block=32, chunk=0, size_arg="run
   print("interpreter check passed")
 
 
+def _interpreter_check_packed(group_axis=-1, packed_at=48, seed=53):
+  """The kernel on moments in packed buffers (coat_jax.packed_state's layout): the leaf's codes,
+  amax and k codes placed at group `packed_at` of longer buffers whose other entries are
+  sentinels; the kernel (aliased in place, as adam_step launches it) must step the slot as the
+  float64 reference does and leave every sentinel as it was."""
+  _use_tl_math()
+  shape = (7, 256) if group_axis == -1 else (256, 72)
+  if group_axis == -1:
+    p, g, m0, v0 = _state(shape, seed=seed)
+    m_state, v_state = _np_quantize(m0, "e5m2", True)[:3], _np_quantize(v0, "e5m2", True)[:3]
+    _, *_, m_new, v_new = _np_step(p.astype(np.float64), g.astype(np.float64), m_state, v_state,
+                                   3, "e5m2", "e5m2", True, "param")
+    m_new, v_new = m_new[:3], v_new[:3]
+  else:
+    p, g, m_state, v_state, _, m_new, v_new = _np_cols_case(shape, seed, "e5m2", "param")
+  groups = m_state[1].size
+  total = packed_at + groups + 16   # a sentinel tail after the slot as well
+
+  def packed(state, fill):
+    q, a, k = (np.ascontiguousarray(x).reshape(-1) for x in state)
+    qb = np.full((total * G,), fill[0], q.dtype)
+    ab, kb = np.full((total,), fill[1], np.float32), np.full((total,), fill[2], np.uint8)
+    qb[packed_at * G:packed_at * G + q.size], ab[packed_at:packed_at + groups] = q, a
+    kb[packed_at:packed_at + groups] = k
+    return [qb, ab, kb]
+
+  m_buf = packed(m_state, (np.asarray(-3.0, m_state[0].dtype), 7.5, 9))
+  v_buf = packed(v_state, (np.asarray(5.0, v_state[0].dtype), 3.25, 11))
+  before = [b.copy() for b in (*m_buf, *v_buf)]
+  out = np.zeros_like(p)
+  ins = [np.asarray(at.step_scalars(count=3, **HYPER)), p, g, *m_buf, *v_buf]
+  _launch_interpreted(ins, [out, *m_buf, *v_buf], shape, group_axis, 4 if group_axis == -1 else 32,
+                      packed_at=packed_at)   # outputs = inputs: in place, as aliased
+  for buf, old, unit in zip((*m_buf, *v_buf), before, (G, 1, 1) * 2):
+    lo, hi = packed_at * unit, (packed_at + groups) * unit
+    np.testing.assert_array_equal(buf[:lo].view(np.uint8), old[:lo].view(np.uint8))
+    np.testing.assert_array_equal(buf[hi:].view(np.uint8), old[hi:].view(np.uint8))
+  for buf, want in ((m_buf, m_new), (v_buf, v_new)):
+    q = buf[0][packed_at * G:(packed_at + groups) * G].reshape(shape)
+    a = buf[1][packed_at:packed_at + groups].reshape(want[1].shape)
+    np.testing.assert_allclose(a, want[1], rtol=1e-5)
+    assert not np.array_equal(a, np.asarray(want[1]) * 0 + 7.5)
+    qf, wf = q.astype(np.float32), np.asarray(want[0]).astype(np.float32)
+    carry = (qf * 2 == wf) & (np.abs(np.frexp(wf)[0]) == 0.5)   # the interpreter's FP8 carry
+    assert _code_steps(q, want[0])[~carry].max() <= 1
+  assert np.isfinite(out).all() and np.linalg.norm(out - p) > 0
+  print("interpreter check passed")
+
+
 def _run_interpreted(check: str, args: str = ""):
   import os
   import subprocess
@@ -332,6 +384,12 @@ def test_interpreter_cols_matches_float64_reference(args):
                                   "shape=(4, 1024), block=8"])   # 32 rows / 8: EVEN
 def test_interpreter_matches_float64_reference(args):
   _run_interpreted("_interpreter_check", args)
+
+
+@needs_triton
+@pytest.mark.parametrize("args", ["group_axis=-1", "group_axis=-2", "group_axis=-1, packed_at=0"])
+def test_interpreter_steps_a_packed_slot_and_leaves_the_rest(args):
+  _run_interpreted("_interpreter_check_packed", args)
 
 
 @needs_triton
