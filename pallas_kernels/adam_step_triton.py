@@ -64,13 +64,13 @@ GROUP_AXES = (-1, -2)
 # Default tiles (read when adam_step is traced; benchmarks/bench_optimizer.py --cols-tiles sweeps
 # the column ones, calling jax.clear_caches() between settings).
 ROWS_BLOCK, ROWS_WARPS = 16, 4   # group_axis -1: rows of G per program, warps
-COLS_BLOCK, COLS_WARPS = 32, 4   # group_axis -2: columns per G-row tile (32 FP8 bytes: one DRAM
+COLS_BLOCK, COLS_WARPS = 32, 8   # group_axis -2: columns per G-row tile (32 FP8 bytes: one DRAM
                                  # sector per row), warps
 COLS_CHUNK = 16                  # group_axis -2: 0, the G x BLOCK tile at once; else rows per
                                  # chunk of the streamed two-pass tile (`_adam_cols_chunked`).
-# H100, 1.21e9 params (docs/benchmarks.md, sixth session): 32 x 16 x 4 streamed 12.57 ms, the
-# 32 x 4 one-shot tile 14.70 ms (13.15 ms with constexpr sizes), wider tiles 15.8-23.7 ms; the
-# row kernel 6.70 ms.
+# H100, 1.21e9 params (docs/benchmarks.md, ninth session): 32 x 16 x 8 streamed 10.22-10.24 ms,
+# 32 x 16 x 4 12.56-12.59 ms, every other tile tried 12.9-24.8 ms (sixth and ninth sessions);
+# the row kernel 6.71 ms.
 # How the leaf size reaches the kernel (read when adam_step is traced; benchmarks A/B them):
 #   "runtime": an int argument, one Triton compile for every leaf size; EVEN tiles (rows / cols
 #     a multiple of BLOCK) build no masks;
@@ -200,21 +200,27 @@ if triton is not None:
                 V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr,
                 EXPAND: tl.constexpr, EM: tl.constexpr, MAX_K: tl.constexpr,
                 FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr,
-                GCLAMP: tl.constexpr, EVEN: tl.constexpr = False, CHUNK: tl.constexpr = 0):
+                GCLAMP: tl.constexpr, EVEN: tl.constexpr = False, CHUNK: tl.constexpr = 0,
+                meta0=0, data0=0):
     """The step on tile `blk` of a leaf viewed as (R * G, cols), grouped along its rows: row
     group blk // nc, columns (blk % nc) * BLOCK + [0, BLOCK) with nc = ceil(cols / BLOCK) (the
     column tiles of one row group are neighbouring programs: they share DRAM sectors). EVEN:
     cols % BLOCK == 0 (no masks). CHUNK: 0, the whole G x BLOCK tile at once (`adam_tile`),
-    else streamed in chunks of CHUNK rows (`_adam_cols_chunked`)."""
+    else streamed in chunks of CHUNK rows (`_adam_cols_chunked`). meta0, data0: the leaf's
+    slot in packed moments (first metadata group, first code; 0 otherwise), added to the
+    metadata index and to the row group's start rather than moving more pointers (sm_90,
+    default tile: 48 registers per thread either way; moving the 12 moment pointers took 56
+    and ran 10 % slower on the H100)."""
     nc = tl.cdiv(cols, BLOCK)
     grp = blk // nc
     cols_idx = (blk % nc) * BLOCK + tl.arange(0, BLOCK)
-    meta_idx = grp.to(tl.int64) * cols + cols_idx
+    meta_idx = grp.to(tl.int64) * cols + cols_idx + meta0
     # the row group's G x cols elements: pointers moved to its first (int64), int32 offsets
     # inside it (G * cols < 2^31; fewer registers than int64 offsets per element)
     start = grp.to(tl.int64) * (G * cols)
-    p_ptr, g_ptr, mq_ptr, vq_ptr = p_ptr + start, g_ptr + start, mq_ptr + start, vq_ptr + start
-    o_ptr, mqo_ptr, vqo_ptr = o_ptr + start, mqo_ptr + start, vqo_ptr + start
+    p_ptr, g_ptr, o_ptr = p_ptr + start, g_ptr + start, o_ptr + start
+    mq_ptr, vq_ptr = mq_ptr + (start + data0), vq_ptr + (start + data0)
+    mqo_ptr, vqo_ptr = mqo_ptr + (start + data0), vqo_ptr + (start + data0)
     if EVEN:
       cmask = None
       mask = None
@@ -237,16 +243,20 @@ if triton is not None:
   @triton.jit
   def _segment(seg_arg, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr,
                mko_ptr, vqo_ptr, vao_ptr, vko_ptr, SEG: tl.constexpr, G: tl.constexpr):
+    # (the row kernel's; the column kernel adds the slot to its indices instead, `adam_cols`)
     """The moment pointers moved to the leaf's slot of packed buffers (coat_jax.packed_state):
     metadata from group seg_arg * SEG, codes from element seg_arg * SEG * G (int64; the
-    constexpr factors keep the alignment Triton vectorizes with). SEG 0: unmoved."""
+    constexpr factors keep the alignment Triton vectorizes with). SEG 0: unmoved. Packed
+    moments are always written in place (adam_step aliases them), so the outputs take the moved
+    input pointers: 6 moved pointers, not 12 (sm_90 row kernel: 79 registers per thread, as 80
+    unmoved; moving all 12 took 95 and ran 2.5 % slower on the H100)."""
     if SEG > 0:
       meta = seg_arg.to(tl.int64) * SEG
       data = meta * G
-      mq_ptr, vq_ptr, mqo_ptr, vqo_ptr = mq_ptr + data, vq_ptr + data, mqo_ptr + data, vqo_ptr + data
+      mq_ptr, vq_ptr = mq_ptr + data, vq_ptr + data
       ma_ptr, mk_ptr, va_ptr, vk_ptr = ma_ptr + meta, mk_ptr + meta, va_ptr + meta, vk_ptr + meta
-      mao_ptr, mko_ptr, vao_ptr, vko_ptr = (mao_ptr + meta, mko_ptr + meta, vao_ptr + meta,
-                                            vko_ptr + meta)
+      mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr = (mq_ptr, ma_ptr, mk_ptr, vq_ptr,
+                                                              va_ptr, vk_ptr)
     return (mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
             vao_ptr, vko_ptr)
 
@@ -288,18 +298,21 @@ if triton is not None:
     """Groups along axis -2: the leaf's column count is cols_arg * CDIV (runtime; CDIV, a
     constexpr power of two dividing it, tells Triton the row stride's alignment, which jax-triton
     does not specialize for scalars: vectorized loads), or COLS where COLS > 0 (constexpr). SEG
-    > 0: packed moments, as `_adam_kernel`."""
+    > 0: packed moments, the leaf's slot at metadata group seg_arg * SEG (as `_adam_kernel`)."""
     if COLS > 0:
       cols = COLS
     else:
       cols = cols_arg * CDIV
-    (mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr,
-     vko_ptr) = _segment(seg_arg, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr,
-                         mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, SEG, G)
+    if SEG > 0:
+      meta0 = seg_arg.to(tl.int64) * SEG
+      data0 = meta0 * G
+    else:
+      meta0 = 0
+      data0 = 0
     adam_cols(tl.program_id(0), cols, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
-              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN, CHUNK)
+              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN, CHUNK, meta0, data0)
 
 else:  # pragma: no cover - CPU machines: launch_plan still plans (tests)
   _adam_kernel = _adam_cols_kernel = None

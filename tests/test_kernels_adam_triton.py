@@ -284,17 +284,22 @@ def _interpreter_check(grad_scale=None, size_arg="runtime", shape=(7, 256), bloc
 
 
 def _interpreter_check_cols(shape=(2, 256, 72), block=32, chunk=0, size_arg="runtime", seed=47,
-                            expand=True):
+                            expand=True, in_place=False):
   """The column kernel (`_adam_cols_kernel`) in Triton's interpreter, as `_interpreter_check`:
   a leaf of `shape` (default stacked (2, 256, 72): the last column tile of BLOCK 32 masked),
   e5m2 moments (with expansion or plain max scaling), tile BLOCK columns, chunk: 0 (the G x
-  BLOCK tile at once) or the rows per chunk of the streamed two-pass tile."""
+  BLOCK tile at once) or the rows per chunk of the streamed two-pass tile. in_place: outputs
+  are the inputs' buffers (as jax-triton's aliases make them)."""
   _use_tl_math()
   p, g, m_state, v_state, out, m_new, v_new = _np_cols_case(shape, seed, "e5m2", "param",
                                                             expand)
   m_state, v_state = ([np.ascontiguousarray(a) for a in s] for s in (m_state, v_state))
-  ins = [np.asarray(at.step_scalars(count=3, **HYPER)), p, g, *m_state, *v_state]
-  outs = [np.zeros_like(p)] + [np.zeros_like(a) for a in (*m_state, *v_state)]
+  p_in = p.copy()
+  ins = [np.asarray(at.step_scalars(count=3, **HYPER)), p_in, g, *m_state, *v_state]
+  if in_place:
+    outs = [p_in, *m_state, *v_state]
+  else:
+    outs = [np.zeros_like(p)] + [np.zeros_like(a) for a in (*m_state, *v_state)]
   _launch_interpreted(ins, outs, shape, -2, block, chunk, size_arg, expand)
   _check_cols(outs, p, out, m_new, v_new, "param", carry_ok=True)
   print("interpreter check passed")
@@ -332,7 +337,7 @@ def _interpreter_check_packed(group_axis=-1, packed_at=48, seed=53):
   out = np.zeros_like(p)
   ins = [np.asarray(at.step_scalars(count=3, **HYPER)), p, g, *m_buf, *v_buf]
   _launch_interpreted(ins, [out, *m_buf, *v_buf], shape, group_axis, 4 if group_axis == -1 else 32,
-                      packed_at=packed_at)   # outputs = inputs: in place, as aliased
+                      packed_at=packed_at)   # outputs = inputs, as aliased
   for buf, old, unit in zip((*m_buf, *v_buf), before, (G, 1, 1) * 2):
     lo, hi = packed_at * unit, (packed_at + groups) * unit
     np.testing.assert_array_equal(buf[:lo].view(np.uint8), old[:lo].view(np.uint8))
@@ -374,6 +379,7 @@ needs_triton = pytest.mark.skipif(at.triton is None, reason="triton is not insta
     "block=32, chunk=8, size_arg='constexpr'",
     "expand=False",                                   # plain max scaling (k code EM)
     "block=64, chunk=16, expand=False",
+    "block=32, chunk=16, in_place=True",              # the default tile, written in place
 ])
 def test_interpreter_cols_matches_float64_reference(args):
   _run_interpreted("_interpreter_check_cols", args)
@@ -544,3 +550,51 @@ def test_gpu_kernel_compiled_in_a_worker_process_equals_the_one_compiled_in_the_
   assert np.isfinite(results["process"][0]).all()
   for a, b in zip(results["process"], results["inline"]):
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _sm90_registers(kernel, sizes: dict, block: int, num_warps: int, seg: int, tmp_path) -> int:
+  """Registers per thread of `kernel` compiled for sm_90 (triton's bundled ptxas -v)."""
+  import os
+  import re
+  import subprocess
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+  types = dict(p="*fp32", g="*fp32", mq="*fp8e4nv", ma="*fp32", mk="*u8", vq="*fp8e4nv",
+               va="*fp32", vk="*u8", o="*fp32", mqo="*fp8e4nv", mao="*fp32", mko="*u8",
+               vqo="*fp8e4nv", vao="*fp32", vko="*u8", s="*fp32")
+  sig = {n: types[n[:-4]] if n.endswith("_ptr") else "i32" if n.endswith("_arg") else "constexpr"
+         for n in kernel.arg_names}
+  const = dict(**sizes, SEG=seg, **at.kernel_constants(
+      G, block, has_param=True, output="param", m_fmax=448.0, v_fmax=448.0,
+      m_log2_range=_log2_range(448.0), v_log2_range=_log2_range(448.0), expand=True,
+      expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63, fast_math=True))
+  attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+           if sig[n].startswith("*")}
+  k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=num_warps, num_stages=1))
+  ptx = tmp_path / f"k{seg}.ptx"
+  ptx.write_text(k.asm["ptx"])
+  ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
+  run = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, check=True)
+  return int(re.search(r"Used (\d+) registers", run.stdout + run.stderr).group(1))
+
+
+@needs_triton
+@pytest.mark.parametrize("group_axis", [-1, -2])
+def test_packed_slot_costs_no_registers_on_sm90(group_axis, tmp_path, monkeypatch):
+  """Stepping a packed slot (SEG > 0) compiles to no more registers per thread than the per-leaf
+  kernel: each register more cost occupancy and time on the H100 (12 moved pointers: rows 80 ->
+  95 registers, 2.5 % slower; columns 48 -> 56, 10 % slower; docs/benchmarks.md)."""
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+  if group_axis == -1:
+    kernel, sizes = at._adam_kernel, dict(ROWS=0, EVEN=True)
+    block, warps = at.ROWS_BLOCK, at.ROWS_WARPS
+  else:
+    kernel, sizes = at._adam_cols_kernel, dict(COLS=0, CDIV=16, EVEN=True, CHUNK=at.COLS_CHUNK)
+    block, warps = at.COLS_BLOCK, at.COLS_WARPS
+  leaf = _sm90_registers(kernel, sizes, block, warps, 0, tmp_path)
+  packed = _sm90_registers(kernel, sizes, block, warps, 16, tmp_path)
+  print(f"group_axis {group_axis}: {leaf} registers per leaf, {packed} packed")
+  assert packed <= leaf, (leaf, packed)
