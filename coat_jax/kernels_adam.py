@@ -1,6 +1,8 @@
 """The optimizer step's half of the kernel dispatch (`coat_jax.kernels`: backend choice, the
-activation kernels): the fused Adam step of one leaf (`coat_adam_step`) or of a whole tree
-(`coat_adam_tree_step`) on a Pallas / Triton kernel or `coat_jax.adam_math`'s reference.
+activation kernels): the fused Adam step of one leaf (`coat_adam_step`), of a whole tree
+(`coat_adam_tree_step`), or of a tree whose moments are in the packed layout
+(`coat_adam_packed_step`, coat_jax.packed_state) on a Pallas / Triton kernel or
+`coat_jax.adam_math`'s reference.
 
 Which kernel runs is `kernels.implementation("adam")` / `("adam_tree")` (see coat_jax.kernels:
 jax-triton `triton` or the deprecated `pallas_triton` for one leaf; the tree kernel is opt-in);
