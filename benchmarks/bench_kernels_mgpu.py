@@ -46,7 +46,7 @@ def _cases(n: int, adam_rows: int, check: bool):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from coat_jax import expansion, optim, quantize as Q
+  from coat_jax import expansion, formats, optim, quantize as Q
   from pallas_kernels import adam_step as adam_triton
   from pallas_kernels import adam_step_mgpu as adam_mgpu
   from pallas_kernels import quantize_mgpu as q_mgpu
@@ -57,19 +57,23 @@ def _cases(n: int, adam_rows: int, check: bool):
   ndiff = lambda a, b: int(np.sum(~((codes(a) == codes(b)) | (np.isnan(codes(a))
                                                              & np.isnan(codes(b))))))
   qk = dict(out_dtype=e4, fmax=448.0, floor=1e-10)
+  sd = formats.ACTIVATION_SCALE_DTYPE   # the dispatch's per-group scales
+  sb = sd.itemsize
   ref_g = Q.quantize_per_group(x, 16, "e4m3")
   xla_g = jax.jit(lambda a: Q.quantize_per_group(a, 16, "e4m3"))
-  yield ("per_group", n * n * (2 + 1) + n * n // 16 * 4,
-         lambda: q_mgpu.quantize_per_group(x, group_size=16, **qk), lambda: xla_g(x),
+  yield ("per_group", n * n * (2 + 1) + n * n // 16 * sb,
+         lambda: q_mgpu.quantize_per_group(x, group_size=16, scale_dtype=sd, **qk),
+         lambda: xla_g(x),
          (lambda: (lambda q, s: f"code diffs {ndiff(q, ref_g.data)}, scale diffs "
-                   f"{ndiff(s, ref_g.scale)}")(*q_mgpu.quantize_per_group(x, group_size=16, **qk)))
+                   f"{ndiff(s, ref_g.scale)}")(*q_mgpu.quantize_per_group(
+                       x, group_size=16, scale_dtype=sd, **qk)))
          if check else None)
   xla_amax = jax.jit(lambda a: Q.group_amax(a, 16))
   yield ("tile_amax", n * n * 2 + n * n // 16 * 4, lambda: q_mgpu.tile_amax(x),
          lambda: xla_amax(x),
          (lambda: f"diffs {ndiff(q_mgpu.tile_amax(x), Q.group_amax(x, 16))}") if check else None)
   xla_deq = jax.jit(lambda q: Q.dequantize(q, jnp.bfloat16))
-  yield ("dequantize", n * n * (1 + 2) + n * n // 16 * 4,
+  yield ("dequantize", n * n * (1 + 2) + n * n // 16 * sb,
          lambda: q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16,
                                              dtype=jnp.bfloat16),
          lambda: xla_deq(ref_g),
@@ -145,18 +149,20 @@ def _sweep(n: int, names, reps: int) -> None:
   import itertools
   import jax
   import jax.numpy as jnp
-  from coat_jax import quantize as Q
+  from coat_jax import formats, quantize as Q
   from pallas_kernels import quantize_mgpu as q_mgpu
 
   x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   ref_g = Q.quantize_per_group(x, 16, "e4m3")
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   qk = dict(out_dtype=jnp.float8_e4m3fn, fmax=448.0, floor=1e-10)
+  sd = formats.ACTIVATION_SCALE_DTYPE
   calls = {
-      "per_group": (n * n * 3 + n * n // 16 * 4,
-                    lambda **t: q_mgpu.quantize_per_group(x, group_size=16, **qk, **t)),
+      "per_group": (n * n * 3 + n * n // 16 * sd.itemsize,
+                    lambda **t: q_mgpu.quantize_per_group(x, group_size=16, scale_dtype=sd, **qk,
+                                                          **t)),
       "tile_amax": (n * n * 2 + n * n // 16 * 4, lambda **t: q_mgpu.tile_amax(x, **t)),
-      "dequantize": (n * n * 3 + n * n // 16 * 4, lambda **t: q_mgpu.dequantize_per_group(
+      "dequantize": (n * n * 3 + n * n // 16 * sd.itemsize, lambda **t: q_mgpu.dequantize_per_group(
           ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16, **t)),
       "per_tensor": (n * n * 3, lambda **t: q_mgpu.quantize_per_tensor(x, amax=amax, **qk, **t)),
       "per_tensor_t": (n * n * 4, lambda **t: q_mgpu.quantize_per_tensor(

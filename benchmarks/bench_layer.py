@@ -15,6 +15,7 @@ with ratios against "bf16", next to COAT's PyTorch numbers measured on the same 
   python benchmarks/bench_layer.py --modes coat --weight-quant once   # ablation: W quantized once
   python benchmarks/bench_layer.py --modes coat --amax kernel         # ablation: amax kernel pass
   python benchmarks/bench_layer.py --modes coat --weight-quantize kernel  # ablation: W by Mosaic
+  python benchmarks/bench_layer.py --modes coat --attention-residuals fp8  # FP8 q, k, v kept
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def parse_args(argv=None):
                  help="layer weights (COAT's benchmark uses bf16 weights)")
   p.add_argument("--attention", default="auto",
                  help="attention implementation: auto (cudnn on GPU, xla elsewhere), cudnn, xla")
+  p.add_argument("--attention-residuals", default="bf16", choices=ops.ATTENTION_RESIDUALS,
+                 help="what the attention keeps of q, k, v for its backward: bf16 (default) or "
+                      "fp8 (1 x 16 E4M3 copies, the attention recomputed in the backward)")
   defaults = ops.LINEAR_DEFAULTS
   p.add_argument("--weight-quant", default=defaults["weight_quant"], choices=ops.WEIGHT_QUANT,
                  help="FP8 modes: quantize W in forward and backward (per_use) or once per step, "
@@ -107,7 +111,8 @@ def bench_mode(mode: str, args) -> dict:
   head_dim = args.hidden // args.heads
   block = DecoderBlock(args.hidden, args.ffn, args.heads, args.kv_heads or args.heads, head_dim,
                        mode=mode, dtype=jnp.bfloat16, param_dtype=jnp.dtype(args.param_dtype),
-                       attention_impl=impl, rngs=nnx.Rngs(0))
+                       attention_impl=impl, attention_residuals=args.attention_residuals,
+                       rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(block)
   del block
   cos, sin = ops.rope_frequencies(head_dim, args.seq)
@@ -163,7 +168,7 @@ def print_table(results: list[dict], args) -> None:
         f"{args.heads}, ffn {args.ffn}, bf16 compute, {args.param_dtype} weights; device "
         f"{dev.device_kind} ({dev.platform}); median of {args.iters}; FP8 weights quantized "
         f"{args.weight_quant.replace('_', ' ')} by {args.weight_quantize}, activation amax "
-        f"{args.amax}")
+        f"{args.amax}; attention residuals {args.attention_residuals}")
   ref = next((r for r in results if r["mode"] == "bf16"), None)
   head = f"{'mode':<24}{'fwd ms':>16}{'fwd+bwd ms':>18}{'saved MB':>18}{'held MB':>18}{'peak MB':>12}"
   print(head)

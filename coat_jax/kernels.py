@@ -352,7 +352,8 @@ def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", 
       def kernel(a):   # per shard; a shard the kernel does not take: the reference
         if qm.supported_per_group(a.shape, a.dtype, group_size):
           return _launch(qm.quantize_per_group, a, group_size=group_size, out_dtype=f.dtype,
-                         fmax=f.max, floor=floor, **_row_kernel_kw())
+                         fmax=f.max, floor=floor, scale_dtype=formats.ACTIVATION_SCALE_DTYPE,
+                         **_row_kernel_kw())
         ref = quantize.quantize_per_group(a, group_size, f, floor=floor)
         return ref.data, ref.scale
 

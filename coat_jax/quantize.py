@@ -27,7 +27,8 @@ class QuantizedArray:
 
   Attributes:
     data: storage-dtype array (float8_e4m3fn / float8_e5m2 / int8), shape `shape`.
-    scale: float32 scale; shape () for per-tensor, `shape[:-1] + (ceil(shape[-1]/G),)` per group.
+    scale: float32 () per tensor; per group `shape[:-1] + (ceil(shape[-1]/G),)`, bfloat16 by
+      default (formats.ACTIVATION_SCALE_DTYPE; `quantize_per_group`).
     fmt: format name (static).
     group_size: G for per-group (1 x G along the last axis), 0 for per-tensor (static).
     data_t: optional transposed copy of `data` (last two axes swapped), made by the fused
@@ -138,22 +139,30 @@ def quantize_per_tensor(x: jax.Array, fmt: str | Format = "e4m3", *, amax: jax.A
 
 
 def quantize_per_group(x: jax.Array, group_size: int = 16, fmt: str | Format = "e4m3", *,
-                       floor: float = formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
-  """One float32 scale per 1 x G group along the last axis (short final group if N % G != 0).
+                       floor: float = formats.ACTIVATION_SCALE_FLOOR,
+                       scale_dtype=formats.ACTIVATION_SCALE_DTYPE) -> QuantizedArray:
+  """One scale per 1 x G group along the last axis (short final group if N % G != 0).
 
+  scale = max(amax / fmt.max, floor) in float32, rounded to `scale_dtype` (nearest; default
+  bfloat16, formats.ACTIVATION_SCALE_DTYPE), and x is divided by that rounded scale, so
+  `dequantize` (data * scale) inverts the cast exactly up to the format's rounding. A scale
+  rounded down by at most 2^-9 can put a group's largest value that far above fmt.max: the cast
+  clamps it (below the format's own step there).
   Args:
     x: floating array with ndim >= 1, last axis N.
   Returns:
-    QuantizedArray with data shape x.shape and scale shape x.shape[:-1] + (ceil(N/G),).
+    QuantizedArray with data shape x.shape and scale (scale_dtype) shape
+    x.shape[:-1] + (ceil(N/G),).
   """
   _check_float(x, "quantize_per_group")
   _check_group_size(group_size)
   if x.ndim == 0:
     raise ValueError("quantize_per_group needs an array with at least one axis, got a scalar")
   f = get_format(fmt)
-  scale = scale_from_amax(group_amax(x, group_size), f, floor)
+  scale = scale_from_amax(group_amax(x, group_size), f, floor).astype(scale_dtype)
   n = x.shape[-1]
-  data = formats.saturating_cast(x.astype(jnp.float32) / expand_groups(scale, group_size, n), f)
+  divisor = expand_groups(scale.astype(jnp.float32), group_size, n)
+  data = formats.saturating_cast(x.astype(jnp.float32) / divisor, f)
   return QuantizedArray(data, scale, f.name, group_size)
 
 

@@ -5,7 +5,8 @@ against the Mosaic GPU backend (which replaces the deprecated Pallas Triton back
 these replaced):
 
   per group (1 x G along the last axis):   amax = max|x|,  scale = max(amax * (1/fmax), floor),
-                                           NaN where the group holds NaN/inf,
+                                           NaN where the group holds NaN/inf, rounded to the
+                                           scale dtype (float32 or bfloat16, nearest),
                                            q = cast(clamp(x / scale, -fmax, fmax))   (RNE cast)
   stage-1 tile maxima:                     max|x| per 1 x 16 tile (NaN/inf tiles: NaN or inf)
   per tensor:                              q = cast(clamp(x / scale, -fmax, fmax)) with one given
@@ -154,41 +155,48 @@ def _saturate(y, fmax: float):
 
 def _per_group_kernel(x_ref, q_ref, s_ref, *, fmax, floor, interpret):
   x = _load_f32(x_ref)                                   # (r, G)
-  scale = _scale_from_amax(jnp.max(jnp.abs(x), axis=1), fmax, floor)   # (r,)
+  stored = _scale_from_amax(jnp.max(jnp.abs(x), axis=1), fmax, floor).astype(s_ref.dtype)  # (r,)
+  scale = stored.astype(jnp.float32)                     # divide by the scale as stored
   y = _div(x, jnp.broadcast_to(scale[:, None], x.shape), interpret)
   q_ref[...] = _saturate(y, fmax).astype(q_ref.dtype)
-  s_ref[...] = scale
+  s_ref[...] = stored
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "out_dtype", "fmax", "floor",
-                                             "interpret", "block", "max_ctas", "stages"))
+                                             "interpret", "block", "max_ctas", "stages",
+                                             "scale_dtype"))
 def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float, floor: float,
                        interpret: bool = False, block: int = 128, max_ctas: int = MAX_CTAS,
-                       stages: int = 2) -> tuple[jax.Array, jax.Array]:
+                       stages: int = 2, scale_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
   """Per-group (1 x G) quantize.
 
   Args:
     x: float (..., N), N % G == 0 (see `supported_per_group`).
-    out_dtype: the FP8 storage dtype; fmax its largest finite value; floor the scale's floor.
+    out_dtype: the FP8 storage dtype; fmax its largest finite value; floor the scale's floor;
+      scale_dtype: float32 or bfloat16, how the scales are stored (and what x is divided by).
     block: at most this many groups (rows) per pipeline step (64..1024; 128 measured best on the
       H100: 2.27 TB/s for 8192^2 bf16 with G = 16, 84% of a copy).
     max_ctas, stages: the pipeline's CTA cap and shared-memory slots (rows_mgpu.launch); tunables
       swept by benchmarks/bench_kernels_mgpu.py --sweep (block, max_ctas, stages likewise for the
       other kernels here).
   Returns:
-    (q: out_dtype x.shape, scale: float32 (..., N / G)).
+    (q: out_dtype x.shape, scale: scale_dtype (..., N / G)).
   """
   _check_float(x.dtype, "quantize_per_group")
+  if jnp.dtype(scale_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"quantize_per_group: scale_dtype must be float32 or bfloat16, got "
+                     f"{jnp.dtype(scale_dtype)}")
   _check(_rows_problem(x.shape, x.dtype, group_size), "quantize_per_group")
   rows = x.size // group_size
   q, s = _per_group_launch(x.reshape(rows, group_size), out_dtype=jnp.dtype(out_dtype),
                            fmax=float(fmax), floor=float(floor), interpret=interpret, block=block,
-                           max_ctas=max_ctas, stages=stages)
+                           max_ctas=max_ctas, stages=stages, scale_dtype=jnp.dtype(scale_dtype))
   return q.reshape(x.shape), s.reshape(*x.shape[:-1], x.shape[-1] // group_size)
 
 
 @_shared_trace
-def _per_group_launch(x2, *, out_dtype, fmax, floor, interpret, block, max_ctas, stages):
+def _per_group_launch(x2, *, out_dtype, fmax, floor, interpret, block, max_ctas, stages,
+                      scale_dtype):
   rows, group_size = x2.shape
   r = _block_rows(rows, block)
   big, small = _row_blocks(r, group_size)
@@ -196,14 +204,14 @@ def _per_group_launch(x2, *, out_dtype, fmax, floor, interpret, block, max_ctas,
       functools.partial(_per_group_kernel, fmax=fmax, floor=floor, interpret=interpret),
       inputs=[x2], in_blocks=[big],
       out_shapes=[jax.ShapeDtypeStruct((rows, group_size), out_dtype),
-                  jax.ShapeDtypeStruct((rows,), jnp.float32)],
+                  jax.ShapeDtypeStruct((rows,), scale_dtype)],
       out_blocks=[big, small], num_blocks=rows // r, interpret=interpret, max_ctas=max_ctas,
       stages=stages, name="coat_quantize_per_group_mgpu")
 
 
 def _dequant_kernel(q_ref, s_ref, o_ref):
   q = _load_f32(q_ref)
-  s = plgpu.load(s_ref, layout=plgpu.Layout.WGMMA.reduce(1))
+  s = plgpu.load(s_ref, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
   o_ref[...] = (q * jnp.broadcast_to(s[:, None], q.shape)).astype(o_ref.dtype)
 
 
@@ -212,13 +220,16 @@ def _dequant_kernel(q_ref, s_ref, o_ref):
 def dequantize_per_group(q: jax.Array, scale: jax.Array, *, group_size: int, dtype=jnp.float32,
                          interpret: bool = False, block: int = 128, max_ctas: int = MAX_CTAS,
                          stages: int = 2) -> jax.Array:
-  """x = q * scale per group: q (..., N) FP8, scale float32 (..., N / G); returns `dtype`."""
+  """x = q * scale per group: q (..., N) FP8, scale float32 or bfloat16 (..., N / G); returns
+  `dtype`."""
   _check(_rows_problem(q.shape, q.dtype, group_size), "dequantize_per_group")
   rows = q.size // group_size
   if scale.size != rows:
     raise ValueError(f"dequantize_per_group: scale of shape {scale.shape} does not hold one value "
                      f"per group of {group_size} of data shape {q.shape}")
-  [out] = _dequant_launch(q.reshape(rows, group_size), scale.astype(jnp.float32).reshape(rows),
+  if jnp.dtype(scale.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    scale = scale.astype(jnp.float32)
+  [out] = _dequant_launch(q.reshape(rows, group_size), scale.reshape(rows),
                           dtype=jnp.dtype(dtype), interpret=interpret, block=block,
                           max_ctas=max_ctas, stages=stages)
   return out.reshape(q.shape)

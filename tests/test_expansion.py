@@ -252,10 +252,10 @@ def test_shapes_and_plain_scaling(rng, shape):
     assert out.shape == x.shape
     # expansion moves a group's small values into subnormals: absolute error ~1% of the group max
     np.testing.assert_allclose(out, x, rtol=0.07, atol=0.01 * float(jnp.max(jnp.abs(x))))
-  if len(shape) > 1:  # expand=False is the per-group quantizer of coat_jax.quantize
+  if len(shape) > 1:  # expand=False is the per-group quantizer of coat_jax.quantize (float32 scales)
     from coat_jax import quantize as qz
     plain = ex.quantize_expanded(x, "e4m3", 128, 16, expand=False)
-    ref = qz.quantize_per_group(x, 128, "e4m3", floor=1e-30)
+    ref = qz.quantize_per_group(x, 128, "e4m3", floor=1e-30, scale_dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(plain.data, np.float32), np.asarray(ref.data, np.float32))
     np.testing.assert_allclose(ex.dequantize_expanded(plain, "e4m3", 128, 16), ref.dequantize(),
                                rtol=1e-6)

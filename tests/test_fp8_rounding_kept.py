@@ -33,6 +33,8 @@ def _fake_quantize_numpy(x, group_size):
   """float64 reference of quantize.fake_quantize(x, "e4m3", group_size) for N % G == 0."""
   g = np.asarray(x, np.float64).reshape(*x.shape[:-1], -1, group_size)
   scale = np.maximum(np.abs(g).max(-1, keepdims=True) / 448.0, formats.ACTIVATION_SCALE_FLOOR)
+  # stored as formats.ACTIVATION_SCALE_DTYPE (float32 first, as the jnp scale is computed)
+  scale = scale.astype(np.float32).astype(formats.ACTIVATION_SCALE_DTYPE).astype(np.float64)
   q = np.clip(g / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
   return (q * scale).reshape(x.shape)
 

@@ -39,11 +39,13 @@ def _np_cast(y32, dtype, fmax):
   return y.astype(ml_dtypes.float8_e4m3fn if dtype == jnp.float8_e4m3fn else ml_dtypes.float8_e5m2)
 
 
-def _np_per_group(x, g, dtype, fmax):
+def _np_per_group(x, g, dtype, fmax, scale_dtype=np.float32):
+  """Codes and scales; scale_dtype: how the scales are stored (rounded to nearest) and what x is
+  divided by."""
   xg = x.astype(np.float32).reshape(*x.shape[:-1], -1, g)
   with np.errstate(invalid="ignore"):
     amax = np.max(np.abs(xg), axis=-1)
-  scale = _np_scale(amax, fmax)
+  scale = _np_scale(amax, fmax).astype(scale_dtype).astype(np.float32)
   with np.errstate(invalid="ignore", divide="ignore"):
     q = _np_cast(xg / scale[..., None], dtype, fmax)
   return q.reshape(x.shape), scale
@@ -81,6 +83,26 @@ def test_quantize_per_group_matches_numpy(shape, g, fmt):
   deq = _codes(q).astype(np.float64).reshape(*shape[:-1], -1, g) * s_ref[..., None]
   err = np.abs(deq - x.astype(np.float64).reshape(deq.shape))
   assert np.all(err <= s_ref[..., None].astype(np.float64) * fmt[1] * 2.0**-(mant + 1) + 1e-30)
+
+
+def test_quantize_per_group_bfloat16_scales_match_numpy():
+  """scale_dtype=bfloat16 (the dispatch's, formats.ACTIVATION_SCALE_DTYPE): scales rounded to
+  bfloat16, x divided by the rounded scale; the jnp reference does the same."""
+  from coat_jax import quantize as Q
+  x = _inputs((8, 1024), seed=19)
+  q, s = qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
+                               floor=FLOOR, interpret=True, scale_dtype=jnp.bfloat16)
+  q_ref, s_ref = _np_per_group(x, 16, *E4M3, scale_dtype=ml_dtypes.bfloat16)
+  assert s.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(s, np.float32), s_ref)
+  assert _same_codes(q, q_ref)
+  assert not np.array_equal(s_ref, _np_per_group(x, 16, *E4M3)[1])   # the rounding happened
+  ref = Q.quantize_per_group(jnp.asarray(x), 16, "e4m3", scale_dtype=jnp.bfloat16)
+  assert _same_codes(q, ref.data)
+  np.testing.assert_array_equal(np.asarray(ref.scale, np.float32), s_ref)
+  with pytest.raises(ValueError, match="scale_dtype must be float32 or bfloat16"):
+    qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
+                          floor=FLOOR, interpret=True, scale_dtype=jnp.float16)
 
 
 def test_pipeline_tunables_keep_the_results(stages=3, max_ctas=1):
@@ -253,7 +275,14 @@ def test_gpu_kernels_match_numpy_and_the_device_reference():
   q_ref, s_ref = _np_per_group(x, 16, *E4M3)
   np.testing.assert_array_equal(np.asarray(s), s_ref)
   assert _code_steps(q, q_ref).max() <= 1
-  assert _same_codes(q, Q.quantize_per_group(jnp.asarray(x), 16, "e4m3").data)
+  assert _same_codes(q, Q.quantize_per_group(jnp.asarray(x), 16, "e4m3",
+                                             scale_dtype=jnp.float32).data)
+  # bfloat16 scales (the dispatch's): codes and scales equal the device reference's
+  q, s = qm.quantize_per_group(jnp.asarray(x), group_size=16, out_dtype=E4M3[0], fmax=E4M3[1],
+                               floor=FLOOR, block=256, scale_dtype=jnp.bfloat16)
+  ref = Q.quantize_per_group(jnp.asarray(x), 16, "e4m3", scale_dtype=jnp.bfloat16)
+  assert s.dtype == jnp.bfloat16 and _same_codes(q, ref.data)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(ref.scale, np.float32))
   xb = jnp.asarray(x, jnp.bfloat16)
   x = np.array(xb.astype(jnp.float32))
   q, s, q_t = qm.quantize_per_tensor(xb, out_dtype=E4M3[0], fmax=E4M3[1], floor=FLOOR,

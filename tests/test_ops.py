@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax import kernels, memory, ops
+from coat_jax import formats, kernels, memory, ops
 from coat_jax.precision import PRECISIONS
 
 # Relative L2 bounds. bf16 rounds to 8 mantissa bits (~0.4% per element). FP8 modes: E4M3 values
@@ -15,6 +15,7 @@ from coat_jax.precision import PRECISIONS
 # gives an error of order 1 or more.
 TOL = {"bf16": 0.01, "fp8_linear": 0.08, "coat": 0.08}
 COS_MIN = {"bf16": 0.9999, "fp8_linear": 0.99, "coat": 0.99}
+SCALE_BYTES = formats.ACTIVATION_SCALE_DTYPE.itemsize   # per 1 x 16 group of a saved FP8 activation
 
 
 def rel_l2(a, b) -> float:
@@ -103,7 +104,7 @@ def test_rmsnorm_saved_residuals_and_shared_x_q(rng):
   s = jnp.asarray(1 + 0.1 * rng.standard_normal(64), jnp.float32)
   w = bf16(rng, (3, 64, 32), 0.1)
   res = memory.saved_residuals(lambda x, s: ops.rmsnorm(x, s, mode="coat")[0], x, s)
-  assert _nbytes(res) == x.size * (1 + 4 / 16) + 4 * x.size // 64
+  assert _nbytes(res) == x.size * (1 + SCALE_BYTES / 16) + 4 * x.size // 64
 
   def block(x, s, w):
     y, yq = ops.rmsnorm(x, s, mode="coat")
@@ -127,7 +128,7 @@ def test_swiglu_values_and_grads(mode, rng):
     check_close(f"swiglu {mode} {name}", d, dr, tol, 0.999)
   if mode == "coat":
     res = memory.saved_residuals(lambda g, u: ops.swiglu(g, u, mode=mode)[0], g, u)
-    assert _nbytes(res) == 2 * g.size * (1 + 4 / 16)
+    assert _nbytes(res) == 2 * g.size * (1 + SCALE_BYTES / 16)
 
 
 def rope_ref(x, positions, head_dim, theta):
@@ -218,16 +219,17 @@ def test_attention_fp8_residuals_grads(backend, rng):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_attention_fp8_residuals_saved_bytes(dtype, rng):
-  """Plain keeps q, k, v in `dtype`; fp8 keeps 1 byte a value + a float32 scale per 16 values."""
+  """Plain keeps q, k, v in `dtype`; fp8 keeps 1 byte a value + a scale per 16 values (bfloat16:
+  formats.ACTIVATION_SCALE_DTYPE)."""
   q, k, v = (t.astype(dtype) for t in qkv_f32(rng))
   fns = {r: (lambda r: lambda q, k, v: ops.attention(q, k, v, residuals=r))(r)
          for r in ops.ATTENTION_RESIDUALS}
   saved = {r: memory.saved_residual_bytes(f, q, k, v, exclude_args=False) for r, f in fns.items()}
   values = q.size + k.size + v.size
   assert saved["bf16"] == values * jnp.dtype(dtype).itemsize, saved
-  assert saved["fp8"] == values * (1 + 4 / 16), saved
+  assert saved["fp8"] == values * (1 + SCALE_BYTES / 16), saved
   fp8_dtypes = {np.dtype(a) for _, a in memory.saved_residuals(fns["fp8"], q, k, v)}
-  assert fp8_dtypes == {np.dtype(jnp.float8_e4m3fn), np.dtype(np.float32)}, fp8_dtypes
+  assert fp8_dtypes == {np.dtype(jnp.float8_e4m3fn), formats.ACTIVATION_SCALE_DTYPE}, fp8_dtypes
   print(f"{jnp.dtype(dtype).name}: saved bytes fp8 / plain = {saved['fp8'] / saved['bf16']:.4f}")
 
 
