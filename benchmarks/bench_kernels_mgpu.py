@@ -103,6 +103,9 @@ def _cases(n: int, adam_rows: int, check: bool):
   mk = dict(m_fmax=448.0, v_fmax=448.0, m_log2_range=log2r, v_log2_range=log2r, group_size=g,
             expand=True, expand_min=16, **hyper)
   fmt = dict(m_format="e4m3", v_format="e4m3", group_size=g, expand=True, expand_min=16, **hyper)
+  from coat_jax.kernels_adam import adam_kernel_limits
+  old_kw = dict(group_size=g, expand=True, expand_min=16, **adam_kernel_limits("e4m3", "e4m3"),
+                **hyper)   # the Pallas Triton kernel takes the format limits as arguments
   size = math.prod(shape)
   moved = size * (4 + 4 + 4 + 2 * 2) + 2 * 2 * (size // g) * 5   # p, g, new p, 2 moments r+w
 
@@ -122,13 +125,13 @@ def _cases(n: int, adam_rows: int, check: bool):
     return (f"param rel L2 {dp:.2e}; m codes off {int(np.sum(dm > 0))} (max {dm.max()}), "
             f"v codes off {int(np.sum(dv > 0))} (max {dv.max()}), m k diffs {dk}")
   yield ("adam", moved, lambda: adam_mgpu.adam_step(p, gr, *m, *v, **mk),
-         lambda: adam_triton.adam_step(p, gr, m, v, **fmt), adam_check if check else None)
+         lambda: adam_triton.adam_step(p, gr, m, v, **old_kw), adam_check if check else None)
   from pallas_kernels import adam_step_triton
   if adam_step_triton.available():
     def triton_check():
       return adam_check(_kernel=adam_step_triton.adam_step)
     yield ("adam_jaxtriton", moved, lambda: adam_step_triton.adam_step(p, gr, *m, *v, **mk),
-           lambda: adam_triton.adam_step(p, gr, m, v, **fmt), triton_check if check else None)
+           lambda: adam_triton.adam_step(p, gr, m, v, **old_kw), triton_check if check else None)
 
 
 # The sweep's grid per kernel: (tunable name, values), all combinations; the defaults are in it.

@@ -160,6 +160,11 @@ def quantize_per_group(x: jax.Array, group_size: int = 16, fmt: str | Format = "
     raise ValueError("quantize_per_group needs an array with at least one axis, got a scalar")
   f = get_format(fmt)
   scale = scale_from_amax(group_amax(x, group_size), f, floor).astype(scale_dtype)
+  if jnp.dtype(scale_dtype) != jnp.float32:
+    # XLA:GPU folds convert(convert(s, bf16), f32) back to s inside one program (as it does the
+    # FP8 codes' round trip, formats.saturating_cast): the barrier keeps the rounding, so x is
+    # divided by the scale as stored (tests/test_fp8_rounding_kept.py).
+    scale = jax.lax.optimization_barrier(scale)
   n = x.shape[-1]
   divisor = expand_groups(scale.astype(jnp.float32), group_size, n)
   data = formats.saturating_cast(x.astype(jnp.float32) / divisor, f)

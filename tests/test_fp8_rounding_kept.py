@@ -29,12 +29,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))   # as when the scripts run: they i
 import _moments as common  # noqa: E402
 
 
-def _fake_quantize_numpy(x, group_size):
-  """float64 reference of quantize.fake_quantize(x, "e4m3", group_size) for N % G == 0."""
+def _fake_quantize_numpy(x, group_size, scale_dtype=formats.ACTIVATION_SCALE_DTYPE):
+  """float64 reference of quantize.fake_quantize(x, "e4m3", group_size) for N % G == 0, with
+  the scales stored as `scale_dtype` (per group: formats.ACTIVATION_SCALE_DTYPE; a per-tensor
+  scale is float32)."""
   g = np.asarray(x, np.float64).reshape(*x.shape[:-1], -1, group_size)
   scale = np.maximum(np.abs(g).max(-1, keepdims=True) / 448.0, formats.ACTIVATION_SCALE_FLOOR)
-  # stored as formats.ACTIVATION_SCALE_DTYPE (float32 first, as the jnp scale is computed)
-  scale = scale.astype(np.float32).astype(formats.ACTIVATION_SCALE_DTYPE).astype(np.float64)
+  scale = scale.astype(np.float32).astype(scale_dtype).astype(np.float64)
   q = np.clip(g / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
   return (q * scale).reshape(x.shape)
 
@@ -56,6 +57,9 @@ def test_fp8_codes_pass_a_barrier_in_the_program(rng):
              lambda x: expansion.dequantize_expanded(expansion.quantize_expanded(x, "e5m2", 32), "e5m2", 32)):
     text = jax.jit(fn).lower(x).as_text()
     assert "optimization_barrier" in text and ("f8E4M3FN" in text or "f8E5M2" in text), text[-800:]
+  # per group, the bfloat16 scales' rounding passes one too (x is divided by the stored scale)
+  text = jax.jit(lambda x: quantize.fake_quantize(x, "e4m3", 16)).lower(x).as_text()
+  assert any("optimization_barrier" in ln and "bf16" in ln for ln in text.splitlines()), text[-800:]
   # INT8 is rounded by an explicit round (no float conversion chain): no barrier needed.
   text = jax.jit(lambda x: formats.saturating_cast(x, "int8")).lower(x).as_text()
   assert "optimization_barrier" not in text and "round_nearest_even" in text
@@ -135,8 +139,9 @@ def test_gpu_reference_fp8_gemm_still_uses_cublas_fp8(rng):
   fp8_gemm = ("__cublas$lt$matmul$f8" in compiled
               or any(ops and set(ops) <= f8_names for ops in gemm_fusions))
   assert fp8_gemm, compiled[-2000:]
-  xq = _fake_quantize_numpy(np.asarray(x).reshape(1, -1), x.size).reshape(x.shape)
-  wq = _fake_quantize_numpy(np.asarray(w).reshape(1, -1), w.size).reshape(w.shape)
+  per_tensor = lambda a: _fake_quantize_numpy(np.asarray(a).reshape(1, -1), a.size,
+                                             np.float32).reshape(a.shape)
+  xq, wq = per_tensor(x), per_tensor(w)
   assert _rel_mse(out, xq @ wq.T) < 1e-6
 
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import coat_jax
-from coat_jax import memory, ops
+from coat_jax import formats, memory, ops
 from coat_jax.models import PRESETS, Llama, LlamaConfig, flops_per_token, num_params
 from coat_jax.nn import DecoderBlock
 from coat_jax.precision import PRECISIONS as MODES
@@ -224,11 +224,12 @@ def test_saved_activation_bytes_per_layer():
   # and may never keep more.
   assert ratio["coat"] <= 0.79, saved
   assert ratio["fp8_linear"] <= 1.0, saved
-  # FP8-saved q, k, v (attention_residuals="fp8"): 1.25 instead of 2 bytes for each of their
-  # 3 x B S D values; measured coat 0.370x of bf16.
+  # FP8-saved q, k, v (attention_residuals="fp8"): 1 byte + a 1 x 16 group's share of a scale
+  # (formats.ACTIVATION_SCALE_DTYPE: 1.125) instead of 2 bytes for each of their 3 x B S D values.
   coat_fp8_attn = block_saved_bytes("coat", attention_residuals="fp8")
   print(f"coat + fp8 attention residuals: {coat_fp8_attn} ({coat_fp8_attn / saved['bf16']:.3f}x)")
-  assert saved["coat"] - coat_fp8_attn == 3 * 2 * 128 * 256 * (2 - 1.25), (saved, coat_fp8_attn)
+  grouped = 1 + formats.ACTIVATION_SCALE_DTYPE.itemsize / 16
+  assert saved["coat"] - coat_fp8_attn == 3 * 2 * 128 * 256 * (2 - grouped), (saved, coat_fp8_attn)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class LlamaConfig:
   start uninitialized and stack neither parameters nor one array twice.
   `attention_residuals` ("bf16" | "fp8", ops.ATTENTION_RESIDUALS) is what each attention keeps of
   q, k, v for its backward, in any precision mode: "fp8" keeps per-1x16-group E4M3 copies
-  (1.25 instead of 2 bytes a value) and recomputes the attention from them in the backward.
+  (1.125 instead of 2 bytes a value) and recomputes the attention from them in the backward.
   """
   vocab_size: int = 4096
   hidden_size: int = 256

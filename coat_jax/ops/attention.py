@@ -4,7 +4,8 @@ What the backward keeps (`residuals`):
   "bf16": q, k and v in their own dtype (the XLA path runs under jax.checkpoint, so the (S, S)
     probabilities are recomputed, not kept; cuDNN keeps its own softmax statistics).
   "fp8":  per 1 x 16 group (along head_dim) E4M3 copies of q, k and v (1 byte per value plus one
-    float32 scale per 16 values: 1.25 bytes instead of bf16's 2). The backward dequantizes them
+    bfloat16 scale per 16 values, formats.ACTIVATION_SCALE_DTYPE: 1.125 bytes instead of bf16's
+    2). The backward dequantizes them
     to the compute dtype and takes the VJP of the attention recomputed on the dequantized q, k, v
     (one extra attention forward). The forward output is exact; only the gradients see FP8.
 """
