@@ -48,6 +48,8 @@ def test_file_and_override_agree_on_floats(tmp_path):
     ("run.steps=ten", r"^--set run.steps=ten: config key 'run.steps' must be an int"),
     ("modle.num_layers=2", r"^--set modle.num_layers=2: unknown config key 'modle'"),
     ("precision=fp4", r"^--set precision=fp4: config key 'precision' must be one of"),
+    ("model.attention_residuals=fp16",
+     r"^--set model.attention_residuals=fp16: config key 'model.attention_residuals' must be one of"),
     ("optimizer.lr=-1", r"^--set optimizer.lr=-1: config key 'optimizer.lr' must be > 0"),
     ("optimizer", r"^--set optimizer: expected key=value"),
     ("optimizer=1", r"^--set optimizer=1: 'optimizer' names a section"),
@@ -91,3 +93,12 @@ def test_shipped_configs_load_and_round_trip(name):
   cfg = schema.load(REPO / "configs" / f"{name}.yaml")
   assert cfg.model.preset == name
   assert schema.from_dict(config_io.parse_yaml(cfg.to_yaml())) == cfg
+
+
+def test_attention_residuals_reach_the_model_config():
+  """model.attention_residuals (None: the preset's "bf16") becomes LlamaConfig's."""
+  from coat_jax.training.build import model_config
+  for value, want in ((None, "bf16"), ("fp8", "fp8")):
+    sets = [] if value is None else [f"model.attention_residuals={value}"]
+    cfg = schema.load(None, sets)
+    assert model_config(cfg, None).attention_residuals == want

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_AXIS, OPTIMIZER_GROUP_SIZE
+from coat_jax.ops.attention import ATTENTION_RESIDUALS
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
 from coat_jax.rounding import MASTER_ROUNDINGS
@@ -48,6 +49,9 @@ class ModelConfig:
   layer, compiled once; off: a Python loop over the layers (compile time grows with depth).
   `scan_unroll` runs that many layers per scan iteration (must divide num_layers); `scan_impl`
   "lax" | "vjp_loop" is how the scan is differentiated (`coat_jax.models.layer_loop`).
+  `attention_residuals` "bf16" (default) | "fp8": what each attention keeps of q, k, v for its
+  backward (`LlamaConfig.attention_residuals`: fp8 keeps 1 x 16 E4M3 copies and recomputes the
+  attention in the backward: less activation memory, one more attention forward).
   """
   preset: str = "tiny"
   vocab_size: int | None = None
@@ -69,6 +73,7 @@ class ModelConfig:
   scan_layers: bool | None = None
   scan_unroll: int | None = None
   scan_impl: str | None = None
+  attention_residuals: str | None = None
 
   def overrides(self) -> dict[str, Any]:
     """The fields set away from the preset, as `LlamaConfig.from_name` keyword arguments."""
@@ -277,6 +282,8 @@ def validate(cfg: RunConfig) -> RunConfig:
   m = cfg.model
   if m.dtype is not None:
     _one_of(m.dtype, DTYPES + (AUTO_DTYPE,), "model.dtype")
+  if m.attention_residuals is not None:
+    _one_of(m.attention_residuals, ATTENTION_RESIDUALS, "model.attention_residuals")
   for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
             "num_kv_heads", "head_dim", "max_seq_len"):
     value = getattr(m, f)
