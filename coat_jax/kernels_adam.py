@@ -254,6 +254,6 @@ def coat_adam_packed_step(params, grads, m: packed_state.PackedMoments,
     h = dict(hyper, weight_decay=weight_decay if decay[i] else 0.0)
     results[i], *mv = pk.adam_step(params[i], grads[i], *m[:3], *v[:3], **static, **h,
                                    packed_at=slot.start, segment=packed_state.SEGMENT)
-    m = packed_state.PackedMoments(*mv[:3], m.plain)
-    v = packed_state.PackedMoments(*mv[3:], v.plain)
+    m = m._replace(data=mv[0], amax=mv[1], k_code=mv[2])
+    v = v._replace(data=mv[3], amax=mv[4], k_code=mv[5])
   return results, m, v

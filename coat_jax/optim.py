@@ -276,10 +276,9 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
                                [a if qi else -1 for a, qi in zip(axes, q)], group_size)
 
   def init_packed(params, axes):
-    leaves = jax.tree.leaves(params)
-    _, groups, plain = slots_of(leaves, jax.tree.leaves(axes))
+    slots = slots_of(jax.tree.leaves(params), jax.tree.leaves(axes))[0]
     zero = lambda fmt: packed_state.zeros(
-        _zero_moment((group_size,), fmt, expand=expand, **qargs), groups, plain, group_size)
+        _zero_moment((group_size,), fmt, expand=expand, **qargs), slots, group_size)
     return zero(m_fmt), zero(v_fmt)
 
   def init_fn(params):
@@ -424,13 +423,15 @@ def _coat_adamw_fns(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4
                        "made with state_layout='packed' (init and step with the same "
                        "state_layout)")
     slots, groups, plain_size = slots_of(g_leaves, axes)
+    want = ((groups * group_size,), (groups,), (groups,), (plain_size,),
+            (packed_state.fingerprint(slots, group_size),))
     for name, moment in (("mu", state.mu), ("nu", state.nu)):
-      have = (moment.data.shape, moment.amax.shape, moment.k_code.shape, moment.plain.shape)
-      want = ((groups * group_size,), (groups,), (groups,), (plain_size,))
+      have = tuple(x.shape for x in moment)
       if have != want:
-        raise ValueError(f"coat_adamw: packed {name} has buffers of shapes {have}, this tree "
-                         f"needs {want}: init the state from these params with the same "
-                         f"group_size, group_axis and min_quantized_size")
+        raise ValueError(f"coat_adamw: packed {name} was made for another layout (buffers of "
+                         f"shapes {have}, this tree and these settings need {want}): init the "
+                         f"state from these params with the same group_size, group_axis and "
+                         f"min_quantized_size")
     return state.mu, state.nu, slots
 
   return init_fn, step_fn

@@ -164,7 +164,7 @@ def state_shardings(param_shardings, state: CoatAdamWState, group_axes=None) -> 
       raise ValueError(f"state_shardings: the packed optimizer state (state_layout='packed') is "
                        f"one device's layout and this mesh has {count.mesh.size} devices; use "
                        f"state_layout='leaves', which shards each moment like its param")
-    packed = PackedMoments(count, count, count, count)
+    packed = PackedMoments(count, count, count, count, count)
     return CoatAdamWState(count, packed, packed, comp)
   per_shard_kernel = kernels.use_pallas("adam")
   axes = [None] * len(paths) if group_axes is None else treedef.flatten_up_to(group_axes)

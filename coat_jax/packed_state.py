@@ -17,12 +17,15 @@ Layout (`layout`), leaf after leaf in tree order, for a quantized leaf of shape 
   the slots are [start, start + ceil(g / SEGMENT) * SEGMENT) groups; padding holds zero codes
   and the zero group's metadata (never read as a leaf's).
 A float32 (not quantized) leaf's moment: `plain`, flattened, at [start, start + size(S)).
-The layout is a pure function of the params' shapes, the quantized flags, the group axes and G:
-the state carries only arrays (a checkpoint restores into the same tree and settings).
+The layout is a pure function of the params' shapes, the quantized flags, the group axes and G
+(`layout`); the state carries only arrays, one of which (`PackedMoments.layout`) holds the
+layout's fingerprint in its shape, so stepping or restoring a state with another tree or other
+settings fails at trace time instead of reading scales against the wrong codes.
 """
 from __future__ import annotations
 
 import math
+import zlib
 from typing import NamedTuple, Sequence
 
 import jax
@@ -31,10 +34,12 @@ import jax.numpy as jnp
 from coat_jax import expansion
 from coat_jax.expansion import ExpandedMoment
 
-__all__ = ["SEGMENT", "PackedMoments", "Slot", "layout", "leaf", "pack", "unpack", "with_leaf",
-           "zeros"]
+__all__ = ["SEGMENT", "PackedMoments", "Slot", "fingerprint", "layout", "leaf", "pack", "unpack",
+           "with_leaf", "zeros"]
 
 SEGMENT = 16  # groups: each quantized leaf's slot starts at a multiple of this
+FINGERPRINTS = 1024  # PackedMoments.layout has 1 .. FINGERPRINTS elements (1 KB at most)
+MAX_PLAIN = 2**31 - 1  # float32 moments (updated at int32 offsets)
 
 
 class PackedMoments(NamedTuple):
@@ -42,12 +47,14 @@ class PackedMoments(NamedTuple):
 
   data: (D,) the format's dtype: the quantized leaves' codes; amax: (D / G,) float32 and
   k_code: (D / G,) uint8: their per-group metadata; plain: (F,) float32: the moments of the
-  leaves kept in float32 (empty when none). Where each leaf lies: `layout`.
+  leaves kept in float32 (empty when none); layout: uint8 zeros of shape (fingerprint(...),),
+  the layout's fingerprint as a static shape. Where each leaf lies: `layout`.
   """
   data: jax.Array
   amax: jax.Array
   k_code: jax.Array
   plain: jax.Array
+  layout: jax.Array
 
 
 class Slot(NamedTuple):
@@ -83,7 +90,17 @@ def layout(shapes: Sequence[tuple[int, ...]], quantized: Sequence[bool], axes: S
     else:
       slots.append(Slot(shape, axis, False, plain, math.prod(shape)))
       plain += math.prod(shape)
+  if plain > MAX_PLAIN:
+    raise ValueError(f"packed optimizer state: {plain} float32 moment values (leaves kept in "
+                     f"float32) exceed {MAX_PLAIN}; use state_layout='leaves'")
   return tuple(slots), groups, plain
+
+
+def fingerprint(slots: Sequence[Slot], group_size: int) -> int:
+  """1 .. FINGERPRINTS: a hash (crc32, the same in every process) of the slots and G; the
+  length of `PackedMoments.layout`."""
+  key = repr((group_size, SEGMENT, [tuple(s) for s in slots])).encode()
+  return 1 + zlib.crc32(key) % FINGERPRINTS
 
 
 def leaf(packed: PackedMoments, slot: Slot, group_size: int):
@@ -100,15 +117,19 @@ def leaf(packed: PackedMoments, slot: Slot, group_size: int):
 
 
 def with_leaf(packed: PackedMoments, slot: Slot, moment, group_size: int) -> PackedMoments:
-  """`packed` with the leaf's slice replaced by `moment` (as `leaf` returns it)."""
-  if not slot.quantized:
-    plain = jax.lax.dynamic_update_slice(packed.plain, moment.reshape(-1).astype(jnp.float32),
-                                         (slot.start,))
-    return packed._replace(plain=plain)
-  d0 = slot.start * group_size
+  """`packed` with the leaf's slice replaced by `moment` (as `leaf` returns it). The codes are
+  written through the (groups, G) view of `data` at row slot.start, padded with zeros to whole
+  rows inside the slot: update offsets are int32, and a model's codes pass 2^31 (Llama-2-7B)
+  where its groups do not."""
   put = lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x.reshape(-1).astype(buf.dtype), (at,))
-  return PackedMoments(put(packed.data, moment.data, d0), put(packed.amax, moment.amax, slot.start),
-                       put(packed.k_code, moment.k_code, slot.start), packed.plain)
+  if not slot.quantized:
+    return packed._replace(plain=put(packed.plain, moment, slot.start))
+  rows = -(-slot.size // group_size)
+  codes = jnp.pad(moment.data.reshape(-1), (0, rows * group_size - slot.size))
+  data = jax.lax.dynamic_update_slice(packed.data.reshape(-1, group_size),
+                                      codes.reshape(rows, group_size), (slot.start, 0))
+  return packed._replace(data=data.reshape(-1), amax=put(packed.amax, moment.amax, slot.start),
+                         k_code=put(packed.k_code, moment.k_code, slot.start))
 
 
 def unpack(packed: PackedMoments, slots: Sequence[Slot], group_size: int) -> list:
@@ -118,8 +139,8 @@ def unpack(packed: PackedMoments, slots: Sequence[Slot], group_size: int) -> lis
 
 def pack(moments: Sequence, slots: Sequence[Slot], group_size: int, data_dtype) -> PackedMoments:
   """The PackedMoments of per-leaf moments (ExpandedMoment for quantized slots, float32 arrays
-  otherwise); `data_dtype`: the codes' dtype (used when no leaf is quantized). Padding: zero
-  codes, amax 1, k code 1."""
+  otherwise); `data_dtype`: the codes' dtype (used when no leaf is quantized). Padding (never
+  read as a leaf's): zero codes, amax 1, k code 1."""
   data, amax, k_code, plain = [], [], [], []
   for m, s in zip(moments, slots, strict=True):
     if not s.quantized:
@@ -131,13 +152,21 @@ def pack(moments: Sequence, slots: Sequence[Slot], group_size: int, data_dtype) 
     k_code += [m.k_code.reshape(-1).astype(jnp.uint8), jnp.ones((pad,), jnp.uint8)]
   cat = lambda xs, dtype: jnp.concatenate(xs) if xs else jnp.zeros((0,), dtype)
   return PackedMoments(cat(data, data_dtype), cat(amax, jnp.float32), cat(k_code, jnp.uint8),
-                       cat(plain, jnp.float32))
+                       cat(plain, jnp.float32), _layout_array(slots, group_size))
 
 
-def zeros(zero_group: ExpandedMoment, groups: int, plain: int, group_size: int) -> PackedMoments:
-  """The packed moment of all zeros: every group (padding too) holds `zero_group`'s fields (the
-  quantized zero group: an ExpandedMoment of one group), plain zeros. Built by broadcasting, so
-  jit does not constant-fold per-group reductions over the whole model."""
+def _layout_array(slots, group_size: int) -> jax.Array:
+  return jnp.zeros((fingerprint(slots, group_size),), jnp.uint8)
+
+
+def zeros(zero_group: ExpandedMoment, slots: Sequence[Slot], group_size: int) -> PackedMoments:
+  """The packed moment of all zeros for these slots (`layout`'s): every group (padding too)
+  holds `zero_group`'s fields (the quantized zero group: an ExpandedMoment of one group), plain
+  zeros. Built by broadcasting, so jit does not constant-fold per-group reductions over the
+  whole model."""
+  groups = sum(-(-s.groups // SEGMENT) * SEGMENT for s in slots if s.quantized)
+  plain = sum(s.size for s in slots if not s.quantized)
   one = lambda x, n: jnp.broadcast_to(x.reshape(-1)[0], (n,))
   return PackedMoments(one(zero_group.data, groups * group_size), one(zero_group.amax, groups),
-                       one(zero_group.k_code, groups), jnp.zeros((plain,), jnp.float32))
+                       one(zero_group.k_code, groups), jnp.zeros((plain,), jnp.float32),
+                       _layout_array(slots, group_size))

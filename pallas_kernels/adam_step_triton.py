@@ -250,8 +250,8 @@ if triton is not None:
     moments are always written in place (adam_step aliases them), so the outputs take the moved
     input pointers: 6 moved pointers, not 12 (sm_90 row kernel: 79 registers per thread, as 80
     unmoved; moving all 12 took 95 and ran 2.5 % slower on the H100)."""
-    if SEG > 0:
-      meta = seg_arg.to(tl.int64) * SEG
+    if SEG > 0:   # tl.cast: jax-triton passes a scalar equal to 1 as a constant (a Python int)
+      meta = tl.cast(seg_arg, tl.int64) * SEG
       data = meta * G
       mq_ptr, vq_ptr = mq_ptr + data, vq_ptr + data
       ma_ptr, mk_ptr, va_ptr, vk_ptr = ma_ptr + meta, mk_ptr + meta, va_ptr + meta, vk_ptr + meta
@@ -304,7 +304,7 @@ if triton is not None:
     else:
       cols = cols_arg * CDIV
     if SEG > 0:
-      meta0 = seg_arg.to(tl.int64) * SEG
+      meta0 = tl.cast(seg_arg, tl.int64) * SEG
       data0 = meta0 * G
     else:
       meta0 = 0

@@ -552,8 +552,10 @@ def test_gpu_kernel_compiled_in_a_worker_process_equals_the_one_compiled_in_the_
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def _sm90_registers(kernel, sizes: dict, block: int, num_warps: int, seg: int, tmp_path) -> int:
-  """Registers per thread of `kernel` compiled for sm_90 (triton's bundled ptxas -v)."""
+def _sm90_registers(kernel, sizes: dict, block: int, num_warps: int, seg: int, tmp_path,
+                    seg_arg_one: bool = False) -> int:
+  """Registers per thread of `kernel` compiled for sm_90 (triton's bundled ptxas -v).
+  seg_arg_one: seg_arg is the constant 1, as jax-triton passes a scalar argument equal to 1."""
   import os
   import re
   import subprocess
@@ -565,7 +567,9 @@ def _sm90_registers(kernel, sizes: dict, block: int, num_warps: int, seg: int, t
                vqo="*fp8e4nv", vao="*fp32", vko="*u8", s="*fp32")
   sig = {n: types[n[:-4]] if n.endswith("_ptr") else "i32" if n.endswith("_arg") else "constexpr"
          for n in kernel.arg_names}
-  const = dict(**sizes, SEG=seg, **at.kernel_constants(
+  if seg_arg_one:
+    sig["seg_arg"] = "constexpr"
+  const = dict(**sizes, SEG=seg, **({"seg_arg": 1} if seg_arg_one else {}), **at.kernel_constants(
       G, block, has_param=True, output="param", m_fmax=448.0, v_fmax=448.0,
       m_log2_range=_log2_range(448.0), v_log2_range=_log2_range(448.0), expand=True,
       expand_min=EM, max_k_code=255, amax_floor=1e-30, grad_clamp=2.0**63, fast_math=True))
@@ -598,3 +602,5 @@ def test_packed_slot_costs_no_registers_on_sm90(group_axis, tmp_path, monkeypatc
   packed = _sm90_registers(kernel, sizes, block, warps, 16, tmp_path)
   print(f"group_axis {group_axis}: {leaf} registers per leaf, {packed} packed")
   assert packed <= leaf, (leaf, packed)
+  # a slot at group 16 (seg_arg 1): jax-triton makes that argument a constant; it must compile
+  assert _sm90_registers(kernel, sizes, block, warps, 16, tmp_path, seg_arg_one=True) > 0

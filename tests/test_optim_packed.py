@@ -166,7 +166,8 @@ def test_packed_state_bytes_are_the_leaves_bytes_plus_padding(rng):
   slots = _slots(kw, params)
   pad_groups = sum(-s.groups % packed_state.SEGMENT for s in slots if s.quantized)
   pad_codes = sum(-(-s.groups // 16) * 16 * G - s.size for s in slots if s.quantized)
-  assert packed - leaves == 2 * (pad_codes + 5 * pad_groups)   # 1 B codes, 4 + 1 B metadata
+  tag = packed_state.fingerprint(slots, G)   # the layout's fingerprint: that many uint8 zeros
+  assert packed - leaves == 2 * (pad_codes + 5 * pad_groups + tag)   # 1 B codes, 4 + 1 B metadata
   assert packed > leaves
 
 
@@ -194,8 +195,16 @@ def test_layout_mismatches_and_bad_values_raise_one_clear_error(rng):
                                        "state_layout='packed'"):
     packed_tx.update(grads, leaves_tx.init(params), params)
   other = coat_adamw(1e-3, min_quantized_size=1000, state_layout="packed", group_axis="last")
-  with pytest.raises(ValueError, match="packed mu has buffers of shapes"):
+  with pytest.raises(ValueError, match="packed mu was made for another layout"):
     other.update(grads, packed_tx.init(params), params)
+  # same buffer sizes, other group axis: caught by the layout's fingerprint
+  square = {"w": {"kernel": jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)}}
+  by_axis = {a: coat_adamw(1e-3, state_layout="packed", group_axis=a, min_quantized_size=1000)
+             for a in ("last", "coat")}
+  state = by_axis["last"].init(square)
+  assert [x.shape for x in state.mu[:4]] == [x.shape for x in by_axis["coat"].init(square).mu[:4]]
+  with pytest.raises(ValueError, match="packed mu was made for another layout"):
+    by_axis["coat"].update(square, state, square)
   with pytest.raises(ValueError, match="state_layout must be one of"):
     coat_adamw(1e-3, state_layout="flat")
 
@@ -247,19 +256,21 @@ def test_gpu_packed_kernel_equals_per_leaf_kernel(rng, monkeypatch, output):
   """On the GPU the packed state's quantized leaves step in the jax-triton kernel at their slots
   (one launch per leaf, chained through the buffers): params / updates and moments bit-identical
   to the per-leaf kernel's, for rows (embed) and columns (COAT's layout: the kernels), donated
-  and not; the float32-moment leaves (reference step) to rounding. One device's path."""
+  and not; the float32-moment leaves (reference step) to rounding. One device's path. The first
+  leaf is 16 groups, so the next slot starts at group 16: seg_arg 1, which jax-triton passes as a
+  constant (it failed to compile before tl.cast)."""
   from coat_jax import kernels
   monkeypatch.setattr(kernels, "per_shard", lambda: False)
   assert kernels.implementation("adam") == "triton"
-  shapes = {"embed": (512, 256), "mlp": {"kernel": (2, 256, 384)}, "o": {"kernel": (384, 256)},
-            "norm": (256,)}
+  shapes = {"a_small": (16, 128), "embed": (512, 256), "mlp": {"kernel": (2, 256, 384)},
+            "o": {"kernel": (384, 256)}, "norm": (256,)}
   params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32), shapes,
                         is_leaf=lambda x: isinstance(x, tuple))
   grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * 1e-2, jnp.float32),
                         params) for _ in range(3)]
   out = {}
   for layout in ("leaves", "packed"):
-    kw = dict(weight_decay=0.1, state_layout=layout)
+    kw = dict(weight_decay=0.1, state_layout=layout, min_quantized_size=1000)
     tx = coat_adamw(1e-3, **kw)
     state = tx.init(params)
     if output == "param":
@@ -274,16 +285,41 @@ def test_gpu_packed_kernel_equals_per_leaf_kernel(rng, monkeypatch, output):
       hlo = step.lower(grads[0], state, params).as_text()
       for g in grads:
         res, state = step(g, state, params)
-    assert hlo.count("triton_kernel_call") >= 3, layout   # embed, mlp, o in the kernel
+    assert hlo.count("triton_kernel_call") >= 4, layout   # a_small, embed, mlp, o in the kernel
     out[layout] = (res, state)
   (r_l, s_l), (r_p, s_p) = out["leaves"], out["packed"]
-  for name in ("embed", "mlp", "o"):
+  for name in ("a_small", "embed", "mlp", "o"):
     _assert_trees_identical(r_l[name], r_p[name])
   _assert_trees_equal_to_rounding(r_l["norm"], r_p["norm"])
-  slots = _slots(dict(min_quantized_size=4096), params)
+  slots = _slots(dict(min_quantized_size=1000), params)
+  assert slots[1].start == 16   # embed's slot: seg_arg 1
   for tree_l, packed in ((s_l.mu, s_p.mu), (s_l.nu, s_p.nu)):
     leaves = jax.tree.leaves(tree_l, is_leaf=lambda x: isinstance(x, ExpandedMoment))
     got = packed_state.unpack(packed, slots, G)
     for lv, gt, s in zip(leaves, got, slots):
       (_assert_trees_identical if s.quantized else _assert_trees_equal_to_rounding)(lv, gt)
   assert np.isfinite(np.asarray(r_p["embed"])).all()
+
+
+def test_with_leaf_writes_past_2_31_codes_at_the_right_offset():
+  """A slot whose codes start past 2^31 (a 7B model's second half): with_leaf's update keeps
+  the offset (int32 update indices wrapped to a negative offset, which XLA clamps to 0: the
+  first leaf's codes were overwritten). Checked on the lowered program: no shapes are allocated."""
+  big = (2**20, 2**11)   # 2^31 codes, 2^24 groups per leaf
+  slots = packed_state.layout([big, big], [True, True], [-1, -1], G)[0]
+  assert slots[1].start * G == 2**31
+  shapes = packed_state.PackedMoments(
+      jax.ShapeDtypeStruct((2**32,), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((2**25,), jnp.float32),
+      jax.ShapeDtypeStruct((2**25,), jnp.uint8), jax.ShapeDtypeStruct((0,), jnp.float32),
+      jax.ShapeDtypeStruct((packed_state.fingerprint(slots, G),), jnp.uint8))
+  moment = ExpandedMoment(jax.ShapeDtypeStruct(big, jnp.float8_e4m3fn),
+                          jax.ShapeDtypeStruct((2**20, 16), jnp.float32),
+                          jax.ShapeDtypeStruct((2**20, 16), jnp.uint8))
+  text = jax.jit(lambda p, m: packed_state.with_leaf(p, slots[1], m, G)).lower(shapes, moment).as_text()
+  starts = [int(v) for v in __import__("re").findall(r"dense<(-?\d+)> : tensor<i(?:32|64)>", text)]
+  assert 2**24 in starts and not any(v < 0 for v in starts), starts   # row 2^24 of (groups, G)
+
+
+def test_layout_refuses_float32_moments_past_int32_offsets():
+  with pytest.raises(ValueError, match="exceed 2147483647; use state_layout='leaves'"):
+    packed_state.layout([(2**31,)], [False], [-1], G)
