@@ -24,8 +24,8 @@ the kernel scales it as it loads it, no clipped gradient is written); coat_adamw
 writing the params). "per leaf": one kernel launch per parameter
 (kernel family adam_tree=reference); "tree": the tree kernel (pallas_kernels/adam_tree_triton.py,
 a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again);
-"packed state": coat_adamw(state_layout="packed"), the moments of all leaves in 8 flat buffers
-(coat_jax/packed_state.py) instead of 6 arrays per leaf, one launch per leaf at its slot.
+"packed state": coat_adamw(state_layout="packed"), the moments of all leaves in flat buffers (5
+per moment, coat_jax/packed_state.py) instead of 6 arrays per leaf, one launch per leaf at its slot.
 Group axis: the coat rows group along each matrix's last axis (group_axis="last"), except
 coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an (in, out)
 kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of

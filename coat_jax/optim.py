@@ -169,10 +169,11 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       clipped gradients and reading them back (8 bytes per float32 param). Same state.
     state_layout: "leaves" (default): mu / nu are trees like params (an ExpandedMoment or a
       float32 array per leaf), each shardable like its param. "packed": mu / nu are each one
-      `packed_state.PackedMoments` (four flat buffers for the whole tree; same values and bytes
-      but alignment padding), for one device: a jitted step passes ~3 buffers per leaf instead
-      of ~15 (the host time per buffer is what a many-leaf step waits for; docs/benchmarks.md),
-      and `state_shardings` refuses it on a mesh of several devices. A state restores only into
+      `packed_state.PackedMoments` (four flat buffers for the whole tree and a fingerprint of
+      the layout; same values and bytes but alignment padding), for one device: a jitted step
+      passes ~3 buffers per leaf instead of ~15 (the host time per buffer is what a many-leaf
+      step waits for; docs/benchmarks.md), and `state_shardings` refuses it on a mesh of several
+      devices. A state restores only into
       the layout it was made with.
     The three integer knobs default to None (meaning the values above) rather than to ints, so
     that optax.inject_hyperparams, which turns every int/float argument into a traced

@@ -1,10 +1,10 @@
 """The packed layout of coat_adamw's moments: every leaf's moment in a few flat buffers.
 
 `coat_adamw(..., state_layout="packed")` keeps each moment (m, v) of the whole tree as one
-`PackedMoments`: four 1-D arrays instead of three arrays per quantized leaf and one per float32
-leaf. Same bytes (plus alignment padding, at most SEGMENT - 1 groups per leaf), same values: a
-leaf's slice of the buffers is exactly its `ExpandedMoment` (or float32 moment) in the per-leaf
-layout, flattened. What it buys is fewer buffers at the jit boundary: a jitted step pays host
+`PackedMoments`: four 1-D arrays (and a fingerprint of the layout) instead of three arrays per
+quantized leaf and one per float32 leaf. Same bytes (plus alignment padding, at most SEGMENT - 1
+groups per leaf), same values: a leaf's slice of the buffers is exactly its `ExpandedMoment` (or
+float32 moment) in the per-leaf layout, flattened. What it buys is fewer buffers at the jit boundary: a jitted step pays host
 time per buffer it passes (~3-6 us each on the H100, docs/benchmarks.md), 930 buffers for a
 62-leaf tree in the per-leaf layout against ~200 here.
 
