@@ -156,7 +156,7 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       update (optax's update/apply_updates, which rounds p + u to nearest outside it) supports
       only "nearest": it raises ValueError for the others, use `coat_adamw_apply`.
     group_axis: "coat" (default: Flax kernels grouped along their input features, COAT's layout;
-      lower moment error, a 1.9x slower fused kernel, docs/differences.md section 4) | "last"
+      lower moment error, a 1.5x slower fused kernel, docs/differences.md section 4) | "last"
       (every leaf's last axis) | callable params -> tree of axes: the axis each quantized moment groups along
       (`group_axes`; the callable is called with the updates when params are None). Same bytes
       of state either way; a state restores only into the group_axis it was made with.
