@@ -70,8 +70,8 @@ def category(kernel: str, info) -> str:
     return "optimizer"
   if "amax" in n or "quantiz" in n:
     return "quantize"
-  if "matmul" in n or "wgmma" in n or "mosaic" in target:
-    return "FP8 GEMM"  # the Mosaic GPU GEMM: the one Pallas kernel not named coat_*
+  if "matmul" in n or "wgmma" in n or "fp8_gemm" in n or "mosaic" in target:
+    return "FP8 GEMM"  # the Mosaic GPU GEMM (coat_fp8_gemm_mgpu...)
   gemm = (cls in ("dot", "dot fusion") or target.startswith("__cublas")
           or any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass")))
   if gemm:
