@@ -43,6 +43,15 @@ def _triton_static(m_format, v_format, *, group_size, expand, expand_min, output
               group_axis=group_axis)
 
 
+def _triton_kernels():
+  """pallas_kernels.adam_step_triton, or ValueError naming the install when jax-triton is
+  missing (only asked for where `kernels.implementation("adam")` is "triton")."""
+  from pallas_kernels import adam_step_triton
+  if not adam_step_triton.available():
+    raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({kernels.INSTALL_HINT})")
+  return adam_step_triton
+
+
 def _hyper(lr, b1, b2, eps, weight_decay, count, grad_scale) -> dict:
   """The step's hyperparameters as kernel arguments: Python numbers stay Python numbers, arrays
   (schedules, inject_hyperparams, count) are float32 / int scalars."""
@@ -74,9 +83,7 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
   impl = (kernels.implementation("adam") if isinstance(m, ExpandedMoment)
           and isinstance(v, ExpandedMoment) else None)
   if impl == "triton":
-    from pallas_kernels import adam_step_triton as pk
-    if not pk.available():
-      raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({kernels.INSTALL_HINT})")
+    pk = _triton_kernels()
     ok = pk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size, group_axis)
   elif impl == "pallas_triton" and group_axis != -1:
     ok = False
@@ -226,9 +233,7 @@ def coat_adam_packed_step(params, grads, m: packed_state.PackedMoments,
   pk = None
   if (kernels.implementation("adam") == "triton" and not kernels.per_shard()
       and not kernels.interpret_mode()):
-    from pallas_kernels import adam_step_triton as pk
-    if not pk.available():
-      raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({kernels.INSTALL_HINT})")
+    pk = _triton_kernels()
 
   def on_kernel(p, g, slot) -> bool:
     like = g if p is None else p

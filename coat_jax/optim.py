@@ -173,8 +173,7 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       the layout; same values and bytes but alignment padding), for one device: a jitted step
       passes ~3 buffers per leaf instead of ~15 (the host time per buffer is what a many-leaf
       step waits for; docs/benchmarks.md), and `state_shardings` refuses it on a mesh of several
-      devices. A state restores only into
-      the layout it was made with.
+      devices. A state restores only into the layout it was made with.
     The three integer knobs default to None (meaning the values above) rather than to ints, so
     that optax.inject_hyperparams, which turns every int/float argument into a traced
     hyperparameter, leaves them static; if you set them under inject_hyperparams, list them in

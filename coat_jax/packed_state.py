@@ -4,9 +4,9 @@
 `PackedMoments`: four 1-D arrays (and a fingerprint of the layout) instead of three arrays per
 quantized leaf and one per float32 leaf. Same bytes (plus alignment padding, at most SEGMENT - 1
 groups per leaf), same values: a leaf's slice of the buffers is exactly its `ExpandedMoment` (or
-float32 moment) in the per-leaf layout, flattened. What it buys is fewer buffers at the jit boundary: a jitted step pays host
-time per buffer it passes (~3-6 us each on the H100, docs/benchmarks.md), 930 buffers for a
-62-leaf tree in the per-leaf layout against ~200 here.
+float32 moment) in the per-leaf layout, flattened. What it buys is fewer buffers at the jit
+boundary: a jitted step pays host time per buffer it passes (~3-6 us each on the H100,
+docs/benchmarks.md), 930 buffers for a 62-leaf tree in the per-leaf layout against ~200 here.
 
 Layout (`layout`), leaf after leaf in tree order, for a quantized leaf of shape S grouped along
 `axis` with g = prod(metadata_shape(S, G, axis)) groups:
@@ -14,8 +14,8 @@ Layout (`layout`), leaf after leaf in tree order, for a quantized leaf of shape 
     SEGMENT (16 groups: the fused kernel's metadata loads stay aligned);
   data: its codes, flattened row-major, at [start * G, start * G + size(S)) (so one integer,
     start / SEGMENT, places both in the kernel);
-  the slots are [start, start + ceil(g / SEGMENT) * SEGMENT) groups; padding holds zero codes
-  and the zero group's metadata (never read as a leaf's).
+  the slots are [start, start + ceil(g / SEGMENT) * SEGMENT) groups (`Slot.span`); what the
+  padding holds is never read as a leaf's.
 A float32 (not quantized) leaf's moment: `plain`, flattened, at [start, start + size(S)).
 The layout is a pure function of the params' shapes, the quantized flags, the group axes and G
 (`layout`); the state carries only arrays, one of which (`PackedMoments.layout`) holds the
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from coat_jax import expansion
 from coat_jax.expansion import ExpandedMoment
 
-__all__ = ["SEGMENT", "PackedMoments", "Slot", "fingerprint", "layout", "leaf", "pack", "unpack",
-           "with_leaf", "zeros"]
+__all__ = ["SEGMENT", "PackedMoments", "Slot", "fingerprint", "layout", "leaf", "pack", "sizes",
+           "unpack", "with_leaf", "zeros"]
 
 SEGMENT = 16  # groups: each quantized leaf's slot starts at a multiple of this
 FINGERPRINTS = 1024  # PackedMoments.layout has 1 .. FINGERPRINTS elements (1 KB at most)
@@ -71,9 +71,17 @@ class Slot(NamedTuple):
   def size(self) -> int:
     return math.prod(self.shape)
 
+  @property
+  def span(self) -> int:
+    """Groups a quantized slot takes in the buffers: its groups rounded up to SEGMENT."""
+    return -(-self.groups // SEGMENT) * SEGMENT
 
-def _round_up(n: int, unit: int) -> int:
-  return -(-n // unit) * unit
+
+def sizes(slots: Sequence[Slot]) -> tuple[int, int]:
+  """(groups, plain): the metadata values (data holds groups * G codes) and float32 values that
+  buffers holding these slots have."""
+  return (sum(s.span for s in slots if s.quantized),
+          sum(s.size for s in slots if not s.quantized))
 
 
 def layout(shapes: Sequence[tuple[int, ...]], quantized: Sequence[bool], axes: Sequence[int],
@@ -84,12 +92,13 @@ def layout(shapes: Sequence[tuple[int, ...]], quantized: Sequence[bool], axes: S
   for shape, q, axis in zip(shapes, quantized, axes, strict=True):
     shape = tuple(int(d) for d in shape)
     if q:
-      g = math.prod(expansion.metadata_shape(shape, group_size, axis))
-      slots.append(Slot(shape, axis, True, groups, g))
-      groups += _round_up(g, SEGMENT)
+      slot = Slot(shape, axis, True, groups,
+                  math.prod(expansion.metadata_shape(shape, group_size, axis)))
+      groups += slot.span
     else:
-      slots.append(Slot(shape, axis, False, plain, math.prod(shape)))
-      plain += math.prod(shape)
+      slot = Slot(shape, axis, False, plain, math.prod(shape))
+      plain += slot.size
+    slots.append(slot)
   if plain > MAX_PLAIN:
     raise ValueError(f"packed optimizer state: {plain} float32 moment values (leaves kept in "
                      f"float32) exceed {MAX_PLAIN}; use state_layout='leaves'")
@@ -139,15 +148,15 @@ def unpack(packed: PackedMoments, slots: Sequence[Slot], group_size: int) -> lis
 
 def pack(moments: Sequence, slots: Sequence[Slot], group_size: int, data_dtype) -> PackedMoments:
   """The PackedMoments of per-leaf moments (ExpandedMoment for quantized slots, float32 arrays
-  otherwise); `data_dtype`: the codes' dtype (used when no leaf is quantized). Padding (never
-  read as a leaf's): zero codes, amax 1, k code 1."""
+  otherwise); `data_dtype`: the codes' dtype (used when no leaf is quantized). Padding: zero
+  codes, amax 1, k code 1."""
   data, amax, k_code, plain = [], [], [], []
   for m, s in zip(moments, slots, strict=True):
     if not s.quantized:
       plain.append(jnp.asarray(m, jnp.float32).reshape(-1))
       continue
-    pad = _round_up(s.groups, SEGMENT) - s.groups
-    data += [m.data.reshape(-1), jnp.zeros(((s.groups + pad) * group_size - s.size,), m.data.dtype)]
+    pad = s.span - s.groups
+    data += [m.data.reshape(-1), jnp.zeros((s.span * group_size - s.size,), m.data.dtype)]
     amax += [m.amax.reshape(-1).astype(jnp.float32), jnp.ones((pad,), jnp.float32)]
     k_code += [m.k_code.reshape(-1).astype(jnp.uint8), jnp.ones((pad,), jnp.uint8)]
   cat = lambda xs, dtype: jnp.concatenate(xs) if xs else jnp.zeros((0,), dtype)
@@ -164,8 +173,7 @@ def zeros(zero_group: ExpandedMoment, slots: Sequence[Slot], group_size: int) ->
   holds `zero_group`'s fields (the quantized zero group: an ExpandedMoment of one group), plain
   zeros. Built by broadcasting, so jit does not constant-fold per-group reductions over the
   whole model."""
-  groups = sum(-(-s.groups // SEGMENT) * SEGMENT for s in slots if s.quantized)
-  plain = sum(s.size for s in slots if not s.quantized)
+  groups, plain = sizes(slots)
   one = lambda x, n: jnp.broadcast_to(x.reshape(-1)[0], (n,))
   return PackedMoments(one(zero_group.data, groups * group_size), one(zero_group.amax, groups),
                        one(zero_group.k_code, groups), jnp.zeros((plain,), jnp.float32),

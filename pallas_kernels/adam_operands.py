@@ -1,6 +1,7 @@
 """Operand checks shared by the fused Adam step kernels (Mosaic GPU and jax-triton versions)."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 OUTPUTS = ("param", "update")
@@ -16,11 +17,7 @@ def check_operands(kernel: str, param, grad, m_q, m_amax, m_code, v_q, v_amax, v
   (..., N / G) for group_axis -1, (..., in / G, out) for -2. `problem` takes group_axis when it
   is not -1.
   """
-  if output not in OUTPUTS:
-    raise ValueError(f"{kernel}: output must be one of {OUTPUTS}, got {output!r}")
-  if param is None and output == "param":
-    raise ValueError(f"{kernel}: output='param' needs param")
-  like = grad if param is None else param
+  like = _like(kernel, param, grad, output)
   axis_arg = () if group_axis == -1 else (group_axis,)
   why = problem(like.shape, like.dtype, m_q.dtype, v_q.dtype, group_size, *axis_arg)
   if why is not None:
@@ -36,32 +33,36 @@ def check_operands(kernel: str, param, grad, m_q, m_amax, m_code, v_q, v_amax, v
   return like, meta_shape
 
 
-def check_packed_operands(param, grad, m3, v3, packed_at: int, segment: int, group_size: int,
-                          output: str, group_axis: int, problem: Callable[..., str | None]):
+def check_packed_operands(kernel: str, param, grad, m3, v3, packed_at: int, segment: int,
+                          group_size: int, output: str, group_axis: int,
+                          problem: Callable[..., str | None]):
   """As `check_operands` for moments in packed buffers (coat_jax.packed_state): m3 / v3 are
   (codes, amax, k codes), 1-D, holding this leaf's slot from metadata group `packed_at` (a
   multiple of `segment`) and code packed_at * group_size. Returns `like`."""
-  if output not in OUTPUTS:
-    raise ValueError(f"adam_step_triton: output must be one of {OUTPUTS}, got {output!r}")
-  if param is None and output == "param":
-    raise ValueError("adam_step_triton: output='param' needs param")
-  like = grad if param is None else param
+  like = _like(kernel, param, grad, output)
   if grad.shape != like.shape:
-    raise ValueError(f"adam_step_triton: grad has shape {grad.shape}, expected {like.shape}")
+    raise ValueError(f"{kernel}: grad has shape {grad.shape}, expected {like.shape}")
   if packed_at < 0 or packed_at % segment:
-    raise ValueError(f"adam_step_triton: packed_at {packed_at} is not a multiple of the segment "
+    raise ValueError(f"{kernel}: packed_at {packed_at} is not a multiple of the segment "
                      f"{segment}")
-  size = 1
-  for d in like.shape:
-    size *= d
   why = problem(like.shape, like.dtype, m3[0].dtype, v3[0].dtype, group_size, group_axis)
   if why is not None:
-    raise ValueError(f"adam_step_triton: {why}")
-  groups = size // group_size
+    raise ValueError(f"{kernel}: {why}")
+  groups = math.prod(like.shape) // group_size
   for name, (q, amax, code) in (("m", m3), ("v", v3)):
     for part, arr, need in (("codes", q, (packed_at + groups) * group_size),
                             ("amax", amax, packed_at + groups), ("k codes", code, packed_at + groups)):
       if arr.ndim != 1 or arr.shape[0] < need:
-        raise ValueError(f"adam_step_triton: packed {name} {part} of shape {arr.shape} do not hold "
+        raise ValueError(f"{kernel}: packed {name} {part} of shape {arr.shape} do not hold "
                          f"a slot of {groups} groups from group {packed_at}")
   return like
+
+
+def _like(kernel: str, param, grad, output: str):
+  """The array that fixes the shapes (param, or grad without one); ValueError naming `kernel`
+  for an unknown output or output="param" without a param."""
+  if output not in OUTPUTS:
+    raise ValueError(f"{kernel}: output must be one of {OUTPUTS}, got {output!r}")
+  if param is None and output == "param":
+    raise ValueError(f"{kernel}: output='param' needs param")
+  return grad if param is None else param

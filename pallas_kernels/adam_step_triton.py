@@ -241,18 +241,24 @@ if triton is not None:
                          MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
   @triton.jit
+  def _slot_start(seg_arg, SEG: tl.constexpr, G: tl.constexpr):
+    """The leaf's slot in packed buffers (coat_jax.packed_state): (first metadata group
+    seg_arg * SEG, first code that * G), int64; the constexpr factors keep the alignment Triton
+    vectorizes with. tl.cast: jax-triton passes a scalar equal to 1 as a constant (a Python
+    int). Called with SEG > 0 only."""
+    meta = tl.cast(seg_arg, tl.int64) * SEG
+    return meta, meta * G
+
+  @triton.jit
   def _segment(seg_arg, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr,
                mko_ptr, vqo_ptr, vao_ptr, vko_ptr, SEG: tl.constexpr, G: tl.constexpr):
-    # (the row kernel's; the column kernel adds the slot to its indices instead, `adam_cols`)
-    """The moment pointers moved to the leaf's slot of packed buffers (coat_jax.packed_state):
-    metadata from group seg_arg * SEG, codes from element seg_arg * SEG * G (int64; the
-    constexpr factors keep the alignment Triton vectorizes with). SEG 0: unmoved. Packed
-    moments are always written in place (adam_step aliases them), so the outputs take the moved
-    input pointers: 6 moved pointers, not 12 (sm_90 row kernel: 79 registers per thread, as 80
+    """The row kernel's moment pointers moved to the leaf's slot (`_slot_start`; the column
+    kernel adds the slot to its indices instead, `adam_cols`). SEG 0: unmoved. Packed moments
+    are always written in place (adam_step aliases them), so the outputs take the moved input
+    pointers: 6 moved pointers, not 12 (sm_90 row kernel: 79 registers per thread, as 80
     unmoved; moving all 12 took 95 and ran 2.5 % slower on the H100)."""
-    if SEG > 0:   # tl.cast: jax-triton passes a scalar equal to 1 as a constant (a Python int)
-      meta = tl.cast(seg_arg, tl.int64) * SEG
-      data = meta * G
+    if SEG > 0:
+      meta, data = _slot_start(seg_arg, SEG, G)
       mq_ptr, vq_ptr = mq_ptr + data, vq_ptr + data
       ma_ptr, mk_ptr, va_ptr, vk_ptr = ma_ptr + meta, mk_ptr + meta, va_ptr + meta, vk_ptr + meta
       mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr = (mq_ptr, ma_ptr, mk_ptr, vq_ptr,
@@ -304,8 +310,7 @@ if triton is not None:
     else:
       cols = cols_arg * CDIV
     if SEG > 0:
-      meta0 = tl.cast(seg_arg, tl.int64) * SEG
-      data0 = meta0 * G
+      meta0, data0 = _slot_start(seg_arg, SEG, G)
     else:
       meta0 = 0
       data0 = 0
@@ -438,8 +443,9 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
         group_size=group_size, output=output, problem=problem, group_axis=group_axis)
     seg_arg, seg = 0, 0
   else:
-    like = check_packed_operands(param, grad, (m_q, m_amax, m_code), (v_q, v_amax, v_code),
-                                 packed_at, segment, group_size, output, group_axis, problem)
+    like = check_packed_operands("adam_step_triton", param, grad, (m_q, m_amax, m_code),
+                                 (v_q, v_amax, v_code), packed_at, segment, group_size, output,
+                                 group_axis, problem)
     seg_arg, seg = packed_at // segment, segment
     alias = True
   if group_axis == -1:
