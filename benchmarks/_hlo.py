@@ -168,6 +168,29 @@ def build_step(preset, precision, layout, seq_len, batch, sets):
   return built.train_step.lower(*args).compile(), built.train_step, args, built
 
 
+def instruction_shapes(text: str) -> dict:
+  """{instruction name (and its kernel spelling): 'shape | op_name tail'} of the top-level
+  instructions of every non-fusion computation, to tell fusions apart in a profile."""
+  comps, _ = parse_hlo(text)
+  fused = {m for m in re.findall(r"calls=%?([\w.\-]+)", text)}
+  out = {}
+  for comp, body in comps.items():
+    if comp in fused:
+      continue
+    for name, opcode, shape, line in body:
+      if opcode in FREE:
+        continue
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      src = re.search(r'source_file="[^"]*?([^/"]+)" source_line=(\d+)', line)
+      what = f"{shape} {opcode}"
+      if src:
+        what += f" {src.group(1)}:{src.group(2)}"
+      if op_name:
+        what += " | " + op_name.group(1)[-60:]
+      out[name] = out[re.sub(r"[.\-]", "_", name)] = what
+  return out
+
+
 def instruction_index(text: str) -> dict:
   """{instruction name: (class, op_name metadata, custom_call_target)} of the top-level
   instructions of every non-fusion computation; each name also under its kernel spelling

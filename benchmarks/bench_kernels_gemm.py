@@ -29,6 +29,14 @@ LAYER_7B = [  # (M, N, K)
     (4096, 11008, T),     # dW gate/up
     (11008, 4096, T),     # dW down
 ]
+LAYER_OLMO_1B = [  # (M, N, K): OLMo-1B, d 2048, SwiGLU 8192 (its q/k/v/o GEMMs are the smallest)
+    (T, 2048, 2048),      # fwd q/k/v/o; dX of q/k/v/o
+    (T, 8192, 2048),      # fwd gate/up; dX of down
+    (T, 2048, 8192),      # fwd down; dX of gate/up
+    (2048, 2048, T),      # dW q/k/v/o
+    (2048, 8192, T),      # dW gate/up
+    (8192, 2048, T),      # dW down
+]
 TUNE = {
     "m128x128": fm.GemmConfig(),  # the default
     "n128x128": fm.GemmConfig(wg_dim="n"),
@@ -98,7 +106,8 @@ def run_shape(m, n, k, configs, key, iters):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--tune", action="store_true", help="all TUNE variants (else the default only)")
-  p.add_argument("--shapes", default="all", help="all | square | layer | MxNxK,MxNxK")
+  p.add_argument("--shapes", default="all",
+                 help="all | square | layer (7B) | olmo (OLMo-1B's layer) | MxNxK,MxNxK")
   p.add_argument("--configs", default="", help="comma-separated TUNE names (overrides --tune)")
   p.add_argument("--amax", action="store_true", help="also the default with the amax epilogue")
   p.add_argument("--iters", type=int, default=20)
@@ -109,6 +118,8 @@ def main():
     shapes = SQUARE
   elif args.shapes == "layer":
     shapes = LAYER_7B
+  elif args.shapes == "olmo":
+    shapes = LAYER_OLMO_1B
   else:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
   configs = TUNE if args.tune else {"default": fm.DEFAULT_CONFIG}

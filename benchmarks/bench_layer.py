@@ -3,7 +3,8 @@
 Default shape: COAT's per-layer benchmark (OLMo/Llama-2-7B layer: d_model 4096, 32 heads, SwiGLU
 11008, batch 8 x 2048 tokens, bf16 compute). Per mode it prints
   fwd ms       median of --iters jitted forward calls (after --warmup), block_until_ready
-  fwd+bwd ms   median of one jitted jax.vjp + pullback
+  fwd+bwd ms   median of one jitted jax.vjp + pullback (and, on the line below the table, the
+               same call run back to back: 10 calls per block, no host round trip per call)
   saved MB     bytes of the residuals JAX keeps for backward (coat_jax.memory), params/input excluded
   held MB      device bytes_in_use added by a forward that returns its pullback, less the
                output and any weight copies among the pullback's leaves (GPU only)
@@ -16,6 +17,7 @@ with ratios against "bf16", next to COAT's PyTorch numbers measured on the same 
   python benchmarks/bench_layer.py --modes coat --amax kernel         # ablation: amax kernel pass
   python benchmarks/bench_layer.py --modes coat --weight-quantize kernel  # ablation: W by Mosaic
   python benchmarks/bench_layer.py --modes coat --attention-residuals fp8  # FP8 q, k, v kept
+  python benchmarks/bench_layer.py --modes coat --activation-quantize xla --gradient-quantize xla
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from _common import median_ms, parse_modes
+from _common import median_ms, median_ms_back_to_back, parse_modes
 from coat_jax import memory, ops
 from coat_jax.nn import DecoderBlock
 from coat_jax.precision import PRECISIONS as MODES
@@ -69,6 +71,13 @@ def parse_args(argv=None):
                  choices=ops.WEIGHT_QUANTIZE,
                  help="FP8 modes: W's per-tensor quantize as XLA ops fused with its cast (xla) or "
                       "the dispatch's kernel (kernel; ops.linear_options)")
+  p.add_argument("--activation-quantize", default=defaults["activation_quantize"],
+                 choices=ops.ACTIVATION_QUANTIZE,
+                 help="FP8 modes: each linear's x quantized (E4M3 + transposed copy) by the "
+                      "dispatch's kernel or as XLA ops fusable into x's producer (xla)")
+  p.add_argument("--gradient-quantize", default=defaults["gradient_quantize"],
+                 choices=ops.ACTIVATION_QUANTIZE,
+                 help="FP8 modes: the same for each linear's dY (E5M2) in the backward")
   p.add_argument("--json", default=None, help="also write the results to this file")
   p.add_argument("--in-process", action="store_true",
                  help="run all modes in this process (default: one subprocess per mode, so that "
@@ -151,6 +160,11 @@ def bench_mode(mode: str, args) -> dict:
   result["held_bytes"] = None if before is None else after - before - y.nbytes - copies
   del y, pullback
   result["peak_bytes"] = device_bytes("peak_bytes_in_use")
+  # The same call back to back (one block per 10 calls): without the per-call host round trip,
+  # as the layers run inside a training step. Last: its 10 calls' outputs in flight together
+  # would raise the peak above.
+  result["fwd_bwd_b2b_ms"] = median_ms_back_to_back(fwd_bwd, params, x, dy, iters=10,
+                                                    repeats=max(3, args.iters // 4))
   return result
 
 
@@ -168,7 +182,8 @@ def print_table(results: list[dict], args) -> None:
         f"{args.heads}, ffn {args.ffn}, bf16 compute, {args.param_dtype} weights; device "
         f"{dev.device_kind} ({dev.platform}); median of {args.iters}; FP8 weights quantized "
         f"{args.weight_quant.replace('_', ' ')} by {args.weight_quantize}, activation amax "
-        f"{args.amax}; attention residuals {args.attention_residuals}")
+        f"{args.amax}; x quantized by {args.activation_quantize}, dY by "
+        f"{args.gradient_quantize}; attention residuals {args.attention_residuals}")
   ref = next((r for r in results if r["mode"] == "bf16"), None)
   head = f"{'mode':<24}{'fwd ms':>16}{'fwd+bwd ms':>18}{'saved MB':>18}{'held MB':>18}{'peak MB':>12}"
   print(head)
@@ -180,6 +195,8 @@ def print_table(results: list[dict], args) -> None:
           f"{fmt(r['saved_bytes'], MB) + ratio(r['saved_bytes'], ref and ref['saved_bytes']):>18}"
           f"{fmt(r['held_bytes'], MB) + ratio(r['held_bytes'], ref and ref['held_bytes']):>18}"
           f"{fmt(r['peak_bytes'], MB):>12}")
+  print("fwd+bwd back to back (10 calls per block, as inside a training step): " + ", ".join(
+      f"{r['mode']} {fmt(r.get('fwd_bwd_b2b_ms'), digits=2)} ms" for r in results))
   print("COAT's own benchmark (PyTorch, same H100 model, batch 8 x 2048, hidden 4096):")
   base = COAT_REFERENCE["bf16 (PyTorch)"]
   for name, (f, fb, mem) in COAT_REFERENCE.items():
@@ -219,8 +236,7 @@ def main(argv=None):
     print(f"benchmarking {mode} ...", flush=True)
     if args.in_process:
       # read while the layer traces
-      with ops.linear_options(weight_quant=args.weight_quant, amax=args.amax,
-                              weight_quantize=args.weight_quantize):
+      with ops.linear_options(**{k: getattr(args, k) for k in ops.LINEAR_CHOICES}):
         results.append(bench_mode(mode, args))
     else:
       results.append(bench_mode_subprocess(mode, strip_flags(argv, ("--modes", "--json"))))

@@ -23,6 +23,10 @@ compile (16 layers: 278 s on the H100), so scan vs loop is compared per layer; ~
 The full 16-layer model without the coat loop (~3 min):
   python benchmarks/profile_step.py --json $OUT/profile_step.json \
       --variants bf16:scan,bf16:loop,bf16:scan+vjploop,coat:scan,coat:scan+vjploop,coat:scan+dsf
+Which fusion is which (`+nocb`: every kernel named after its instruction; the top list then
+shows each one's output shape and op_name; --hlo-dir keeps the optimized HLO to read them in):
+  python benchmarks/profile_step.py --set model.num_layers=2 --variants coat:scan+nocb \
+      --top 60 --hlo-dir $OUT/hlo
 CPU smoke (tiny shapes; no GPU kernels: the table stays empty, the HLO categories are listed):
   JAX_PLATFORMS=cpu python benchmarks/profile_step.py --preset tiny --seq-len 32 --batch 2 \
       --set model.num_layers=2 --variants coat:scan --iters 1 --steps 1 --warmup 1
@@ -49,6 +53,14 @@ EXTRAS = {
     "vjploop": {"sets": ["model.scan_impl=vjp_loop"]},
     "unroll2": {"sets": ["model.scan_unroll=2"]},
     "unroll4": {"sets": ["model.scan_unroll=4"]},
+    # No command buffers (CUDA graphs): each kernel then keeps its own instruction's name, so
+    # the top list names every fusion and copy (inside a command buffer the trace names only
+    # the buffer); the step's wall time then includes one launch per kernel.
+    "nocb": {"xla_flags": "--xla_gpu_enable_command_buffer="},
+    # Loops and conditionals inside the command buffers too (CUDA graph conditional nodes): the
+    # layer loop's iterations run without returning to the host.
+    "cbwhile": {"xla_flags": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
+                             "CUDNN,CONDITIONAL,WHILE"},
 }
 CATEGORIES = ("FP8 GEMM", "bf16 GEMM", "quantize", "attention", "optimizer", "copy/transpose",
               "scan DUS/DS/fill", "collectives", "fusions fwd", "fusions bwd", "unmapped")
@@ -116,14 +128,22 @@ def measure_one(a) -> dict:
   import jax
   import numpy as np
 
-  from _hlo import build_step, instruction_index
+  from _hlo import build_step, instruction_index, instruction_shapes
 
   precision, layout, extras = parse_variant(a.one)
   sets = a.sets + [s for e in extras for s in EXTRAS[e].get("sets", [])]
   t0 = time.perf_counter()
   compiled, _, _, built = build_step(a.preset, precision, layout, a.seq_len, a.batch, sets)
   out = {"variant": a.one, "compile_s": time.perf_counter() - t0}
-  index = instruction_index(compiled.as_text())
+  text = compiled.as_text()
+  if a.hlo_dir:
+    import gzip
+    Path(a.hlo_dir).mkdir(parents=True, exist_ok=True)
+    name = a.one.replace(":", "_").replace("+", "_") + ".hlo.txt.gz"
+    with gzip.open(Path(a.hlo_dir) / name, "wt") as f:
+      f.write(text)
+  index = instruction_index(text)
+  shapes = instruction_shapes(text)
   out["hlo_categories"] = dict(collections.Counter(category(k, v) for k, v in index.items()))
   params, opt_state, rest = built.init()
   vocab = built.llama_cfg.vocab_size
@@ -149,7 +169,8 @@ def measure_one(a) -> dict:
   for (name, hlo_op), us in times_us.items():
     cat = category(name, index.get(hlo_op) or index.get(name))
     per_cat[cat] += us / a.iters / 1e3
-    kernels.append((us / a.iters / 1e3, cat, f"{name} [{hlo_op}]" if hlo_op else name))
+    kernels.append((us / a.iters / 1e3, cat, f"{name} [{hlo_op}]" if hlo_op else name,
+                    shapes.get(hlo_op) or shapes.get(name, "")))
   out["category_ms"] = dict(per_cat)
   out["kernel_ms"] = sum(per_cat.values())
   out["top"] = sorted(kernels, reverse=True)[:a.top]
@@ -171,6 +192,8 @@ def run_child(a, variant: str) -> dict:
   cmd = [sys.executable, str(Path(__file__).resolve()), "--one", variant, "--preset", a.preset,
          "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--iters", str(a.iters),
          "--steps", str(a.steps), "--warmup", str(a.warmup), "--top", str(a.top)]
+  if a.hlo_dir:
+    cmd += ["--hlo-dir", a.hlo_dir]
   for item in a.sets:
     cmd += ["--set", item]
   env = dict(os.environ)
@@ -203,8 +226,8 @@ def print_table(results: list[dict]) -> None:
     print(f"{label:20}" + "".join(f"{r[key]:18.2f}" for r in ok))
   for r in ok:
     print(f"\n{r['variant']}: largest kernels (ms per step, category, name)")
-    for ms, cat, name in r["top"]:
-      print(f"  {ms:8.3f}  {cat:16}  {name[:100]}")
+    for ms, cat, name, *what in r["top"]:
+      print(f"  {ms:8.3f}  {cat:16}  {name[:70]:70}  {(what or [''])[0][:120]}")
     print(f"  HLO instructions per category: {r['hlo_categories']}")
 
 
@@ -223,6 +246,8 @@ def main(argv=None):
                  help="config override for every variant, e.g. model.scan_unroll=2")
   p.add_argument("--child-timeout", type=float, default=240)
   p.add_argument("--json", default=None)
+  p.add_argument("--hlo-dir", default=None,
+                 help="write each variant's optimized HLO here (VARIANT.hlo.txt.gz)")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   for v in ([a.one] if a.one else a.variants.split(",")):

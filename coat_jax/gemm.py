@@ -7,6 +7,11 @@ import jax.numpy as jnp
 from coat_jax.quantize import QuantizedArray
 
 
+# The output dtypes of the FP8 GEMM: the reference's and the Mosaic GPU kernel's (its own
+# constant, pallas_kernels/fp8_matmul.OUT_DTYPES, the same two).
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
 def fp8_dot_general_reference(a: QuantizedArray, b: QuantizedArray, dimension_numbers,
                               out_dtype=jnp.bfloat16) -> jax.Array:
   """`lax.dot_general` of two per-tensor-quantized operands, float32 accumulation, scales applied after.

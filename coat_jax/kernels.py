@@ -73,6 +73,7 @@ import jax.numpy as jnp
 from coat_jax import formats, gemm, quantize, sharded
 from coat_jax.quantize import QuantizedArray
 
+GEMM_OUT_DTYPES = gemm.OUT_DTYPES   # what `fp8_dot_general` writes directly
 _CHOICES = ("auto", "pallas", "reference")
 FAMILIES = ("gemm", "quantize", "dequantize", "adam", "adam_tree")
 # The kernels a family can name, best first (`pallas` / `auto` take the first that can run here).

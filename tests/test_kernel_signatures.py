@@ -86,7 +86,8 @@ def test_variant_linear_options_parse():
 
 @pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="kernel"),
                                      dict(amax="kernel", weight_quantize="kernel"),
-                                     dict(weight_quant="once", weight_quantize="kernel")])
+                                     dict(weight_quant="once", weight_quantize="kernel"),
+                                     dict(activation_quantize="xla", gradient_quantize="xla")])
 def test_kernel_options_give_the_defaults_values_in_interpret_mode(rng, options):
   """The Mosaic GPU kernels (interpret mode) vs the defaults' XLA amax and weight quantize: the
   same forward values and gradients, bit for bit."""
@@ -113,5 +114,21 @@ def test_linear_options_reject_unknown_values():
   with pytest.raises(ValueError, match="weight_quantize"):
     with ops.linear_options(weight_quantize="triton"):
       pass
-  assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused",
-                                            weight_quantize="xla")
+  with pytest.raises(ValueError, match="unknown option 'amx'"):
+    with ops.linear_options(amx="kernel"):
+      pass
+  assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused", weight_quantize="xla",
+                                     activation_quantize="kernel", gradient_quantize="kernel")
+
+
+def test_linear_options_from_the_environment():
+  """COAT_JAX_LINEAR_OPTIONS (read at import) is parsed and checked like linear_options."""
+  import importlib
+  linear = importlib.import_module("coat_jax.ops.linear")   # (ops.linear is the function)
+  assert linear._parse_env(" activation_quantize=xla, amax=kernel ") == dict(
+      activation_quantize="xla", amax="kernel")
+  assert linear._parse_env("") == {}
+  for bad, what in (("amax", "OPTION=VALUE"), ("amax=tiles", "amax must be one of"),
+                    ("colour=red", "unknown option")):
+    with pytest.raises(ValueError, match=what):
+      linear._parse_env(bad)

@@ -258,3 +258,17 @@ def test_gpu_epilogue_amax(rng):
   tile_n = fm.DEFAULT_CONFIG.tile_n
   assert amax.shape == (m, -(-n // tile_n))
   np.testing.assert_array_equal(np.asarray(amax), np.asarray(group_amax(out, tile_n)))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_output_is_the_float32_output_rounded(rng):
+  """The kernel writing bf16 equals its float32 output cast to bf16, bit for bit: ops.linear
+  takes a bf16 weight's dW from the GEMM in bf16 instead of casting a float32 dW after it."""
+  m, n, k = 1024, 1536, 2048
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  scale = jnp.float32(rng.uniform(1e-3, 1e-1))
+  out16 = jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16))(a, b, scale)
+  out32 = jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.float32))(a, b, scale)
+  assert np.isfinite(np.asarray(out32)).all()
+  np.testing.assert_array_equal(np.asarray(out16.astype(jnp.float32)),
+                                np.asarray(out32.astype(jnp.bfloat16).astype(jnp.float32)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +46,45 @@ def quantize_input(x: jax.Array) -> QuantizedArray:
   in the same pass: the dW GEMM's operand, and the copy the backward keeps.
   """
   k = x.shape[-1]
-  q = kernels.quantize_per_tensor(x.reshape(-1, k), "e4m3", with_transpose=True, amax=_amax(x))
+  q = kernels.quantize_per_tensor(x.reshape(-1, k), "e4m3", with_transpose=True, amax=_amax(x),
+                                  producer_fusion=_OPTIONS["activation_quantize"] == "xla")
   return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size, data_t=q.data_t)
 
 
 WEIGHT_QUANT = ("per_use", "once")
 AMAX = ("kernel", "fused")
 WEIGHT_QUANTIZE = ("xla", "kernel")
-# The defaults of `linear_options` (one place: the options in effect outside any `with`).
-DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "xla"}
-_OPTIONS = dict(DEFAULT_OPTIONS)
+ACTIVATION_QUANTIZE = ("kernel", "xla")
+# Each option's choices; DEFAULT_OPTIONS are the options in effect outside any `with` (one place).
+CHOICES = {"weight_quant": WEIGHT_QUANT, "amax": AMAX, "weight_quantize": WEIGHT_QUANTIZE,
+           "activation_quantize": ACTIVATION_QUANTIZE, "gradient_quantize": ACTIVATION_QUANTIZE}
+DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "xla",
+                   "activation_quantize": "kernel", "gradient_quantize": "kernel"}
+OPTIONS_ENV = "COAT_JAX_LINEAR_OPTIONS"
+
+
+def _check_options(options: dict, where: str) -> dict:
+  for name, value in options.items():
+    if name not in CHOICES:
+      raise ValueError(f"{where}: unknown option {name!r}; options: {sorted(CHOICES)}")
+    if value not in CHOICES[name]:
+      raise ValueError(f"{where}: {name} must be one of {CHOICES[name]}, got {value!r}")
+  return options
+
+
+def _parse_env(spec: str) -> dict:
+  """'amax=kernel,activation_quantize=xla' -> {option: value} (checked)."""
+  items = [i.strip() for i in spec.split(",") if i.strip()]
+  if any("=" not in i for i in items):
+    raise ValueError(f"{OPTIONS_ENV}: expected OPTION=VALUE,... got {spec!r}")
+  return _check_options(dict(tuple(p.strip() for p in i.split("=", 1)) for i in items),
+                        OPTIONS_ENV)
+
+
+# The options outside any `with`: the defaults, with those COAT_JAX_LINEAR_OPTIONS names (read
+# at import, for runs in other processes: benchmarks' children, train.py).
+_PROCESS_OPTIONS = {**DEFAULT_OPTIONS, **_parse_env(os.environ.get(OPTIONS_ENV, ""))}
+_OPTIONS = dict(_PROCESS_OPTIONS)
 
 
 def _amax(x):
@@ -65,9 +95,7 @@ def _amax(x):
 
 
 @contextlib.contextmanager
-def linear_options(*, weight_quant: str = DEFAULT_OPTIONS["weight_quant"],
-                   amax: str = DEFAULT_OPTIONS["amax"],
-                   weight_quantize: str = DEFAULT_OPTIONS["weight_quantize"]):
+def linear_options(**options: str):
   """Trace-time options of the FP8 linears, for ablations (benchmarks/bench_layer.py).
 
   weight_quant: "per_use" (default) quantizes W in the forward (as W^T, (N, K)) and again in the
@@ -86,17 +114,21 @@ def linear_options(*, weight_quant: str = DEFAULT_OPTIONS["weight_quant"],
   one module per weight shape). Same values either way (XLA and Mosaic GPU both divide with
   div.full.f32). H100 alone (docs/benchmarks.md, 16384 x 4096 / 11008 bf16): 0.154 / 0.369 ms
   XLA vs 0.150 / 0.389 ms kernel; OLMo-1B's step compiles 2 Mosaic GPU modules fewer.
+  activation_quantize: the per-tensor E4M3 quantize (+ transposed copy) of each linear's input x
+  (RMSNorm's y, SwiGLU's h, the attention output) by the dispatch's kernel ("kernel", default)
+  or as XLA ops ("xla"), which XLA can fuse into the op producing x, so that a bf16 x read only
+  by the quantize is never written. gradient_quantize: the same for the E5M2 quantize of each
+  linear's dY in the backward. Same values either way.
+  Options not named keep their values outside any `with`: DEFAULT_OPTIONS, or those set by the
+  environment variable COAT_JAX_LINEAR_OPTIONS="OPTION=VALUE,..." (read at import). CHOICES
+  lists each option's values.
   Read while a function is traced: trace (jit) it inside the `with`. Entering or leaving a
   `with` that changes an option clears JAX's caches (`jax.clear_caches`), so no trace made under
   other options is reused.
   """
-  for name, value, choices in (("weight_quant", weight_quant, WEIGHT_QUANT),
-                               ("amax", amax, AMAX),
-                               ("weight_quantize", weight_quantize, WEIGHT_QUANTIZE)):
-    if value not in choices:
-      raise ValueError(f"linear_options: {name} must be one of {choices}, got {value!r}")
+  _check_options(options, "linear_options")
   old = dict(_OPTIONS)
-  new = dict(weight_quant=weight_quant, amax=amax, weight_quantize=weight_quantize)
+  new = {**_PROCESS_OPTIONS, **options}
   # JAX caches the traces of custom_vjp rules by function and shapes, not by these options: a
   # change must not reuse a trace made under other options, on entry or on exit.
   if new != old:
@@ -151,7 +183,8 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
   """
   k, n = w.shape
-  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g))
+  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g),
+                                  producer_fusion=_OPTIONS["gradient_quantize"] == "xla")
   # (K, N): contracts N (TN); the forward's copy when it kept one.
   if kept is not None:
     wq = QuantizedArray(*kept, "e4m3")
@@ -161,18 +194,27 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
   x_tq = QuantizedArray(x_t, x_scale, "e4m3")
   g_tq = QuantizedArray(gq.data_t, gq.scale, gq.fmt)
-  dw = kernels.fp8_dot_general(x_tq, g_tq, tn, jnp.float32)
+  # The GEMM writes dW in w's dtype when it can (bf16 or float32: the float32 accumulator
+  # rounded once, as a cast after it would): no separate pass converting a float32 dW.
+  dw_dtype = w.dtype if jnp.dtype(w.dtype) in kernels.GEMM_OUT_DTYPES else jnp.float32
+  dw = kernels.fp8_dot_general(x_tq, g_tq, tn, dw_dtype)
   return dx, dw.astype(w.dtype)
+
+
+def _quantize_x(x):
+  """Per-tensor E4M3 of a linear's input without the transposed copy (see `quantize_input`)."""
+  return kernels.quantize_per_tensor(x, "e4m3", amax=_amax(x),
+                                     producer_fusion=_OPTIONS["activation_quantize"] == "xla")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear_fp8(x, w, save_bf16):
-  return _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3", amax=_amax(x)), w, x.dtype)[0]
+  return _fwd_gemm(_quantize_x(x), w, x.dtype)[0]
 
 
 def _linear_fp8_fwd(x, w, save_bf16):
   if save_bf16:  # "fp8_linear": the bf16 x is kept and re-quantized in the backward.
-    y, kept = _fwd_gemm(kernels.quantize_per_tensor(x, "e4m3", amax=_amax(x)), w, x.dtype)
+    y, kept = _fwd_gemm(_quantize_x(x), w, x.dtype)
     return y, (x, None, w, kept)
   xq = quantize_input(x)
   y, kept = _fwd_gemm(xq, w, x.dtype)

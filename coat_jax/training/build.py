@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from coat_jax import ops
 from coat_jax.precision import resolve_dtype
 from coat_jax.training import corpus, mesh as mesh_lib, token_files
 from coat_jax.training.accumulate import accumulated_value_and_grad
@@ -193,8 +194,9 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean next-token cross-entropy (nats) in float32; logits (B, S, V), labels (B, S) int32."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+  """Mean next-token cross-entropy (nats) in float32; logits (B, S, V), labels (B, S) int32
+  (`ops.softmax_cross_entropy`: its gradient written in the logits' dtype in one pass)."""
+  return ops.softmax_cross_entropy(logits, labels).mean()
 
 
 @dataclasses.dataclass
