@@ -168,46 +168,48 @@ def build_step(preset, precision, layout, seq_len, batch, sets):
   return built.train_step.lower(*args).compile(), built.train_step, args, built
 
 
-def instruction_shapes(text: str) -> dict:
-  """{instruction name (and its kernel spelling): 'shape | op_name tail'} of the top-level
-  instructions of every non-fusion computation, to tell fusions apart in a profile."""
+def _top_level(text: str):
+  """(comps, [(name, opcode, shape, line)]) of the top-level instructions of every non-fusion
+  computation (those XLA launches), FREE opcodes left out."""
   comps, _ = parse_hlo(text)
   fused = {m for m in re.findall(r"calls=%?([\w.\-]+)", text)}
+  return comps, [ins for comp, body in comps.items() if comp not in fused
+                 for ins in body if ins[1] not in FREE]
+
+
+def _by_kernel_name(pairs) -> dict:
+  """{name: value} with each name also under its kernel spelling (XLA names a GPU kernel after
+  its instruction, '.' and '-' turned into '_')."""
   out = {}
-  for comp, body in comps.items():
-    if comp in fused:
-      continue
-    for name, opcode, shape, line in body:
-      if opcode in FREE:
-        continue
-      op_name = re.search(r'op_name="([^"]*)"', line)
-      src = re.search(r'source_file="[^"]*?([^/"]+)" source_line=(\d+)', line)
-      what = f"{shape} {opcode}"
-      if src:
-        what += f" {src.group(1)}:{src.group(2)}"
-      if op_name:
-        what += " | " + op_name.group(1)[-60:]
-      out[name] = out[re.sub(r"[.\-]", "_", name)] = what
+  for name, value in pairs:
+    out[name] = out[re.sub(r"[.\-]", "_", name)] = value
   return out
 
 
+def instruction_shapes(text: str) -> dict:
+  """{instruction name: 'shape opcode [file:line] | op_name tail'} of the launched instructions,
+  to tell fusions apart in a profile."""
+  def what(opcode, shape, line):
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    src = re.search(r'source_file="[^"]*?([^/"]+)" source_line=(\d+)', line)
+    out = f"{shape} {opcode}" + (f" {src.group(1)}:{src.group(2)}" if src else "")
+    return out + (" | " + op_name.group(1)[-60:] if op_name else "")
+
+  _, instructions = _top_level(text)
+  return _by_kernel_name((name, what(opcode, shape, line))
+                         for name, opcode, shape, line in instructions)
+
+
 def instruction_index(text: str) -> dict:
-  """{instruction name: (class, op_name metadata, custom_call_target)} of the top-level
-  instructions of every non-fusion computation; each name also under its kernel spelling
-  (XLA names a GPU kernel after its instruction, '.' and '-' turned into '_')."""
-  comps, entry = parse_hlo(text)
-  fused = {m for m in re.findall(r"calls=%?([\w.\-]+)", text)}
-  index = {}
-  for comp, body in comps.items():
-    if comp in fused:
-      continue
-    for name, opcode, shape, line in body:
-      if opcode in FREE:
-        continue
-      cls, _ = classify(opcode, shape, line, comps)
-      op_name = re.search(r'op_name="([^"]*)"', line)
-      target = re.search(r'custom_call_target="([^"]*)"', line)
-      info = (cls, op_name.group(1) if op_name else "", target.group(1) if target else "")
-      index[name] = info
-      index[re.sub(r"[.\-]", "_", name)] = info
-  return index
+  """{instruction name: (class, op_name metadata, custom_call_target)} of the launched
+  instructions (top level of every non-fusion computation), also under each kernel spelling."""
+  comps, instructions = _top_level(text)
+
+  def info(opcode, shape, line):
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    target = re.search(r'custom_call_target="([^"]*)"', line)
+    return (classify(opcode, shape, line, comps)[0], op_name.group(1) if op_name else "",
+            target.group(1) if target else "")
+
+  return _by_kernel_name((name, info(opcode, shape, line))
+                         for name, opcode, shape, line in instructions)
