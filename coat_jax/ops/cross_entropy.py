@@ -7,8 +7,8 @@ A custom_vjp keeps z (as it came, e.g. bf16) and the float32 logsumexp per token
 one elementwise map of them, which XLA fuses into a single pass over z. Autodiff of the optax
 form instead writes a float32 dz (the one-hot's scatter-add runs in place on it) and converts it
 to z's dtype after: for OLMo-1B's 50,304-token vocabulary at batch 8 x 2048 that is 3.3 GB of
-float32 written and read again, ~3.4 ms of a ~210 ms H100 step, and 3.3 GB of peak memory
-(docs/benchmarks.md, tenth session).
+float32 written and read again, ~3.4 ms of a ~210 ms H100 step (docs/benchmarks.md, tenth
+session; the batch-8 peak did not move, but coat's default then fit batch 32).
 """
 from __future__ import annotations
 
@@ -26,14 +26,9 @@ def _check(logits, labels):
     raise ValueError(f"softmax_cross_entropy: labels must be integers, got {labels.dtype}")
 
 
-def _logsumexp(z32):
-  m = jnp.max(z32, axis=-1, keepdims=True)
-  return (m + jnp.log(jnp.sum(jnp.exp(z32 - m), axis=-1, keepdims=True)))[..., 0]
-
-
 def _forward(logits, labels):
   z32 = logits.astype(jnp.float32)
-  lse = _logsumexp(z32)
+  lse = jax.nn.logsumexp(z32, axis=-1)
   picked = jnp.take_along_axis(z32, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
   return lse - picked, lse
 

@@ -45,10 +45,15 @@ def quantize_input(x: jax.Array) -> QuantizedArray:
   data is x's shape (the forward GEMM's operand); data_t is (K, M), M = prod(x.shape[:-1]), made
   in the same pass: the dW GEMM's operand, and the copy the backward keeps.
   """
-  k = x.shape[-1]
-  q = kernels.quantize_per_tensor(x.reshape(-1, k), "e4m3", with_transpose=True, amax=_amax(x),
-                                  producer_fusion=_OPTIONS["activation_quantize"] == "xla")
+  q = _quantize_x(x.reshape(-1, x.shape[-1]), with_transpose=True)
   return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size, data_t=q.data_t)
+
+
+def _quantize_x(x, *, with_transpose=False) -> QuantizedArray:
+  """Per-tensor E4M3 of a linear's input (amax from `_amax`), by the kernel or XLA's ops as
+  `linear_options(activation_quantize=...)` says."""
+  return kernels.quantize_per_tensor(x, "e4m3", with_transpose=with_transpose, amax=_amax(x),
+                                     producer_fusion=_OPTIONS["activation_quantize"] == "xla")
 
 
 WEIGHT_QUANT = ("per_use", "once")
@@ -199,12 +204,6 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   dw_dtype = w.dtype if jnp.dtype(w.dtype) in kernels.GEMM_OUT_DTYPES else jnp.float32
   dw = kernels.fp8_dot_general(x_tq, g_tq, tn, dw_dtype)
   return dx, dw.astype(w.dtype)
-
-
-def _quantize_x(x):
-  """Per-tensor E4M3 of a linear's input without the transposed copy (see `quantize_input`)."""
-  return kernels.quantize_per_tensor(x, "e4m3", amax=_amax(x),
-                                     producer_fusion=_OPTIONS["activation_quantize"] == "xla")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
