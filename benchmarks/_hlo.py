@@ -213,3 +213,31 @@ def instruction_index(text: str) -> dict:
 
   return _by_kernel_name((name, info(opcode, shape, line))
                          for name, opcode, shape, line in instructions)
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def memory_report(text: str) -> dict:
+  """XLA's `*-memory-usage-report.txt` (written under --xla_dump_to) -> {"total_bytes": the
+  first memory space's total, "rows": [(bytes, shapes list)] of every buffer slice listed}."""
+  total = re.search(r"Total bytes: (\d+)", text)
+  rows = []
+  for line in text.splitlines():
+    parts = [p.strip() for p in line.split(";")]
+    if len(parts) != 5:
+      continue
+    m = re.fullmatch(r"([\d.]+)(B|KiB|MiB|GiB|TiB)", parts[1])
+    if m:
+      rows.append((int(float(m.group(1)) * _UNITS[m.group(2)]), parts[4]))
+  return {"total_bytes": int(total.group(1)) if total else None, "rows": rows}
+
+
+def memory_report_diff(a: dict, b: dict, top: int = 15) -> list[tuple[int, str]]:
+  """Buffers (bytes, shapes) that report `b` holds beyond report `a`, largest first (a row of
+  `a` cancels one equal row of `b`); negative bytes: rows `a` holds beyond `b`."""
+  ca = collections.Counter(a["rows"])
+  cb = collections.Counter(b["rows"])
+  extra = [(size, shapes) for (size, shapes), n in (cb - ca).items() for _ in range(n)]
+  fewer = [(-size, shapes) for (size, shapes), n in (ca - cb).items() for _ in range(n)]
+  return (sorted(extra, reverse=True)[:top] + sorted(fewer)[:top])

@@ -5,7 +5,9 @@ measurement is a child process of this script (`--one MODE --batch B`), so every
 `peak_bytes_in_use` is its own. A child builds the model, optimizer and jitted step with
 `coat_jax.training.build.build` (as train.py does), compiles the train step ahead
 of time (XLA's `memory_analysis` is recorded), runs --warmup steps and then --steps timed steps on
-synthetic random tokens (each ended by block_until_ready; the median is reported), and prints one
+synthetic random tokens (the timed ones dispatched back to back with one block at the end, as
+train.py runs them: step_s is their mean; step_s_blocking is the median warmup step blocked on
+one by one, the host's round trip included), and prints one
 `RESULT {json}` line. The memory budget (`coat_jax.training.build.memory_budget`: master weights,
 gradients, the bfloat16 weight copy of `optimizer.grad_dtype=bfloat16`, the gradient accumulator,
 optimizer state) is printed and tabulated next to the measured peak. Before compiling the child
@@ -75,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
   p.add_argument("--seq-len", type=int, default=2048)
   p.add_argument("--batch", type=int, default=8, help="the equal batch for all modes (sequences)")
-  p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+  p.add_argument("--steps", type=int, default=10, help="timed steps (back to back, mean reported)")
   p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
   p.add_argument("--remat", default="none", choices=REMATS, help="per-block rematerialization policy")
   p.add_argument("--attention-impl", default=None, help="None: cudnn on GPU, xla elsewhere")
@@ -198,23 +200,31 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
       jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, llama_cfg.vocab_size,
                          dtype=np.int32), batch_sh)
   deadline = args.deadline or float("inf")
-  losses, times = [], []
-  for i in range(args.warmup + args.steps):
+  losses, blocking = [], []
+  for i in range(max(args.warmup, 1)):  # each step blocked on: the host's round trip included
     t0 = time.perf_counter()
     params, opt_state, rest, metrics = compiled(params, opt_state, rest, tokens)
     jax.block_until_ready(metrics["loss"])
-    dt = time.perf_counter() - t0
+    blocking.append(time.perf_counter() - t0)
     losses.append(float(metrics["loss"]))
-    if i >= args.warmup:
-      times.append(dt)
-    if times and time.time() + 2 * dt > deadline:
-      say(f"[child {args.one} b={args.batch}] deadline: stopping after {len(times)} timed steps")
-      break
+  # Timed: the steps dispatched back to back with one block at the end, as train.py runs them
+  # (it fetches metrics only at log steps), so the host's dispatch overlaps the device's work.
+  steps = args.steps
+  if time.time() + (steps + 1) * blocking[-1] > deadline:
+    steps = max(1, int((deadline - time.time()) / blocking[-1]) - 1)
+    say(f"[child {args.one} b={args.batch}] deadline: timing {steps} steps")
+  t0 = time.perf_counter()
+  window = []
+  for _ in range(steps):
+    params, opt_state, rest, metrics = compiled(params, opt_state, rest, tokens)
+    window.append(metrics["loss"])
+  jax.block_until_ready(window)
+  step_s = (time.perf_counter() - t0) / steps
+  losses += [float(x) for x in window]
   peak, kind = metrics_lib.peak_memory_bytes(list(mesh.devices.flat))
-  step_s = statistics.median(times) if times else None
-  tokens_per_s = args.batch * args.seq_len / step_s if step_s else None
-  out.update(status="ok", peak_bytes=peak, peak_kind=kind, step_s=step_s,
-             step_s_all=times, tokens_per_s=tokens_per_s,
+  tokens_per_s = args.batch * args.seq_len / step_s
+  out.update(status="ok", peak_bytes=peak, peak_kind=kind, step_s=step_s, timed_steps=steps,
+             step_s_blocking=statistics.median(blocking[1:] or blocking), tokens_per_s=tokens_per_s,
              mfu=(metrics_lib.mfu(out["flops_per_token"], tokens_per_s, list(mesh.devices.flat))
                   if tokens_per_s else None),
              loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
@@ -313,7 +323,7 @@ def ratio_rows(results: list[dict]) -> list[dict]:
 def print_table(title: str, rows: list[dict]) -> None:
   say(f"\n{title}")
   head = (f"{'mode':18} {'batch':>5} {'status':>16} {'params':>6} {'grads':>6} {'opt st':>6} "
-          f"{'budget':>6} {'peak GB':>8} {'mem/bf16':>8} {'step ms':>8} "
+          f"{'budget':>6} {'peak GB':>8} {'mem/bf16':>8} {'step ms':>8} {'blocked':>8} "
           f"{'tokens/s':>10} {'tok/s vs bf16':>13} {'MFU':>6} {'compile s':>9} {'XLA pred GB':>11}")
   say(head)
   say("-" * len(head))
@@ -328,6 +338,7 @@ def print_table(title: str, rows: list[dict]) -> None:
         f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GB if ok else None, '8.2f'):>8} "
         f"{_fmt(r.get('mem_ratio'), '7.2f') + ('x' if r.get('mem_ratio') else ''):>8} "
         f"{_fmt(r.get('step_s') and 1e3 * r['step_s'] if ok else None, '8.1f'):>8} "
+        f"{_fmt(r.get('step_s_blocking') and 1e3 * r['step_s_blocking'] if ok else None, '8.1f'):>8} "
         f"{_fmt(r.get('tokens_per_s') if ok else None, '10,.0f'):>10} "
         f"{_fmt(r.get('tps_ratio'), '12.2f') + ('x' if r.get('tps_ratio') else ''):>13} "
         f"{_fmt(r.get('mfu') and 100 * r['mfu'] if ok else None, '5.1f') + ('%' if mfu_ok else ''):>6} "
@@ -335,7 +346,7 @@ def print_table(title: str, rows: list[dict]) -> None:
   say("  params / grads / opt st / budget: GB of master weights, gradients, optimizer state and "
       "their sum\n  with the accumulator and the larger of the bf16 weight copy and the SR/Kahan "
       "step workspace\n  (training.build.memory_budget); "
-      "peak: measured")
+      "peak: measured; step ms: back to back (as train.py); blocked: one step blocked on")
   kinds = {r.get("peak_kind") for r in rows if r.get("status") == "ok"}
   if kinds - {"device peak"}:
     say(f"  (peak memory here is {', '.join(sorted(k for k in kinds if k))}, not a device peak)")

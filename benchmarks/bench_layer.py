@@ -18,6 +18,7 @@ with ratios against "bf16", next to COAT's PyTorch numbers measured on the same 
   python benchmarks/bench_layer.py --modes coat --weight-quantize kernel  # ablation: W by Mosaic
   python benchmarks/bench_layer.py --modes coat --attention-residuals fp8  # FP8 q, k, v kept
   python benchmarks/bench_layer.py --modes coat --activation-quantize xla --gradient-quantize xla
+  python benchmarks/bench_layer.py --modes coat --swiglu-quantize separate  # SwiGLU unfused
 """
 from __future__ import annotations
 
@@ -78,6 +79,10 @@ def parse_args(argv=None):
   p.add_argument("--gradient-quantize", default=defaults["gradient_quantize"],
                  choices=ops.ACTIVATION_QUANTIZE,
                  help="FP8 modes: the same for each linear's dY (E5M2) in the backward")
+  p.add_argument("--swiglu-quantize", default=defaults["swiglu_quantize"],
+                 choices=ops.LINEAR_CHOICES["swiglu_quantize"],
+                 help="coat: SwiGLU's h, its amax and gate/up's 1 x 16 codes from one read of "
+                      "gate and up (fused) or h by XLA and two per-group quantizes (separate)")
   p.add_argument("--json", default=None, help="also write the results to this file")
   p.add_argument("--in-process", action="store_true",
                  help="run all modes in this process (default: one subprocess per mode, so that "

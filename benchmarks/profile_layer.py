@@ -2,7 +2,8 @@
 
 Traces --iters jitted fwd+bwd calls with jax.profiler, reads the XSpace back with
 `jax.profiler.ProfileData` and sums device time per kernel name (GPU planes only), so one sees
-which GEMMs, quantize kernels and fusions the time goes to.
+which GEMMs, quantize kernels and fusions the time goes to, and where the GPU sits idle between
+kernels (the largest gaps with the host events during them: benchmarks/_trace.py).
 
   python benchmarks/profile_layer.py --modes coat,fp8_linear --top 25     # GPU
 """
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from _common import kernel_times
+from _trace import gap_report, print_gap_report
 from coat_jax import ops
 from coat_jax.nn import DecoderBlock
 
@@ -48,19 +50,22 @@ def main(argv=None):
   p.add_argument("--modes", default="coat,fp8_linear")
   p.add_argument("--iters", type=int, default=3)
   p.add_argument("--top", type=int, default=25)
+  p.add_argument("--gaps", type=int, default=10, help="largest idle gaps listed, with host events")
   a = p.parse_args(argv)
   for mode in a.modes.split(","):
     run = layer_fn(mode, a)
     jax.block_until_ready(run())
     with tempfile.TemporaryDirectory() as tmp:
-      with jax.profiler.trace(tmp):
-        for _ in range(a.iters):
-          jax.block_until_ready(run())
+      with jax.profiler.trace(tmp):  # back to back: the host dispatches ahead, as in training
+        outs = [run() for _ in range(a.iters)]
+        jax.block_until_ready(outs)
       times = kernel_times(tmp)
+      gaps = gap_report(tmp, top=a.gaps)
     total = sum(times.values()) / a.iters
     print(f"\n== {mode}: {total / 1e3:.2f} ms of kernel time per fwd+bwd ({len(times)} kernels)")
     for name, us in times.most_common(a.top):
       print(f"{us / a.iters / 1e3:8.3f} ms  {100 * us / a.iters / total:5.1f}%  {name[:110]}")
+    print_gap_report(gaps, f"{mode}: GPU idle time", per=a.iters)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ coat_adamw; layout scan | loop; extras EXTRAS: `+dsf` XLA's dynamic-slice fusion
 the layer loop with its own VJP (`model.scan_impl=vjp_loop`), `+unroll2` two layers per scan
 iteration) runs in its own child process: it builds and compiles the train step as
 bench_e2e does (`_hlo.build_step`), runs --warmup steps, times --steps steps (median), then
-traces --iters steps with jax.profiler and sums device time per kernel (the GPU stream lines, as
-`_common.kernel_times`, keyed also by the `hlo_op` XLA attaches to each kernel).
+traces --iters steps (dispatched back to back, as train.py does) with jax.profiler and sums device
+time per kernel (the GPU stream lines, as `_common.kernel_times`, keyed also by the `hlo_op` XLA
+attaches to each kernel); the GPU's idle time between kernels and its --gaps largest gaps, with
+the host events during each, come from the same trace (`_trace.gap_report`).
 Every kernel is put in a category through the compiled HLO (XLA names a kernel after its HLO
 instruction; the instruction's op_name says forward `jvp(...)`, backward `transpose(...)` or
 neither, i.e. the optimizer and gradient norm): FP8 GEMM (the Pallas/Mosaic GPU TN kernel),
@@ -27,6 +29,10 @@ Which fusion is which (`+nocb`: every kernel named after its instruction; the to
 shows each one's output shape and op_name; --hlo-dir keeps the optimized HLO to read them in):
   python benchmarks/profile_step.py --set model.num_layers=2 --variants coat:scan+nocb \
       --top 60 --hlo-dir $OUT/hlo
+Where a variant's extra memory goes (XLA's memory-usage reports of the compiled steps, diffed
+against the first variant; the dumps stay under DIR):
+  python benchmarks/profile_step.py --variants coat:scan,coat:scan+vjploop --buffers /tmp/dumps \
+      --iters 1 --steps 2 --top 20
 CPU smoke (tiny shapes; no GPU kernels: the table stays empty, the HLO categories are listed):
   JAX_PLATFORMS=cpu python benchmarks/profile_step.py --preset tiny --seq-len 32 --batch 2 \
       --set model.num_layers=2 --variants coat:scan --iters 1 --steps 1 --warmup 1
@@ -129,6 +135,7 @@ def measure_one(a) -> dict:
   import numpy as np
 
   from _hlo import build_step, instruction_index, instruction_shapes
+  from _trace import gap_report
 
   precision, layout, extras = parse_variant(a.one)
   sets = a.sets + [s for e in extras for s in EXTRAS[e].get("sets", [])]
@@ -142,6 +149,8 @@ def measure_one(a) -> dict:
     name = a.one.replace(":", "_").replace("+", "_") + ".hlo.txt.gz"
     with gzip.open(Path(a.hlo_dir) / name, "wt") as f:
       f.write(text)
+  if a.buffers:
+    out["memory_report"] = _read_memory_report(a.buffers, a.one)
   index = instruction_index(text)
   shapes = instruction_shapes(text)
   out["hlo_categories"] = dict(collections.Counter(category(k, v) for k, v in index.items()))
@@ -160,11 +169,12 @@ def measure_one(a) -> dict:
   out["step_ms"] = 1e3 * sorted(times)[len(times) // 2]
   out["loss"] = float(metrics["loss"])
   with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
+    with jax.profiler.trace(tmp):  # dispatched back to back, as the training loop does
       for _ in range(a.iters):
         *state, metrics = compiled(*state, tokens)
-        jax.block_until_ready(metrics["loss"])
+      jax.block_until_ready(metrics["loss"])
     times_us = kernel_events(tmp)
+    out["gaps"] = gap_report(tmp, top=a.gaps)
   per_cat, kernels = collections.Counter(), []
   for (name, hlo_op), us in times_us.items():
     cat = category(name, index.get(hlo_op) or index.get(name))
@@ -174,7 +184,41 @@ def measure_one(a) -> dict:
   out["category_ms"] = dict(per_cat)
   out["kernel_ms"] = sum(per_cat.values())
   out["top"] = sorted(kernels, reverse=True)[:a.top]
+  out["iters"] = a.iters
   return out
+
+
+def _dump_dir(root: str, variant: str) -> Path:
+  return Path(root) / variant.replace(":", "_").replace("+", "_")
+
+
+def _read_memory_report(root: str, variant: str) -> dict:
+  """The train step's XLA memory-usage report from the variant's dump directory."""
+  from _hlo import memory_report
+
+  paths = sorted(_dump_dir(root, variant).glob("*train_step*after_optimizations-memory-usage-report.txt"))
+  if not paths:
+    return {"error": f"no memory-usage report under {_dump_dir(root, variant)}"}
+  return memory_report(paths[-1].read_text())
+
+
+def print_buffer_diff(results: list[dict], top: int) -> None:
+  """Each variant's temp buffers beyond (and short of) the first variant's, by XLA's reports."""
+  from _hlo import memory_report_diff
+
+  ok = [r for r in results if "rows" in (r.get("memory_report") or {})]
+  if len(ok) < 2:
+    return
+  base = ok[0]
+  for r in ok[1:]:
+    ta, tb = base["memory_report"]["total_bytes"] or 0, r["memory_report"]["total_bytes"] or 0
+    print(f"\n{r['variant']} vs {base['variant']}: XLA temp allocation {tb / 1e9:.3f} vs "
+          f"{ta / 1e9:.3f} GB ({(tb - ta) / 1e9:+.3f} GB); buffers it has beyond (+) and short "
+          f"of (-) {base['variant']}:")
+    rows = [tuple(x) for x in r["memory_report"]["rows"]]
+    base_rows = [tuple(x) for x in base["memory_report"]["rows"]]
+    for size, shapes in memory_report_diff({"rows": base_rows}, {"rows": rows}, top):
+      print(f"  {size / 1e6:+10.1f} MB  {shapes[:140]}")
 
 
 def parse_variant(v: str) -> tuple[str, str, list[str]]:
@@ -191,7 +235,8 @@ def parse_variant(v: str) -> tuple[str, str, list[str]]:
 def run_child(a, variant: str) -> dict:
   cmd = [sys.executable, str(Path(__file__).resolve()), "--one", variant, "--preset", a.preset,
          "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--iters", str(a.iters),
-         "--steps", str(a.steps), "--warmup", str(a.warmup), "--top", str(a.top)]
+         "--steps", str(a.steps), "--warmup", str(a.warmup), "--top", str(a.top),
+         "--gaps", str(a.gaps)]
   if a.hlo_dir:
     cmd += ["--hlo-dir", a.hlo_dir]
   for item in a.sets:
@@ -199,6 +244,10 @@ def run_child(a, variant: str) -> dict:
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   flags = [EXTRAS[e]["xla_flags"] for e in parse_variant(variant)[2] if "xla_flags" in EXTRAS[e]]
+  if a.buffers:
+    cmd += ["--buffers", a.buffers]
+    flags.append(f"--xla_dump_to={_dump_dir(a.buffers, variant)} "
+                 "--xla_dump_hlo_module_re=.*train_step.*")
   if flags:
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
   repo = str(Path(__file__).resolve().parents[1])
@@ -214,6 +263,8 @@ def run_child(a, variant: str) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
+  from _trace import print_gap_report
+
   ok = [r for r in results if "category_ms" in r]
   if not ok:
     return
@@ -229,6 +280,7 @@ def print_table(results: list[dict]) -> None:
     for ms, cat, name, *what in r["top"]:
       print(f"  {ms:8.3f}  {cat:16}  {name[:70]:70}  {(what or [''])[0][:120]}")
     print(f"  HLO instructions per category: {r['hlo_categories']}")
+    print_gap_report(r.get("gaps") or {}, f"{r['variant']}: GPU idle time", per=r.get("iters", 1))
 
 
 def main(argv=None):
@@ -242,12 +294,19 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=5, help="timed steps (median) before the trace")
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--top", type=int, default=12, help="largest kernels listed per variant")
+  p.add_argument("--gaps", type=int, default=8,
+                 help="largest idle gaps between kernels listed per variant, with the host "
+                      "events during each (benchmarks/_trace.py)")
   p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                  help="config override for every variant, e.g. model.scan_unroll=2")
   p.add_argument("--child-timeout", type=float, default=240)
   p.add_argument("--json", default=None)
   p.add_argument("--hlo-dir", default=None,
                  help="write each variant's optimized HLO here (VARIANT.hlo.txt.gz)")
+  p.add_argument("--buffers", default=None, metavar="DIR",
+                 help="dump each variant's compiled step under DIR (XLA's --xla_dump_to) and list "
+                      "the temp buffers each variant holds beyond the first (XLA's "
+                      "memory-usage report): where a variant's extra memory goes")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   for v in ([a.one] if a.one else a.variants.split(",")):
@@ -266,6 +325,8 @@ def main(argv=None):
       results.append({"variant": v, "error": f"timeout after {a.child_timeout} s"})
       print(f"[profile_step] {v}: timeout", flush=True)
   print_table(results)
+  if a.buffers:
+    print_buffer_diff(results, a.top)
   if a.json:
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(results, indent=1))

@@ -24,7 +24,9 @@ Which kernel (`implementation(family)`; `pallas`, and `auto` where AUTO_ON_HOPPE
   quantize    mosaic: quantize_mgpu.py. Per group: G a multiple of 16 up to 256, N % G == 0 and
               size / G a multiple of 64. Per tensor: size / 64 a multiple of 64 and N % 64 == 0;
               with the transposed copy ndim >= 2, N and M multiples of 64 and a 16-bit input.
-              Other shapes: the reference (XLA). FP8 storage only.
+              SwiGLU's h with gate's and up's per-group quantize in one pass (`swiglu_quantize`,
+              swiglu_mgpu.py): the per-group shapes. Other shapes: the reference (XLA). FP8
+              storage only.
   dequantize  mosaic (per-group arrays, the per-group quantize's shapes); `auto` keeps XLA's
   adam        triton: the jax-triton kernel (adam_step_triton.py) when triton and jax-triton
               import (`pip install coat-jax[gpu]`) and not in interpret mode; otherwise
@@ -70,7 +72,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from coat_jax import formats, gemm, quantize, sharded
+from coat_jax import activations, formats, gemm, quantize, sharded
 from coat_jax.quantize import QuantizedArray
 
 GEMM_OUT_DTYPES = gemm.OUT_DTYPES   # what `fp8_dot_general` writes directly
@@ -361,6 +363,40 @@ def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", 
       data, scale = _mosaic(kernel, [x], ["data"], ["data", "meta"], group_size)
       return QuantizedArray(data, scale, f.name, group_size)
   return quantize.quantize_per_group(x, group_size, f, floor=floor)
+
+
+def swiglu_quantize(gate, up, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", *,
+                    floor=formats.ACTIVATION_SCALE_FLOOR):
+  """(h, amax, gate_q, up_q): h = silu(gate) * up (`activations.silu_product`), amax = max|h|
+  (float32 ()), and gate's and up's per-group quantize (`quantize_per_group`).
+
+  Kernel (the "quantize" family's mosaic: pallas_kernels/swiglu_mgpu.py, shapes as the per-group
+  quantize's): one read of gate and up makes all of it, amax from the kernel's per-group maxima;
+  else the references (XLA fuses h with its amax; each quantize reads its input again).
+  """
+  f = formats.get_format(fmt)
+  if (implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes()
+      and gate.shape == up.shape and gate.dtype == up.dtype):
+    from pallas_kernels import swiglu_mgpu as sm
+    if sm.supported(gate.shape, gate.dtype, group_size):
+      def kernel(g, u):   # per shard; a shard the kernel does not take: the references
+        if sm.supported(g.shape, g.dtype, group_size):
+          return _launch(sm.swiglu_quantize, g, u, group_size=group_size, out_dtype=f.dtype,
+                         fmax=f.max, floor=floor, scale_dtype=formats.ACTIVATION_SCALE_DTYPE,
+                         **_row_kernel_kw())
+        h = activations.silu_product(g, u)
+        gq, uq = (quantize.quantize_per_group(a, group_size, f, floor=floor) for a in (g, u))
+        return (h, quantize.group_amax(h, group_size), gq.data, gq.scale, uq.data, uq.scale)
+
+      h, hmax, gd, gs, ud, us = _mosaic(kernel, [gate, up], ["data", "data"],
+                                        ["data", "meta", "data", "meta", "data", "meta"],
+                                        group_size)
+      return (h, jnp.max(hmax), QuantizedArray(gd, gs, f.name, group_size),
+              QuantizedArray(ud, us, f.name, group_size))
+  h = activations.silu_product(gate, up)
+  return (h, jnp.max(jnp.abs(h)).astype(jnp.float32),
+          quantize.quantize_per_group(gate, group_size, f, floor=floor),
+          quantize.quantize_per_group(up, group_size, f, floor=floor))
 
 
 def dequantize(q: QuantizedArray, dtype):

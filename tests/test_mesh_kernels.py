@@ -73,6 +73,12 @@ def test_quantize_ops_on_mesh_equal_single_device(rng, axes):
   np.testing.assert_array_equal(np.asarray(qt.scale), np.asarray(want_scale))   # global amax
   _assert_same_values((qt.data, qt.data_t), (want_t.data, want_t.data_t))
   _assert_same_values(back, want_back)
+  u = jnp.flip(x, 0)
+  us = jax.device_put(u, NamedSharding(mesh, _row_col_spec(axes)))
+  with kernels.backend("pallas"):   # SwiGLU's fused forward: h, amax (global), gate/up codes
+    swiglu = jax.jit(lambda g, u: kernels.swiglu_quantize(g, u))
+    got, want = swiglu(xs, us), swiglu(x, u)
+  _assert_same_values(got, want)
   # In interpret mode the Mosaic GPU kernels are not wrapped per shard (their ordered callbacks
   # cannot pass custom_partitioning; XLA partitions the interpreted ops), so locality (no
   # all-gather) is only a property of the GPU run; the per-shard wrapper is exercised here by

@@ -57,3 +57,34 @@ def test_kernel_categories():
   assert cat("x", ("other fusion", "jit(f)/jvp()/while/body/mul", "")) == "fusions fwd"
   assert cat("x", ("other fusion", "jit(f)/sqrt", "")) == "optimizer"
   assert cat("x", None) == "unmapped"
+
+
+def test_idle_gaps_merge_overlapping_kernels_and_name_the_host_work():
+  trace = _load("_trace")
+  # ns: kernels a/b overlap (two streams), c right after a 10 us gap, d after a 950 us gap
+  kernels = [(0, 10_000, "a"), (5_000, 20_000, "b"), (30_000, 40_000, "c"),
+             (40_000, 50_000, "d"), (1_000_000, 1_010_000, "e")]
+  host = [(0, 2_000_000, "outer"), (22_000, 28_000, "cuLaunchKernel"),
+          (100_000, 900_000, "cuStreamSynchronize")]
+  busy, span, gaps = trace.idle_gaps(kernels, host)
+  assert (busy, span) == (50.0, 1010.0)                     # us: union of kernel time; first..last
+  assert [round(g.us) for g in gaps] == [950, 10]           # largest first
+  assert (gaps[0].before, gaps[0].after) == ("d", "e") and (gaps[1].before, gaps[1].after) == ("b", "c")
+  # innermost (shortest) host events first, with the time they overlap the gap
+  assert gaps[0].host[0] == ("cuStreamSynchronize", 800.0) and gaps[0].host[1][0] == "outer"
+  assert gaps[1].host[0] == ("cuLaunchKernel", 6.0)
+
+
+def test_memory_report_parses_and_diffs():
+  text = """Memory Space: default (color=0)
+Total bytes: 3221225472 (3.00GiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+  ------------------------------------------------------------
+    2.00GiB( 67%);    2.00GiB;            0;                2; f32[16,8192,4096], bf16[8,1024]
+    3.00GiB(100%);    1.00GiB;   2147483648;                1; f32[8192,16,2048]
+"""
+  rep = common.memory_report(text)
+  assert rep["total_bytes"] == 3 * 2**30
+  assert rep["rows"] == [(2 * 2**30, "f32[16,8192,4096], bf16[8,1024]"), (2**30, "f32[8192,16,2048]")]
+  other = {"rows": [(2 * 2**30, "f32[16,8192,4096], bf16[8,1024]"), (2**29, "bf16[4,4]")]}
+  assert common.memory_report_diff(other, rep) == [(2**30, "f32[8192,16,2048]"), (-(2**29), "bf16[4,4]")]

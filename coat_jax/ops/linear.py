@@ -39,20 +39,22 @@ def name_residuals(tree):
   return checkpoint_name(tree, FP8_RESIDUALS)
 
 
-def quantize_input(x: jax.Array) -> QuantizedArray:
+def quantize_input(x: jax.Array, amax: jax.Array | None = None) -> QuantizedArray:
   """Per-tensor E4M3 of a linear layer's input x (..., K), with its K-major transpose.
 
   data is x's shape (the forward GEMM's operand); data_t is (K, M), M = prod(x.shape[:-1]), made
-  in the same pass: the dW GEMM's operand, and the copy the backward keeps.
+  in the same pass: the dW GEMM's operand, and the copy the backward keeps. amax: max|x| when
+  the producer already has it (e.g. SwiGLU's fused kernel), else found as `_amax` says.
   """
-  q = _quantize_x(x.reshape(-1, x.shape[-1]), with_transpose=True)
+  q = _quantize_x(x.reshape(-1, x.shape[-1]), with_transpose=True, amax=amax)
   return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size, data_t=q.data_t)
 
 
-def _quantize_x(x, *, with_transpose=False) -> QuantizedArray:
-  """Per-tensor E4M3 of a linear's input (amax from `_amax`), by the kernel or XLA's ops as
-  `linear_options(activation_quantize=...)` says."""
-  return kernels.quantize_per_tensor(x, "e4m3", with_transpose=with_transpose, amax=_amax(x),
+def _quantize_x(x, *, with_transpose=False, amax=None) -> QuantizedArray:
+  """Per-tensor E4M3 of a linear's input (amax given, or from `_amax`), by the kernel or XLA's
+  ops as `linear_options(activation_quantize=...)` says."""
+  amax = _amax(x) if amax is None else amax
+  return kernels.quantize_per_tensor(x, "e4m3", with_transpose=with_transpose, amax=amax,
                                      producer_fusion=_OPTIONS["activation_quantize"] == "xla")
 
 
@@ -60,11 +62,14 @@ WEIGHT_QUANT = ("per_use", "once")
 AMAX = ("kernel", "fused")
 WEIGHT_QUANTIZE = ("xla", "kernel")
 ACTIVATION_QUANTIZE = ("kernel", "xla")
+SWIGLU_QUANTIZE = ("fused", "separate")
 # Each option's choices; DEFAULT_OPTIONS are the options in effect outside any `with` (one place).
 CHOICES = {"weight_quant": WEIGHT_QUANT, "amax": AMAX, "weight_quantize": WEIGHT_QUANTIZE,
-           "activation_quantize": ACTIVATION_QUANTIZE, "gradient_quantize": ACTIVATION_QUANTIZE}
+           "activation_quantize": ACTIVATION_QUANTIZE, "gradient_quantize": ACTIVATION_QUANTIZE,
+           "swiglu_quantize": SWIGLU_QUANTIZE}
 DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "xla",
-                   "activation_quantize": "kernel", "gradient_quantize": "kernel"}
+                   "activation_quantize": "kernel", "gradient_quantize": "kernel",
+                   "swiglu_quantize": "fused"}
 OPTIONS_ENV = "COAT_JAX_LINEAR_OPTIONS"
 
 
@@ -90,6 +95,11 @@ def _parse_env(spec: str) -> dict:
 # at import, for runs in other processes: benchmarks' children, train.py).
 _PROCESS_OPTIONS = {**DEFAULT_OPTIONS, **_parse_env(os.environ.get(OPTIONS_ENV, ""))}
 _OPTIONS = dict(_PROCESS_OPTIONS)
+
+
+def option(name: str) -> str:
+  """The value of a `linear_options` option in effect now (read at trace time)."""
+  return _OPTIONS[name]
 
 
 def _amax(x):
@@ -124,6 +134,10 @@ def linear_options(**options: str):
   or as XLA ops ("xla"), which XLA can fuse into the op producing x, so that a bf16 x read only
   by the quantize is never written. gradient_quantize: the same for the E5M2 quantize of each
   linear's dY in the backward. Same values either way.
+  swiglu_quantize: "fused" (default) makes SwiGLU's h, its amax and gate's and up's 1 x 16
+  codes from one read of gate and up (`kernels.swiglu_quantize`; one kernel on Hopper);
+  "separate": h and its amax by XLA, then a per-group quantize of each of gate and up (two
+  more reads). Same values either way.
   Options not named keep their values outside any `with`: DEFAULT_OPTIONS, or those set by the
   environment variable COAT_JAX_LINEAR_OPTIONS="OPTION=VALUE,..." (read at import). CHOICES
   lists each option's values.

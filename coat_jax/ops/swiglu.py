@@ -2,7 +2,9 @@
 
 "coat": a custom_vjp saving gate and up per 1x16 group (E4M3) only; silu is recomputed in the
 backward (2 saved tensors instead of COAT's 3). Returns h_q, per-tensor E4M3 of h, for the down
-projection's `x_q`.
+projection's `x_q`. The forward makes h, max|h| and the two residuals from one read of gate and
+up (`kernels.swiglu_quantize`; `linear_options(swiglu_quantize="separate")` for the unfused
+ablation).
 """
 from __future__ import annotations
 
@@ -10,14 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels
+from coat_jax.activations import silu_product as _plain
 from coat_jax.formats import ACTIVATION_GROUP_SIZE
-from coat_jax.ops.linear import name_residuals, quantize_input
+from coat_jax.ops.linear import name_residuals, option, quantize_input
 from coat_jax.precision import check_precision
-
-
-def _plain(gate, up):
-  g32 = gate.astype(jnp.float32)
-  return (jax.nn.silu(g32) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 @jax.custom_vjp
@@ -27,6 +25,9 @@ def _swiglu_coat(gate, up):
 
 
 def _coat_fwd(gate, up):
+  if option("swiglu_quantize") == "fused":
+    h, h_amax, gq, uq = kernels.swiglu_quantize(gate, up, ACTIVATION_GROUP_SIZE, "e4m3")
+    return (h, quantize_input(h, amax=h_amax)), name_residuals((gq, uq))
   h = _plain(gate, up)
   res = name_residuals((kernels.quantize_per_group(gate, ACTIVATION_GROUP_SIZE, "e4m3"),
                         kernels.quantize_per_group(up, ACTIVATION_GROUP_SIZE, "e4m3")))

@@ -1,0 +1,103 @@
+"""SwiGLU's forward with its inputs' 1 x G group quantize, in one pass (Pallas Mosaic GPU, Hopper).
+
+From gate and up (..., N), one read of each:
+
+  h    = bf16(silu(g) * u),   silu(g) = g / (1 + exp(-g))   (float32 math, h in gate's dtype)
+  hmax = max|h| per 1 x G group (float32; NaN where a group of h holds NaN)
+  gq, gs = the per-group quantize of gate, uq, us of up, exactly as quantize_mgpu's per-group
+           kernel (scale = max(amax * f32(1/fmax), floor) rounded to the scale dtype, NaN for a
+           NaN/inf group; q = cast(clamp(x / scale, -fmax, fmax)))
+
+which COAT's SwiGLU needs in its forward: h for the down projection (its per-tensor quantize takes
+amax = max(hmax), a reduction over G times fewer values), gate's and up's 1 x G codes as the
+backward's residuals. Unfused, XLA's fusion reads gate and up for h and its amax and the
+per-group quantize reads each of them again: 2 of the 4 bytes read per element pair are saved.
+
+Blocks are (r, G) row tiles of the (rows, G) view (one group per row) in the WGMMA register
+layout, as the per-group quantize (quantize_mgpu). Imports jax and numpy only: fmax, floor and dtypes are arguments.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.quantize_mgpu import (_block_rows, _check, _div, _load_f32, _row_blocks,
+                                          _rows_problem, _saturate, _scale_from_amax,
+                                          _shared_trace)
+from pallas_kernels.rows_mgpu import MAX_CTAS, launch
+
+
+def supported(shape, dtype, group_size: int) -> bool:
+  """As the per-group quantize: a float (..., N), N % G == 0, G in 16..256 (a multiple of 16),
+  size / G a positive multiple of 64."""
+  return jnp.issubdtype(dtype, jnp.floating) and _rows_problem(shape, dtype, group_size) is None
+
+
+def _quantize_rows(x, q_ref, s_ref, fmax, floor, interpret):
+  stored = _scale_from_amax(jnp.max(jnp.abs(x), axis=1), fmax, floor).astype(s_ref.dtype)
+  y = _div(x, jnp.broadcast_to(stored.astype(jnp.float32)[:, None], x.shape), interpret)
+  q_ref[...] = _saturate(y, fmax).astype(q_ref.dtype)
+  s_ref[...] = stored
+
+
+def _kernel(g_ref, u_ref, gq_ref, gs_ref, uq_ref, us_ref, h_ref, hmax_ref, *, fmax, floor,
+            interpret):
+  g = _load_f32(g_ref)                                    # (r, G)
+  u = _load_f32(u_ref)
+  h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_ref.dtype)
+  _quantize_rows(g, gq_ref, gs_ref, fmax, floor, interpret)
+  _quantize_rows(u, uq_ref, us_ref, fmax, floor, interpret)
+  hmax_ref[...] = jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1)
+  h_ref[...] = h
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "out_dtype", "fmax", "floor",
+                                             "interpret", "block", "max_ctas", "stages",
+                                             "scale_dtype"))
+def swiglu_quantize(gate: jax.Array, up: jax.Array, *, group_size: int, out_dtype, fmax: float,
+                    floor: float, interpret: bool = False, block: int = 128,
+                    max_ctas: int = MAX_CTAS, stages: int = 2, scale_dtype=jnp.float32):
+  """h = silu(gate) * up with max|h| per group and gate's and up's per-group quantize.
+
+  Args:
+    gate, up: float (..., N), same shape and dtype (see `supported`).
+    out_dtype: the FP8 storage dtype; fmax its largest finite value; floor the scale's floor;
+    scale_dtype: float32 or bfloat16. block, max_ctas, stages: as quantize_mgpu's per-group kernel.
+  Returns:
+    (h: gate.dtype (..., N), hmax: float32 (..., N / G), gq, gs, uq, us: codes out_dtype
+    (..., N) and scales scale_dtype (..., N / G)).
+  """
+  if gate.shape != up.shape or gate.dtype != up.dtype:
+    raise ValueError(f"swiglu_quantize: gate {gate.shape} {gate.dtype} and up {up.shape} "
+                     f"{up.dtype} differ")
+  if not supported(gate.shape, gate.dtype, group_size):
+    _check(_rows_problem(gate.shape, gate.dtype, group_size) or
+           f"dtype {gate.dtype} is not a float type", "swiglu_quantize")
+  rows = gate.size // group_size
+  outs = _launch(gate.reshape(rows, group_size), up.reshape(rows, group_size),
+                 out_dtype=jnp.dtype(out_dtype), fmax=float(fmax), floor=float(floor),
+                 interpret=interpret, block=block, max_ctas=max_ctas, stages=stages,
+                 scale_dtype=jnp.dtype(scale_dtype))
+  gq, gs, uq, us, h, hmax = outs
+  meta = (*gate.shape[:-1], gate.shape[-1] // group_size)
+  return (h.reshape(gate.shape), hmax.reshape(meta), gq.reshape(gate.shape), gs.reshape(meta),
+          uq.reshape(gate.shape), us.reshape(meta))
+
+
+@_shared_trace
+def _launch(g2, u2, *, out_dtype, fmax, floor, interpret, block, max_ctas, stages, scale_dtype):
+  rows, group_size = g2.shape
+  r = _block_rows(rows, block)
+  big, small = _row_blocks(r, group_size)
+  codes = jax.ShapeDtypeStruct((rows, group_size), out_dtype)
+  scales = jax.ShapeDtypeStruct((rows,), scale_dtype)
+  return launch(
+      functools.partial(_kernel, fmax=fmax, floor=floor, interpret=interpret),
+      inputs=[g2, u2], in_blocks=[big, big],
+      out_shapes=[codes, scales, codes, scales, jax.ShapeDtypeStruct((rows, group_size), g2.dtype),
+                  jax.ShapeDtypeStruct((rows,), jnp.float32)],
+      out_blocks=[big, small, big, small, big, small],
+      num_blocks=rows // r, interpret=interpret, max_ctas=max_ctas, stages=stages,
+      name="coat_swiglu_quantize_mgpu")
