@@ -153,3 +153,17 @@ def save_figure(fig, path) -> bool:
   fig.savefig(path)
   plt.close(fig)
   return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices of a child process.
+
+
+def device_env(n: int, env: dict | None = None) -> dict:
+  """Environment entries that give a child process the first `n` devices: CUDA_VISIBLE_DEVICES
+  0..n-1 (a GPU machine) and, for a CPU run, n simulated host devices (XLA_FLAGS)."""
+  env = dict(os.environ if env is None else env)
+  flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                   if not f.startswith("--xla_force_host_platform_device_count"))
+  return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n)),
+          "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}

@@ -59,7 +59,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import Budget, parse_modes
+from _common import Budget, device_env, parse_modes
 from coat_jax.models.llama import REMAT_POLICIES  # no device is touched by this import
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,6 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seconds-budget", type=float, default=None,
                  help="stop launching (and kill a running child) so the whole script ends in time")
   p.add_argument("--json", default=None, help="write the results here")
+  p.add_argument("--devices", type=int, default=None,
+                 help="run each child on the first N devices only (CUDA_VISIBLE_DEVICES on a GPU "
+                      "machine, N simulated host devices on CPU); the mesh comes from --set "
+                      "mesh.* (default: data-parallel over all of them), e.g. --set mesh.data=1 "
+                      "--set mesh.fsdp=-1 for FSDP")
   p.add_argument("--partitioning", default=None, choices=("auto", "always"),
                  help="kernel partitioning for the children (COAT_JAX_PARTITIONING): 'always' "
                       "takes the mesh (custom_partitioning) path on one device too")
@@ -96,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   args.modes = parse_modes(p, args.modes, MODES, [args.one] if args.one else [])
+  if args.devices is not None and args.devices <= 0:
+    p.error("--devices must be > 0")
   for name in ("seq_len", "batch", "steps", "max_batch"):
     if getattr(args, name) <= 0:
       p.error(f"--{name.replace('_', '-')} must be > 0")
@@ -122,6 +129,32 @@ def _tree_bytes(tree) -> int:
   import numpy as np
   return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
                  if hasattr(x, "shape")))
+
+
+def _shard_shapes(tree):
+  """ShapeDtypeStructs of each leaf's per-device shard (the leaf itself without a sharding)."""
+  import jax
+
+  def one(a):
+    sh = getattr(a, "sharding", None)
+    return jax.ShapeDtypeStruct(sh.shard_shape(a.shape) if sh is not None else a.shape, a.dtype)
+  return jax.tree.map(one, tree)
+
+
+def _hlo_ops(text: str) -> dict:
+  """Kernels and collectives in a compiled module's text: custom calls by target (the Pallas
+  kernels: Mosaic GPU `mosaic_gpu*`, jax-triton `triton_kernel_call`; cuDNN, cuBLAS) and each
+  collective's count (how a mesh run shows its kernels ran per shard and what it communicates)."""
+  import collections
+  import re
+
+  ops = collections.Counter(f"custom-call {t}" for t in
+                            re.findall(r'custom_call_target="([^"]+)"', text))
+  for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"):
+    n = len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", text))
+    if n:
+      ops[op] = n
+  return dict(ops)
 
 
 def measure_one(args: argparse.Namespace) -> dict:
@@ -159,20 +192,24 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
              dtype=llama_cfg.dtype, num_params=llama_lib.num_params(llama_cfg),
              flops_per_token=float(llama_lib.flops_per_token(llama_cfg, args.seq_len)))
 
-  budget = memory_budget(cfg.optimizer, parts.params_abstract, opt_abstract)
+  # Per device: each leaf counted at its shard's shape (the whole array where replicated), so a
+  # mesh that shards the state (FSDP) divides it; on one device the shards are the arrays.
+  params_sh, opt_sh, _ = built.abstract_state()
+  budget = memory_budget(cfg.optimizer, _shard_shapes(params_sh), _shard_shapes(opt_sh))
   params_bytes, opt_bytes = budget["params"], budget["optimizer_state"]
   stats = dev.memory_stats() or {}
   limit = stats.get("bytes_limit")
   bound = params_bytes + budget["grads"] + opt_bytes  # all alive at the optimizer step
   out.update(params_bytes=params_bytes, opt_state_bytes=opt_bytes, bytes_limit=limit,
-             state_lower_bound_bytes=bound, memory_budget=budget)
+             state_lower_bound_bytes=bound, memory_budget=budget,
+             mesh={k: int(v) for k, v in mesh.shape.items()})
   say(f"[child {args.one} b={args.batch}] {out['num_params'] / 1e6:.0f}M params; budget: params "
       f"{params_bytes / GB:.2f} GB, grads {budget['grads'] / GB:.2f} GB, bf16 weight copy "
       f"{budget['weight_copy'] / GB:.2f} GB, accumulator {budget['accumulator'] / GB:.2f} GB, "
       f"optimizer state {opt_bytes / GB:.2f} GB, SR/Kahan step workspace "
       f"{budget['step_workspace'] / GB:.2f} GB, total {budget['total'] / GB:.2f} GB; device "
       f"limit {'n/a' if limit is None else f'{limit / GB:.2f} GB'}")
-  if limit is not None and bound > limit:  # the mesh is data-parallel: every device holds all of it
+  if limit is not None and bound > limit:  # the state of one device, at its shards' sizes
     out["status"] = "oom (state)"
     out["error"] = (f"params + grads + optimizer state = {bound / GB:.2f} GB > device limit "
                     f"{limit / GB:.2f} GB: cannot fit at any batch")
@@ -192,6 +229,9 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
     out["memory_analysis"] = mem
   except Exception:  # not every backend reports it
     mem = None
+  out["hlo_ops"] = _hlo_ops(compiled.as_text())
+  say(f"[child {args.one} b={args.batch}] compiled step: " + ", ".join(
+      f"{k} {v}" for k, v in sorted(out["hlo_ops"].items())))
   say(f"[child {args.one} b={args.batch}] compiled in {out['compile_s']:.1f} s"
       + (f", XLA predicts {mem['predicted_bytes'] / GB:.2f} GB" if mem else ""))
 
@@ -223,6 +263,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   losses += [float(x) for x in window]
   peak, kind = metrics_lib.peak_memory_bytes(list(mesh.devices.flat))
   tokens_per_s = args.batch * args.seq_len / step_s
+  out["tokens_per_s_per_device"] = tokens_per_s / mesh.devices.size
   out.update(status="ok", peak_bytes=peak, peak_kind=kind, step_s=step_s, timed_steps=steps,
              step_s_blocking=statistics.median(blocking[1:] or blocking), tokens_per_s=tokens_per_s,
              mfu=(metrics_lib.mfu(out["flops_per_token"], tokens_per_s, list(mesh.devices.flat))
@@ -264,6 +305,8 @@ def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget) -
   env.setdefault("PYTHONUNBUFFERED", "1")
   if args.partitioning:
     env["COAT_JAX_PARTITIONING"] = args.partitioning
+  if args.devices:
+    env.update(device_env(args.devices, env))
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
   say(f"[e2e] {mode} batch {batch}: starting child ({budget.left():.0f} s of budget left)")
   t0 = time.time()
@@ -322,9 +365,10 @@ def ratio_rows(results: list[dict]) -> list[dict]:
 
 def print_table(title: str, rows: list[dict]) -> None:
   say(f"\n{title}")
-  head = (f"{'mode':18} {'batch':>5} {'status':>16} {'params':>6} {'grads':>6} {'opt st':>6} "
+  head = (f"{'mode':18} {'batch':>5} {'devs':>4} {'status':>16} {'params':>6} {'grads':>6} {'opt st':>6} "
           f"{'budget':>6} {'peak GB':>8} {'mem/bf16':>8} {'step ms':>8} {'blocked':>8} "
-          f"{'tokens/s':>10} {'tok/s vs bf16':>13} {'MFU':>6} {'compile s':>9} {'XLA pred GB':>11}")
+          f"{'tokens/s':>10} {'per device':>10} {'tok/s vs bf16':>13} {'MFU':>6} {'compile s':>9} "
+          f"{'XLA pred GB':>11}")
   say(head)
   say("-" * len(head))
   for r in rows:
@@ -333,20 +377,23 @@ def print_table(title: str, rows: list[dict]) -> None:
     pred = (r.get("memory_analysis") or {}).get("predicted_bytes")
     b = r.get("memory_budget") or {}
     gb = lambda k: _fmt(b.get(k) and b[k] / GB, '6.1f')
-    say(f"{r['mode']:18} {r['batch']:>5} {r.get('status', '?')[:16]:>16} "
+    say(f"{r['mode']:18} {r['batch']:>5} {r.get('num_devices', '?'):>4} {r.get('status', '?')[:16]:>16} "
         f"{gb('params'):>6} {gb('grads'):>6} {gb('optimizer_state'):>6} {gb('total'):>6} "
         f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GB if ok else None, '8.2f'):>8} "
         f"{_fmt(r.get('mem_ratio'), '7.2f') + ('x' if r.get('mem_ratio') else ''):>8} "
         f"{_fmt(r.get('step_s') and 1e3 * r['step_s'] if ok else None, '8.1f'):>8} "
         f"{_fmt(r.get('step_s_blocking') and 1e3 * r['step_s_blocking'] if ok else None, '8.1f'):>8} "
         f"{_fmt(r.get('tokens_per_s') if ok else None, '10,.0f'):>10} "
+        f"{_fmt(r.get('tokens_per_s_per_device') if ok else None, '10,.0f'):>10} "
         f"{_fmt(r.get('tps_ratio'), '12.2f') + ('x' if r.get('tps_ratio') else ''):>13} "
         f"{_fmt(r.get('mfu') and 100 * r['mfu'] if ok else None, '5.1f') + ('%' if mfu_ok else ''):>6} "
         f"{_fmt(r.get('compile_s'), '9.1f'):>9} {_fmt(pred and pred / GB, '11.2f'):>11}")
   say("  params / grads / opt st / budget: GB of master weights, gradients, optimizer state and "
       "their sum\n  with the accumulator and the larger of the bf16 weight copy and the SR/Kahan "
       "step workspace\n  (training.build.memory_budget); "
-      "peak: measured; step ms: back to back (as train.py); blocked: one step blocked on")
+      "peak: measured; step ms: back to back (as train.py); blocked: one step blocked on\n"
+      "  on a mesh: batch is global; params .. peak GB are per device (the largest peak); "
+      "tokens/s is global and per device")
   kinds = {r.get("peak_kind") for r in rows if r.get("status") == "ok"}
   if kinds - {"device peak"}:
     say(f"  (peak memory here is {', '.join(sorted(k for k in kinds if k))}, not a device peak)")

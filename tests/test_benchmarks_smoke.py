@@ -32,6 +32,7 @@ e2e = _load("bench_e2e")
 accuracy = _load("accuracy")
 stability = _load("stability")
 master = _load("master_weights")
+resume = _load("resume_across_meshes")
 
 
 def test_logit_sharpness_is_the_maximum_over_the_box(rng):
@@ -64,6 +65,9 @@ def test_e2e_child_and_table(capsys):
   assert r["status"] == "ok", r.get("error")
   assert r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 and r["loss_finite"]
   assert math.isfinite(r["loss_last"]) and r["flops_per_token"] > 0
+  assert r["timed_steps"] == 2 and r["step_s"] > 0 and r["step_s_blocking"] > 0
+  assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / r["num_devices"])
+  assert isinstance(r["hlo_ops"], dict) and r["mesh"]["data"] == r["num_devices"]
   other = dict(r, mode="coat+coat_adamw", peak_bytes=r["peak_bytes"] // 2,
                tokens_per_s=2 * r["tokens_per_s"])
   rows = e2e.ratio_rows([r, other, {"mode": "fp8_linear+adamw", "batch": 8, "status": "oom"}])
@@ -244,3 +248,41 @@ def test_dispatch_bench_table_and_fit(capsys, monkeypatch):
   rows = [l for l in out.splitlines() if re.match(r"\| (4|32) \|", l)]
   assert len(rows) == 2 and all(float(c) > 0 for r in rows for c in r.strip("| ").split(" | ")[2:])
   assert re.search(r"not donated: -?[\d.]+ us per buffer", out) and "donated:" in out
+
+
+def test_e2e_state_counted_per_device_on_an_fsdp_mesh():
+  """8 simulated devices: FSDP shards params, grads and the optimizer state, so the per-device
+  budget is smaller than the data-parallel one (which holds everything on every device)."""
+  base = ["--one", "coat+coat_adamw", "--preset", "tiny", "--set", "model.num_layers=1",
+          "--set", "model.hidden_size=128", "--set", "model.intermediate_size=256",
+          "--seq-len", "16", "--batch", "8", "--steps", "1", "--warmup", "1"]
+  dp = e2e.measure_one(e2e.parse_args(base))
+  fsdp = e2e.measure_one(e2e.parse_args(base + ["--set", "mesh.fsdp=-1"]))
+  assert dp["status"] == fsdp["status"] == "ok", (dp.get("error"), fsdp.get("error"))
+  assert fsdp["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and dp["mesh"]["data"] == 8
+  for key in ("params", "grads", "optimizer_state"):
+    assert 0 < fsdp["memory_budget"][key] < dp["memory_budget"][key] / 2, key
+  assert fsdp["hlo_ops"].get("all-gather", 0) > 0 and "all-gather" not in dp["hlo_ops"]
+
+
+def test_e2e_hlo_ops_and_device_env():
+  text = """  %a = f32[4]{0} custom-call(f32[4]{0} %p), custom_call_target="mosaic_gpu_v2"
+  %b = f32[4]{0} custom-call(f32[4]{0} %a), custom_call_target="mosaic_gpu_v2"
+  %ag = (f32[4]{0}, f32[8]{0}) all-gather-start(f32[4]{0} %b), channel_id=1
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %q), to_apply=%add"""
+  assert e2e._hlo_ops(text) == {"custom-call mosaic_gpu_v2": 2, "all-gather": 1, "all-reduce": 1}
+  env = common.device_env(2, {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"})
+  assert env == {"CUDA_VISIBLE_DEVICES": "0,1",
+                 "XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=2"}
+
+
+def test_resume_across_meshes_reads_losses_and_checks_its_arguments(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    resume.parse_args(["--steps", "10", "--split", "10"])
+  capsys.readouterr()
+  rows = [{"step": 1, "split": "train", "loss_mean_steps": 1, "loss_last": 5.0},
+          {"step": 2, "split": "train", "loss_mean_steps": 1, "loss_last": 4.5},
+          {"step": 2, "split": "train", "loss_mean_steps": 2, "loss_last": 9.0},  # a window: skipped
+          {"step": 2, "split": "eval", "loss": 4.75}]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+  assert resume.losses(tmp_path) == ({1: 5.0, 2: 4.5}, 4.75)

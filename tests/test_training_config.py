@@ -102,3 +102,15 @@ def test_attention_residuals_reach_the_model_config():
     sets = [] if value is None else [f"model.attention_residuals={value}"]
     cfg = schema.load(None, sets)
     assert model_config(cfg, None).attention_residuals == want
+
+
+def test_set_mesh_axis_to_fill_moves_the_fill_from_the_file():
+  """`--set mesh.fsdp=-1` over a config that fills data (-1) is FSDP over all devices, not an
+  error; an override naming both fills is still refused in one line."""
+  cfg = schema.load(REPO / "configs" / "tiny.yaml", ["mesh.fsdp=-1"])
+  assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, -1, 1)
+  cfg = schema.load(None, ["mesh.tensor=-1", "mesh.data=2"])   # data named: kept
+  assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, 1, -1)
+  assert schema.load(None, []).mesh.data == -1
+  with pytest.raises(ValueError, match="at most one mesh axis may be -1"):
+    schema.load(None, ["mesh.tensor=-1", "mesh.data=-1"])

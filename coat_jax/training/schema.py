@@ -17,6 +17,7 @@ config_io.py does the generic part (types, YAML, overrides), this file the value
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +302,28 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
   """A RunConfig from a YAML file (schema defaults when `path` is None) and `--set` overrides.
 
   Errors name their source: the file for a bad key, value or YAML syntax in it, the override
-  (`--set optimizer.lrr=1: unknown config key ...`) for a bad override.
+  (`--set optimizer.lrr=1: unknown config key ...`) for a bad override. `--set mesh.AXIS=-1`
+  moves the fill to AXIS: a mesh axis that the file (or the defaults: `data`) fills becomes 1
+  unless an override names it too.
   """
-  return config_io.load(RunConfig, path, overrides, validate)
+  return config_io.load(RunConfig, path, _move_mesh_fill(path, list(overrides)), validate)
+
+
+_MESH_FILL = re.compile(r"\s*mesh\.(data|fsdp|tensor)\s*=\s*-1\s*")
+
+
+def _move_mesh_fill(path, overrides: list[str]) -> list[str]:
+  """Overrides with `mesh.X=1` put first for each other axis the file fills (-1), when an override
+  fills another axis (`mesh.fsdp=-1` over the default data=-1)."""
+  filled = [m.group(1) for m in map(_MESH_FILL.fullmatch, overrides) if m]
+  if not filled:
+    return overrides
+  named = {o.split("=", 1)[0].strip() for o in overrides if isinstance(o, str) and "=" in o}
+  try:
+    raw = config_io.load_yaml(path) if path is not None else {}
+  except ValueError:
+    return overrides   # config_io.load reports the file's problem
+  mesh = raw.get("mesh") if isinstance(raw.get("mesh"), dict) else {}
+  base = {**dataclasses.asdict(MeshConfig()), **mesh}
+  return [f"mesh.{axis}=1" for axis in (f.name for f in dataclasses.fields(MeshConfig)) if axis != filled[-1]
+          and f"mesh.{axis}" not in named and base.get(axis) == -1] + overrides
