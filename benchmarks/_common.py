@@ -167,3 +167,16 @@ def device_env(n: int, env: dict | None = None) -> dict:
                    if not f.startswith("--xla_force_host_platform_device_count"))
   return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n)),
           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}
+
+
+def config_parser(doc: str, default_config: str, set_help: str) -> argparse.ArgumentParser:
+  """An argument parser (description: the script's docstring's first line) with the train.py
+  config options every training-run script takes: --config (default configs/<default_config>)
+  and repeatable --set KEY=VALUE overrides (args.overrides)."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = argparse.ArgumentParser(description=doc.splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", default=os.path.join(repo, "configs", default_config))
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                 help=set_help)
+  return p

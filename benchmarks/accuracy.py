@@ -39,16 +39,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-from _common import MODE_COLORS, parse_modes, pyplot, save_figure
+from _common import MODE_COLORS, config_parser, parse_modes, pyplot, save_figure
 
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 DEFAULT_MODES = ("bf16+adamw", "coat+coat_adamw")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default=str(REPO / "configs" / "llama-125m.yaml"))
+  p = config_parser(__doc__, "llama-125m.yaml",
+                    "extra train.py config override (repeatable), applied to every mode")
   p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {MODES}")
   p.add_argument("--steps", type=int, default=2000)
   p.add_argument("--seq-len", type=int, default=1024)
@@ -57,8 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--log-every", type=int, default=20)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="extra train.py config override (repeatable), applied to every mode")
   p.add_argument("--out", default="runs/accuracy", help="output directory")
   p.add_argument("--seconds-budget", type=float, default=None,
                  help="stop the runs (gracefully, at equal steps) so the script ends in time")

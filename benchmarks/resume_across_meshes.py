@@ -28,17 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-from _common import device_env, pyplot, save_figure
+from _common import config_parser, device_env, pyplot, save_figure
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
-  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="config override for every run (repeatable)")
+  p = config_parser(__doc__, "tiny.yaml", "config override for every run (repeatable)")
   p.add_argument("--steps", type=int, default=40)
   p.add_argument("--split", type=int, default=20, help="the first run stops after this step")
   p.add_argument("--devices-a", type=int, default=2, help="devices of the straight and first runs")

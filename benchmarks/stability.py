@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import MODE_COLORS, Budget, pyplot, save_figure
+from _common import MODE_COLORS, Budget, config_parser, pyplot, save_figure
 from _moments import check_moment_round_trip, moment_round_trip
 from coat_jax.training import build as build_lib, mesh as mesh_lib, schema
 from coat_jax.training.dataset import TokenDataset
@@ -82,11 +82,8 @@ LAST_K = 10  # steps averaged for the "final" train loss
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
-  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="run config override (repeatable), after the small-model defaults")
+  p = config_parser(__doc__, "tiny.yaml",
+                    "run config override (repeatable), after the small-model defaults")
   p.add_argument("--modes", default="bf16+adamw,coat+coat_adamw")
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--lrs", default="3e-3,3e-2,3e-1",
