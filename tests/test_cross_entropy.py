@@ -109,3 +109,33 @@ def test_backward_needs_no_float32_gradient_buffer(rng):
       z.astype(jnp.float32), labels))
   print(f"temp bytes: ours {ours}, optax {theirs}, float32 (N, V) {4 * n * v}")
   assert theirs - ours >= 4 * n * v * 0.9, (ours, theirs)
+
+
+def test_training_loss_reads_compute_dtype_logits(rng):
+  """The train step's loss takes `Llama.logits` (bf16 here) instead of `Llama.__call__`'s float32
+  copy: the same loss and gradients (the float32 copy adds no information and its gradient was
+  rounded to bf16 anyway)."""
+  from flax import nnx
+
+  from coat_jax.models.llama import Llama, LlamaConfig
+  cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1,
+                    num_heads=4, num_kv_heads=4, max_seq_len=32, dtype="bfloat16").validate()
+  graphdef, params = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 33)), jnp.int32)
+
+  def loss(params, logits_of):
+    model = nnx.merge(graphdef, params)
+    return ops.softmax_cross_entropy(logits_of(model)(tokens[:, :-1]), tokens[:, 1:]).mean()
+
+  def grad(logits_of):
+    return jax.jit(jax.value_and_grad(lambda p: loss(p, logits_of)))
+
+  compute = grad(lambda m: m.logits)
+  float32 = grad(lambda m: m)          # Llama.__call__: float32 logits
+  (l_bf, g_bf), (l_32, g_32) = compute(params), float32(params)
+  assert jnp.dtype(nnx.merge(graphdef, params).logits(tokens[:, :-1]).dtype) == jnp.bfloat16
+  assert np.isfinite(float(l_bf)) and float(l_bf) == float(l_32)
+  for a, b in zip(jax.tree.leaves(g_bf), jax.tree.leaves(g_32)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)

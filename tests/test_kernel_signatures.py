@@ -118,7 +118,8 @@ def test_linear_options_reject_unknown_values():
     with ops.linear_options(amx="kernel"):
       pass
   assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused", weight_quantize="xla",
-                                     activation_quantize="kernel", gradient_quantize="kernel")
+                                     activation_quantize="kernel", gradient_quantize="kernel",
+                                     swiglu_quantize="fused")
 
 
 def test_linear_options_from_the_environment():

@@ -194,8 +194,9 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean next-token cross-entropy (nats) in float32; logits (B, S, V), labels (B, S) int32
-  (`ops.softmax_cross_entropy`: its gradient written in the logits' dtype in one pass)."""
+  """Mean next-token cross-entropy (nats) in float32; logits (B, S, V) in the compute dtype
+  (`Llama.logits`), labels (B, S) int32 (`ops.softmax_cross_entropy`: float32 math, its gradient
+  written in the logits' dtype in one pass)."""
   return ops.softmax_cross_entropy(logits, labels).mean()
 
 
@@ -261,7 +262,7 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
 
   def loss_fn(params, rest, tokens):
     model = parts.merge(params, rest)
-    loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    loss = cross_entropy(model.logits(tokens[:, :-1]), tokens[:, 1:])
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
     return loss, nnx.to_pure_dict(new_rest)
 
