@@ -241,3 +241,23 @@ def memory_report_diff(a: dict, b: dict, top: int = 15) -> list[tuple[int, str]]
   extra = [(size, shapes) for (size, shapes), n in (cb - ca).items() for _ in range(n)]
   fewer = [(-size, shapes) for (size, shapes), n in (ca - cb).items() for _ in range(n)]
   return (sorted(extra, reverse=True)[:top] + sorted(fewer)[:top])
+
+
+def live_range_peak(text: str, top: int = 40) -> dict:
+  """XLA's `*-live-range.txt` (written under --xla_dump_to) -> the buffers live at the module's
+  peak: {"time": its position in the schedule, "bytes": their sum, "buffers": [(instruction{index},
+  bytes)] largest first (at most `top`), "by_op": [(op_name, bytes)] of the first level of XLA's
+  "stack trace breakdown for peak usage" (what the peak holds, by the JAX op that made it)}."""
+  head = re.search(r"Live ranges at (\d+) \(peak\):\n((?:    .*\n)*)", text)
+  if not head:
+    return {}
+  buffers = [(m.group(1), int(m.group(2))) for m in
+             re.finditer(r"^    (\S+): (\d+) bytes", head.group(2), re.M)]
+  by_op = []
+  breakdown = text.split("Stack trace breakdown for peak usage", 1)
+  if len(breakdown) == 2:   # first-level children of the entry: 6 spaces + the tree glyph
+    for m in re.finditer(r"^      [├└]── (.+?) \([\d.]+%, total: ([\d ]+) bytes", breakdown[1], re.M):
+      by_op.append((m.group(1), int(m.group(2).replace(" ", ""))))
+  return {"time": int(head.group(1)), "bytes": sum(b for _, b in buffers),
+          "buffers": sorted(buffers, key=lambda b: -b[1])[:top],
+          "by_op": sorted(by_op, key=lambda b: -b[1])}

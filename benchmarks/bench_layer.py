@@ -83,6 +83,10 @@ def parse_args(argv=None):
                  choices=ops.LINEAR_CHOICES["swiglu_quantize"],
                  help="coat: SwiGLU's h, its amax and gate/up's 1 x 16 codes from one read of "
                       "gate and up (fused) or h by XLA and two per-group quantizes (separate)")
+  p.add_argument("--weight-transpose", default=defaults["weight_transpose"],
+                 choices=ops.LINEAR_CHOICES["weight_transpose"],
+                 help="FP8 modes: W^T for the forward GEMM by quantizing the transposed cast "
+                      "weight (cast) or transposing W's FP8 codes (codes)")
   p.add_argument("--json", default=None, help="also write the results to this file")
   p.add_argument("--in-process", action="store_true",
                  help="run all modes in this process (default: one subprocess per mode, so that "

@@ -151,6 +151,7 @@ def measure_one(a) -> dict:
       f.write(text)
   if a.buffers:
     out["memory_report"] = _read_memory_report(a.buffers, a.one)
+    out["peak_live"] = _read_peak_live(a.buffers, a.one, text)
   index = instruction_index(text)
   shapes = instruction_shapes(text)
   out["hlo_categories"] = dict(collections.Counter(category(k, v) for k, v in index.items()))
@@ -202,6 +203,26 @@ def _read_memory_report(root: str, variant: str) -> dict:
   return memory_report(paths[-1].read_text())
 
 
+def _read_peak_live(root: str, variant: str, hlo_text: str) -> dict:
+  """The buffers live at the step's memory peak (XLA's live-range dump), each with its
+  instruction's shape and op_name, and the peak by JAX op (`_hlo.live_range_peak`)."""
+  import re
+
+  from _hlo import instruction_shapes, live_range_peak
+
+  paths = sorted(_dump_dir(root, variant).glob("*train_step*after_optimizations-live-range.txt"))
+  if not paths:
+    return {"error": f"no live-range dump under {_dump_dir(root, variant)}"}
+  peak = live_range_peak(paths[-1].read_text())
+  shapes = {}   # every instruction's shape, the nested ones too (a buffer may be made in a loop)
+  for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ", hlo_text, re.M):
+    shapes.setdefault(m.group(1), m.group(2))
+  launched = instruction_shapes(hlo_text)
+  peak["buffers"] = [(name, size, launched.get(name.split("{")[0]) or shapes.get(name.split("{")[0], ""))
+                     for name, size in peak.get("buffers", [])]
+  return peak
+
+
 def print_buffer_diff(results: list[dict], top: int) -> None:
   """Each variant's temp buffers beyond (and short of) the first variant's, by XLA's reports."""
   from _hlo import memory_report_diff
@@ -219,6 +240,19 @@ def print_buffer_diff(results: list[dict], top: int) -> None:
     base_rows = [tuple(x) for x in base["memory_report"]["rows"]]
     for size, shapes in memory_report_diff({"rows": base_rows}, {"rows": rows}, top):
       print(f"  {size / 1e6:+10.1f} MB  {shapes[:140]}")
+  for r in ok:
+    peak = r.get("peak_live") or {}
+    if not peak.get("buffers"):
+      continue
+    print(f"\n{r['variant']}: {peak['bytes'] / 1e9:.3f} GB live at the peak (schedule position "
+          f"{peak['time']}); largest buffers:")
+    for name, size, what in peak["buffers"][:top]:
+      print(f"  {size / 1e6:10.1f} MB  {name[:40]:40}  {what[:110]}")
+    print("  by the JAX op that made them:")
+    base_ops = dict(base.get("peak_live", {}).get("by_op", []))
+    for op, size in peak["by_op"][:top]:
+      delta = "" if r is base else f"  ({(size - base_ops.get(op, 0)) / 1e6:+.1f} MB vs {base['variant']})"
+      print(f"  {size / 1e6:10.1f} MB  {op[:100]}{delta}")
 
 
 def parse_variant(v: str) -> tuple[str, str, list[str]]:

@@ -286,3 +286,12 @@ def test_resume_across_meshes_reads_losses_and_checks_its_arguments(tmp_path, ca
           {"step": 2, "split": "eval", "loss": 4.75}]
   (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
   assert resume.losses(tmp_path) == ({1: 5.0, 2: 4.5}, 4.75)
+
+
+def test_bench_layer_has_a_flag_for_every_linear_option():
+  """bench_layer passes every ops.linear_options option from its flags (a new option without a
+  flag broke its runs once); each flag's default is the option's default."""
+  from coat_jax import ops
+  layer = _load("bench_layer")
+  args = layer.parse_args([])
+  assert {k: getattr(args, k) for k in ops.LINEAR_CHOICES} == ops.LINEAR_DEFAULTS

@@ -87,7 +87,9 @@ def test_variant_linear_options_parse():
 @pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="kernel"),
                                      dict(amax="kernel", weight_quantize="kernel"),
                                      dict(weight_quant="once", weight_quantize="kernel"),
-                                     dict(activation_quantize="xla", gradient_quantize="xla")])
+                                     dict(activation_quantize="xla", gradient_quantize="xla"),
+                                     dict(weight_transpose="codes"),
+                                     dict(weight_transpose="codes", weight_quantize="kernel")])
 def test_kernel_options_give_the_defaults_values_in_interpret_mode(rng, options):
   """The Mosaic GPU kernels (interpret mode) vs the defaults' XLA amax and weight quantize: the
   same forward values and gradients, bit for bit."""
@@ -119,7 +121,7 @@ def test_linear_options_reject_unknown_values():
       pass
   assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused", weight_quantize="xla",
                                      activation_quantize="kernel", gradient_quantize="kernel",
-                                     swiglu_quantize="fused")
+                                     swiglu_quantize="fused", weight_transpose="cast")
 
 
 def test_linear_options_from_the_environment():

@@ -63,13 +63,14 @@ AMAX = ("kernel", "fused")
 WEIGHT_QUANTIZE = ("xla", "kernel")
 ACTIVATION_QUANTIZE = ("kernel", "xla")
 SWIGLU_QUANTIZE = ("fused", "separate")
+WEIGHT_TRANSPOSE = ("cast", "codes")
 # Each option's choices; DEFAULT_OPTIONS are the options in effect outside any `with` (one place).
 CHOICES = {"weight_quant": WEIGHT_QUANT, "amax": AMAX, "weight_quantize": WEIGHT_QUANTIZE,
            "activation_quantize": ACTIVATION_QUANTIZE, "gradient_quantize": ACTIVATION_QUANTIZE,
-           "swiglu_quantize": SWIGLU_QUANTIZE}
+           "swiglu_quantize": SWIGLU_QUANTIZE, "weight_transpose": WEIGHT_TRANSPOSE}
 DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "xla",
                    "activation_quantize": "kernel", "gradient_quantize": "kernel",
-                   "swiglu_quantize": "fused"}
+                   "swiglu_quantize": "fused", "weight_transpose": "cast"}
 OPTIONS_ENV = "COAT_JAX_LINEAR_OPTIONS"
 
 
@@ -138,6 +139,12 @@ def linear_options(**options: str):
   codes from one read of gate and up (`kernels.swiglu_quantize`; one kernel on Hopper);
   "separate": h and its amax by XLA, then a per-group quantize of each of gate and up (two
   more reads). Same values either way.
+  weight_transpose: how the forward gets W^T (N, K) for the TN GEMM under weight_quant=
+  "per_use". "cast" (default) quantizes the transposed cast weight; inside the scan over layers
+  XLA then relayouts every stacked weight once per step (f32 (L, K, N) -> (N, L, K), 4.3 GB for
+  OLMo-1B, alive through the forward). "codes" quantizes W as it lies and transposes the FP8 codes
+  (the kernel's transposed copy under weight_quantize="kernel", XLA's swapaxes of the codes
+  under "xla"): no relayout of the parameters. Same values either way.
   Options not named keep their values outside any `with`: DEFAULT_OPTIONS, or those set by the
   environment variable COAT_JAX_LINEAR_OPTIONS="OPTION=VALUE,..." (read at import). CHOICES
   lists each option's values.
@@ -188,6 +195,9 @@ def _fwd_gemm(xq, w, out_dtype):
   if _OPTIONS["weight_quant"] == "once":
     q = _quantize_weight(wc, with_transpose=True)
     wq, kept = QuantizedArray(q.data_t, q.scale, "e4m3"), name_residuals((q.data, q.scale))
+  elif _OPTIONS["weight_transpose"] == "codes":
+    q = _quantize_weight(wc, with_transpose=True)   # W read as it lies; its codes transposed
+    wq, kept = QuantizedArray(q.data_t, q.scale, "e4m3"), None
   else:
     wq = _quantize_weight(jnp.swapaxes(wc, 0, 1))
     kept = None
