@@ -253,7 +253,7 @@ def test_dispatch_bench_table_and_fit(capsys, monkeypatch):
 def test_e2e_state_counted_per_device_on_an_fsdp_mesh():
   """8 simulated devices: FSDP shards params, grads and the optimizer state, so the per-device
   budget is smaller than the data-parallel one (which holds everything on every device)."""
-  base = ["--one", "coat+coat_adamw", "--preset", "tiny", "--set", "model.num_layers=1",
+  base = ["--one", "bf16+adamw", "--preset", "tiny", "--set", "model.num_layers=1",
           "--set", "model.hidden_size=128", "--set", "model.intermediate_size=256",
           "--seq-len", "16", "--batch", "8", "--steps", "1", "--warmup", "1"]
   dp = e2e.measure_one(e2e.parse_args(base))
