@@ -259,5 +259,76 @@ def live_range_peak(text: str, top: int = 40) -> dict:
     for m in re.finditer(r"^      [├└]── (.+?) \([\d.]+%, total: ([\d ]+) bytes", breakdown[1], re.M):
       by_op.append((m.group(1), int(m.group(2).replace(" ", ""))))
   return {"time": int(head.group(1)), "bytes": sum(b for _, b in buffers),
-          "buffers": sorted(buffers, key=lambda b: -b[1])[:top],
+          "buffers": sorted(buffers, key=lambda b: -b[1])[:top],   # top=None: all
           "by_op": sorted(by_op, key=lambda b: -b[1])}
+
+
+def buffer_slots(text: str) -> dict:
+  """XLA's `*-buffer-assignment.txt` -> {value name as the live-range dump spells it
+  ("instr{}" / "instr{2}"): (allocation, offset, size)}: where each logical buffer lies."""
+  slots, alloc = {}, None
+  for line in text.splitlines():
+    m = re.match(r"allocation (\d+): size", line)
+    if m:
+      alloc = int(m.group(1))
+      continue
+    m = re.match(r"\s*value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)",
+                 line)
+    if m and alloc is not None:
+      slots[m.group(1) + (m.group(2) or "{}")] = (alloc, int(m.group(4)), int(m.group(3)))
+  return slots
+
+
+def physical_bytes(buffers, slots: dict) -> tuple[int, int]:
+  """(bytes, buffers not found in `slots`) of live buffers [(name, bytes, ...)] counting each
+  (allocation, offset) once: loop-carried values and their aliases share one slot, which the
+  live-range dump lists once per name."""
+  seen, total, missing = {}, 0, 0
+  for name, size, *_ in buffers:
+    where = slots.get(name)
+    if where is None:
+      missing += 1
+      total += size
+    elif seen.get(where[:2], -1) < size:
+      total += size - max(seen.get(where[:2], 0), 0)
+      seen[where[:2]] = size
+  return total, missing
+
+
+def physical_peak(live_range_text: str, slots: dict, top: int = 40) -> dict:
+  """The schedule position where the most bytes are live counting each (allocation, offset) slot
+  once (aliases of a loop's carried buffers share a slot; XLA's own "peak" counts them once per
+  name): {"time", "bytes", "buffers": [(names in the slot, bytes)] largest first}. `slots` from
+  `buffer_slots`; live ranges from the dump's BufferLiveRange section."""
+  section = live_range_text.split("BufferLiveRange:", 1)[-1].split("Live ranges at", 1)[0]
+  by_slot = collections.defaultdict(list)   # slot -> [(start, end, name, size)]
+  end_time = 0
+  for m in re.finditer(r"^\s+(\S+):(\d+)-(\d+)\s*$", section, re.M):
+    name, start, end = m.group(1), int(m.group(2)), int(m.group(3))
+    where = slots.get(name)
+    if where is None:
+      continue
+    by_slot[where[:2]].append((start, end, name, where[2]))
+    end_time = max(end_time, end)
+  delta = [0] * (end_time + 2)
+  for values in by_slot.values():   # a slot holds max(size) over its values live at a time
+    spans = sorted((t0, t1, size) for t0, t1, _, size in values)
+    cur0, cur1, cur = spans[0]
+    for t0, t1, size in spans[1:] + [(end_time + 1, end_time + 1, 0)]:
+      if t0 > cur1:
+        delta[cur0] += cur
+        delta[cur1 + 1] -= cur
+        cur0, cur1, cur = t0, t1, size
+      else:
+        cur1, cur = max(cur1, t1), max(cur, size)
+  live, best, best_t = 0, -1, 0
+  for t in range(end_time + 1):
+    live += delta[t]
+    if live > best:
+      best, best_t = live, t
+  at_peak = []
+  for values in by_slot.values():
+    here = [(name, size) for t0, t1, name, size in values if t0 <= best_t <= t1]
+    if here:
+      at_peak.append((" = ".join(sorted({n for n, _ in here}))[:200], max(s for _, s in here)))
+  return {"time": best_t, "bytes": best, "buffers": sorted(at_peak, key=lambda b: -b[1])[:top]}

@@ -208,12 +208,21 @@ def _read_peak_live(root: str, variant: str, hlo_text: str) -> dict:
   instruction's shape and op_name, and the peak by JAX op (`_hlo.live_range_peak`)."""
   import re
 
-  from _hlo import instruction_shapes, live_range_peak
+  from _hlo import (buffer_slots, instruction_shapes, live_range_peak, physical_bytes,
+                    physical_peak)
 
-  paths = sorted(_dump_dir(root, variant).glob("*train_step*after_optimizations-live-range.txt"))
+  dump = _dump_dir(root, variant)
+  paths = sorted(dump.glob("*train_step*after_optimizations-live-range.txt"))
   if not paths:
-    return {"error": f"no live-range dump under {_dump_dir(root, variant)}"}
-  peak = live_range_peak(paths[-1].read_text())
+    return {"error": f"no live-range dump under {dump}"}
+  live_ranges = paths[-1].read_text()
+  peak = live_range_peak(live_ranges, top=None)
+  assignment = sorted(dump.glob("*train_step*after_optimizations-buffer-assignment.txt"))
+  if assignment:   # the same bytes counted once per (allocation, offset): aliases share a slot
+    slots = buffer_slots(assignment[-1].read_text())
+    peak["physical_bytes"], peak["unplaced"] = physical_bytes(peak["buffers"], slots)
+    peak["physical"] = physical_peak(live_ranges, slots)
+  peak["buffers"] = peak["buffers"][:40]
   shapes = {}   # every instruction's shape, the nested ones too (a buffer may be made in a loop)
   for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ", hlo_text, re.M):
     shapes.setdefault(m.group(1), m.group(2))
@@ -224,11 +233,12 @@ def _read_peak_live(root: str, variant: str, hlo_text: str) -> dict:
 
 
 def print_buffer_diff(results: list[dict], top: int) -> None:
-  """Each variant's temp buffers beyond (and short of) the first variant's, by XLA's reports."""
+  """Each variant's temp buffers beyond (and short of) the first variant's, by XLA's reports;
+  then what each variant holds at its memory peak."""
   from _hlo import memory_report_diff
 
   ok = [r for r in results if "rows" in (r.get("memory_report") or {})]
-  if len(ok) < 2:
+  if not ok:
     return
   base = ok[0]
   for r in ok[1:]:
@@ -244,11 +254,19 @@ def print_buffer_diff(results: list[dict], top: int) -> None:
     peak = r.get("peak_live") or {}
     if not peak.get("buffers"):
       continue
-    print(f"\n{r['variant']}: {peak['bytes'] / 1e9:.3f} GB live at the peak (schedule position "
-          f"{peak['time']}); largest buffers:")
+    slots = ("" if "physical_bytes" not in peak else
+             f", {peak['physical_bytes'] / 1e9:.3f} GB in distinct slots")
+    print(f"\n{r['variant']}: {peak['bytes'] / 1e9:.3f} GB live at the peak{slots} (schedule "
+          f"position {peak['time']}); largest buffers:")
     for name, size, what in peak["buffers"][:top]:
       print(f"  {size / 1e6:10.1f} MB  {name[:40]:40}  {what[:110]}")
-    print("  by the JAX op that made them:")
+    phys = peak.get("physical")
+    if phys:
+      print(f"  counting each memory slot once, the peak is {phys['bytes'] / 1e9:.3f} GB at "
+            f"position {phys['time']}; its largest slots:")
+      for names, size in phys["buffers"][:top]:
+        print(f"  {size / 1e6:10.1f} MB  {names[:150]}")
+    print("  by the JAX op that made them (XLA's peak):")
     base_ops = dict(base.get("peak_live", {}).get("by_op", []))
     for op, size in peak["by_op"][:top]:
       delta = "" if r is base else f"  ({(size - base_ops.get(op, 0)) / 1e6:+.1f} MB vs {base['variant']})"

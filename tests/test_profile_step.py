@@ -88,3 +88,33 @@ Total bytes: 3221225472 (3.00GiB)
   assert rep["rows"] == [(2 * 2**30, "f32[16,8192,4096], bf16[8,1024]"), (2**30, "f32[8192,16,2048]")]
   other = {"rows": [(2 * 2**30, "f32[16,8192,4096], bf16[8,1024]"), (2**29, "bf16[4,4]")]}
   assert common.memory_report_diff(other, rep) == [(2**30, "f32[8192,16,2048]"), (-(2**29), "bf16[4,4]")]
+
+
+def test_physical_peak_counts_an_aliased_slot_once():
+  """Two names of one loop-carried buffer (same allocation and offset) are one slot: XLA's
+  live-range "peak" lists both; the physical peak counts 100 bytes once."""
+  assignment = """allocation 0: size 300, preallocated-temp:
+ value: <1 while.1{2} (phi) @0> (size=100,offset=0): f32[25]{0}
+ value: <2 arg_tuple.3{2} (phi) @0> (size=100,offset=0): f32[25]{0}
+ value: <3 fusion.7 @0> (size=200,offset=100): f32[50]{0}
+allocation 1: size 50, parameter 0:
+ value: <4 p0 @0> (size=50,offset=0): f32[12]{0}
+"""
+  live = """  BufferLiveRange:
+    while.1{2}:2-6
+    arg_tuple.3{2}:1-5
+    fusion.7{}:6-9
+    p0{}:0-9
+  Live ranges at 5 (peak):
+    while.1{2}: 100 bytes (cumulative: 100 bytes)
+    arg_tuple.3{2}: 100 bytes (cumulative: 200 bytes)
+    p0{}: 50 bytes (cumulative: 250 bytes)
+"""
+  slots = common.buffer_slots(assignment)
+  assert slots["while.1{2}"] == (0, 0, 100) and slots["fusion.7{}"] == (0, 100, 200)
+  peak = common.live_range_peak(live)
+  assert peak["bytes"] == 250
+  assert common.physical_bytes(peak["buffers"], slots) == (150, 0)
+  phys = common.physical_peak(live, slots)
+  assert (phys["time"], phys["bytes"]) == (6, 350)   # while.1 + fusion.7 + p0 at position 6
+  assert phys["buffers"][0] == ("fusion.7{}", 200)
