@@ -126,8 +126,7 @@ def test_linear_options_reject_unknown_values():
 
 def test_linear_options_from_the_environment():
   """COAT_JAX_LINEAR_OPTIONS (read at import) is parsed and checked like linear_options."""
-  import importlib
-  linear = importlib.import_module("coat_jax.ops.linear")   # (ops.linear is the function)
+  from coat_jax.ops import linear_layer as linear
   assert linear._parse_env(" activation_quantize=xla, amax=kernel ") == dict(
       activation_quantize="xla", amax="kernel")
   assert linear._parse_env("") == {}

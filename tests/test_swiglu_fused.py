@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels, ops
-from coat_jax.ops.linear import linear_options
+from coat_jax.ops.linear_layer import linear_options
 from pallas_kernels import swiglu_mgpu as sm
 from tests.test_kernels_quantize_mgpu import E4M3, FLOOR, _code_steps, _np_per_group, _same_codes
 

@@ -38,7 +38,7 @@ class Linear(nnx.Module):
     if x.shape[-1] != self.in_features:
       raise ValueError(f"Linear: input last axis {x.shape[-1]} != in_features {self.in_features}")
     # The parameter goes in as it is stored: the op casts it where it is used and keeps the
-    # parameter, not a cast copy, for its backward (ops/linear.py).
+    # parameter, not a cast copy, for its backward (ops/linear_layer.py).
     return ops.linear(x.astype(self.dtype), self.kernel[...], mode=self.mode, x_q=x_q)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from coat_jax import kernels
 from coat_jax.formats import ACTIVATION_GROUP_SIZE
-from coat_jax.ops.linear import name_residuals
+from coat_jax.ops.linear_layer import name_residuals
 
 ATTENTION_RESIDUALS = ("bf16", "fp8")
 

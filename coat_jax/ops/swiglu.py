@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from coat_jax import kernels
 from coat_jax.activations import silu_product as _plain
 from coat_jax.formats import ACTIVATION_GROUP_SIZE
-from coat_jax.ops.linear import name_residuals, option, quantize_input
+from coat_jax.ops.linear_layer import name_residuals, option, quantize_input
 from coat_jax.precision import check_precision
 
 
