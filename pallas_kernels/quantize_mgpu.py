@@ -153,13 +153,18 @@ def _saturate(y, fmax: float):
 # ---------------------------------------------------------------------------------------------
 # Per group.
 
-def _per_group_kernel(x_ref, q_ref, s_ref, *, fmax, floor, interpret):
-  x = _load_f32(x_ref)                                   # (r, G)
+def _quantize_groups(x, q_ref, s_ref, fmax, floor, interpret):
+  """The per-group quantize of float32 registers x (r, G), one group a row: codes to q_ref,
+  scales (as stored) to s_ref. Also the SwiGLU kernel's (swiglu_mgpu.py) for gate and up."""
   stored = _scale_from_amax(jnp.max(jnp.abs(x), axis=1), fmax, floor).astype(s_ref.dtype)  # (r,)
   scale = stored.astype(jnp.float32)                     # divide by the scale as stored
   y = _div(x, jnp.broadcast_to(scale[:, None], x.shape), interpret)
   q_ref[...] = _saturate(y, fmax).astype(q_ref.dtype)
   s_ref[...] = stored
+
+
+def _per_group_kernel(x_ref, q_ref, s_ref, *, fmax, floor, interpret):
+  _quantize_groups(_load_f32(x_ref), q_ref, s_ref, fmax, floor, interpret)   # x: (r, G)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "out_dtype", "fmax", "floor",

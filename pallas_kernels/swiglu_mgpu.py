@@ -14,7 +14,8 @@ backward's residuals. Unfused, XLA's fusion reads gate and up for h and its amax
 per-group quantize reads each of them again: 2 of the 4 bytes read per element pair are saved.
 
 Blocks are (r, G) row tiles of the (rows, G) view (one group per row) in the WGMMA register
-layout, as the per-group quantize (quantize_mgpu). Imports jax and numpy only: fmax, floor and dtypes are arguments.
+layout, with the per-group quantize's own math (quantize_mgpu._quantize_groups). Imports jax and
+numpy only: fmax, floor and dtypes are arguments.
 """
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantize_mgpu import (_block_rows, _check, _div, _load_f32, _row_blocks,
-                                          _rows_problem, _saturate, _scale_from_amax,
-                                          _shared_trace)
+from pallas_kernels.quantize_mgpu import (_block_rows, _check, _load_f32, _quantize_groups,
+                                          _row_blocks, _rows_problem, _shared_trace)
 from pallas_kernels.rows_mgpu import MAX_CTAS, launch
 
 
@@ -35,20 +35,13 @@ def supported(shape, dtype, group_size: int) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and _rows_problem(shape, dtype, group_size) is None
 
 
-def _quantize_rows(x, q_ref, s_ref, fmax, floor, interpret):
-  stored = _scale_from_amax(jnp.max(jnp.abs(x), axis=1), fmax, floor).astype(s_ref.dtype)
-  y = _div(x, jnp.broadcast_to(stored.astype(jnp.float32)[:, None], x.shape), interpret)
-  q_ref[...] = _saturate(y, fmax).astype(q_ref.dtype)
-  s_ref[...] = stored
-
-
 def _kernel(g_ref, u_ref, gq_ref, gs_ref, uq_ref, us_ref, h_ref, hmax_ref, *, fmax, floor,
             interpret):
   g = _load_f32(g_ref)                                    # (r, G)
   u = _load_f32(u_ref)
   h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_ref.dtype)
-  _quantize_rows(g, gq_ref, gs_ref, fmax, floor, interpret)
-  _quantize_rows(u, uq_ref, us_ref, fmax, floor, interpret)
+  _quantize_groups(g, gq_ref, gs_ref, fmax, floor, interpret)
+  _quantize_groups(u, uq_ref, us_ref, fmax, floor, interpret)
   hmax_ref[...] = jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1)
   h_ref[...] = h
 
