@@ -315,15 +315,17 @@ _MESH_FILL = re.compile(r"\s*mesh\.(data|fsdp|tensor)\s*=\s*-1\s*")
 def _move_mesh_fill(path, overrides: list[str]) -> list[str]:
   """Overrides with `mesh.X=1` put first for each other axis the file fills (-1), when an override
   fills another axis (`mesh.fsdp=-1` over the default data=-1)."""
-  filled = [m.group(1) for m in map(_MESH_FILL.fullmatch, overrides) if m]
+  items = [o for o in overrides if isinstance(o, str)]   # others: config_io.load names them
+  filled = [m.group(1) for m in map(_MESH_FILL.fullmatch, items) if m]
   if not filled:
     return overrides
-  named = {o.split("=", 1)[0].strip() for o in overrides if isinstance(o, str) and "=" in o}
+  named = {o.split("=", 1)[0].strip() for o in items if "=" in o}
   try:
     raw = config_io.load_yaml(path) if path is not None else {}
   except ValueError:
     return overrides   # config_io.load reports the file's problem
   mesh = raw.get("mesh") if isinstance(raw.get("mesh"), dict) else {}
   base = {**dataclasses.asdict(MeshConfig()), **mesh}
-  return [f"mesh.{axis}=1" for axis in (f.name for f in dataclasses.fields(MeshConfig)) if axis != filled[-1]
-          and f"mesh.{axis}" not in named and base.get(axis) == -1] + overrides
+  axes = [f.name for f in dataclasses.fields(MeshConfig)]
+  return [f"mesh.{axis}=1" for axis in axes
+          if axis != filled[-1] and f"mesh.{axis}" not in named and base.get(axis) == -1] + overrides
