@@ -90,23 +90,36 @@ def time_calls(fn: Callable, args_fn: Callable, steps: int, warmup: int = 2,
   return statistics.median(times)
 
 
-def kernel_times(trace_dir: str) -> collections.Counter:
-  """Microseconds per kernel name summed over the GPU planes of the newest profiler trace."""
+def load_trace(trace_dir: str):
+  """The newest jax.profiler trace (*.xplane.pb) under trace_dir, read (jax.profiler.ProfileData);
+  ValueError if there is none."""
   import jax
 
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
   if not paths:
     raise ValueError(f"no profiler trace (*.xplane.pb) under {trace_dir}")
-  data = jax.profiler.ProfileData.from_file(paths[-1])
-  out = collections.Counter()
+  return jax.profiler.ProfileData.from_file(paths[-1])
+
+
+def gpu_kernel_events(data):
+  """(GPU plane name, event) of every kernel in a read trace: the events of the GPU planes'
+  stream lines (kernel lines are per CUDA stream)."""
   for plane in data.planes:
     if not plane.name.startswith("/device:GPU"):
       continue
     for line in plane.lines:
-      if "stream" not in line.name.lower():  # kernel lines are per CUDA stream
-        continue
-      for ev in line.events:
-        out[ev.name] += ev.duration_ns / 1e3
+      if "stream" in line.name.lower():
+        for ev in line.events:
+          yield plane.name, ev
+
+
+def kernel_times(trace) -> collections.Counter:
+  """Microseconds per kernel name summed over the GPU planes of a trace: a trace directory (its
+  newest trace) or a trace already read by `load_trace`."""
+  data = load_trace(trace) if isinstance(trace, (str, os.PathLike)) else trace
+  out = collections.Counter()
+  for _, ev in gpu_kernel_events(data):
+    out[ev.name] += ev.duration_ns / 1e3
   if not out:
     print("no GPU kernel events; planes/lines:",
           [(pl.name, [ln.name for ln in pl.lines][:6]) for pl in data.planes][:8])

@@ -243,10 +243,10 @@ def memory_report_diff(a: dict, b: dict, top: int = 15) -> list[tuple[int, str]]
   return (sorted(extra, reverse=True)[:top] + sorted(fewer)[:top])
 
 
-def live_range_peak(text: str, top: int = 40) -> dict:
+def live_range_peak(text: str, top: int | None = 40) -> dict:
   """XLA's `*-live-range.txt` (written under --xla_dump_to) -> the buffers live at the module's
   peak: {"time": its position in the schedule, "bytes": their sum, "buffers": [(instruction{index},
-  bytes)] largest first (at most `top`), "by_op": [(op_name, bytes)] of the first level of XLA's
+  bytes)] largest first (at most `top`; None: all), "by_op": [(op_name, bytes)] of the first level of XLA's
   "stack trace breakdown for peak usage" (what the peak holds, by the JAX op that made it)}."""
   head = re.search(r"Live ranges at (\d+) \(peak\):\n((?:    .*\n)*)", text)
   if not head:
@@ -259,7 +259,7 @@ def live_range_peak(text: str, top: int = 40) -> dict:
     for m in re.finditer(r"^      [├└]── (.+?) \([\d.]+%, total: ([\d ]+) bytes", breakdown[1], re.M):
       by_op.append((m.group(1), int(m.group(2).replace(" ", ""))))
   return {"time": int(head.group(1)), "bytes": sum(b for _, b in buffers),
-          "buffers": sorted(buffers, key=lambda b: -b[1])[:top],   # top=None: all
+          "buffers": sorted(buffers, key=lambda b: -b[1])[:top],
           "by_op": sorted(by_op, key=lambda b: -b[1])}
 
 
@@ -283,14 +283,14 @@ def physical_bytes(buffers, slots: dict) -> tuple[int, int]:
   """(bytes, buffers not found in `slots`) of live buffers [(name, bytes, ...)] counting each
   (allocation, offset) once: loop-carried values and their aliases share one slot, which the
   live-range dump lists once per name."""
-  seen, total, missing = {}, 0, 0
+  seen, total, missing = {}, 0, 0   # slot -> the largest size counted for it
   for name, size, *_ in buffers:
     where = slots.get(name)
     if where is None:
       missing += 1
       total += size
-    elif seen.get(where[:2], -1) < size:
-      total += size - max(seen.get(where[:2], 0), 0)
+    elif size > seen.get(where[:2], 0):
+      total += size - seen.get(where[:2], 0)
       seen[where[:2]] = size
   return total, missing
 
@@ -332,3 +332,16 @@ def physical_peak(live_range_text: str, slots: dict, top: int = 40) -> dict:
     if here:
       at_peak.append((" = ".join(sorted({n for n, _ in here}))[:200], max(s for _, s in here)))
   return {"time": best_t, "bytes": best, "buffers": sorted(at_peak, key=lambda b: -b[1])[:top]}
+
+
+def hlo_ops(text: str) -> dict:
+  """Kernels and collectives in a compiled module's text: custom calls by target (the Pallas
+  kernels: Mosaic GPU `mosaic_gpu*`, jax-triton `triton_kernel_call`; cuDNN, cuBLAS) and each
+  collective's count (how a mesh run shows its kernels ran per shard and what it communicates)."""
+  ops = collections.Counter(f"custom-call {t}" for t in
+                            re.findall(r'custom_call_target="([^"]+)"', text))
+  for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"):
+    n = len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", text))
+    if n:
+      ops[op] = n
+  return dict(ops)

@@ -10,9 +10,9 @@ a gap with no host activity is the GPU waiting on itself (e.g. a dependency acro
 from __future__ import annotations
 
 import collections
-import glob
-import os
 from typing import NamedTuple
+
+from _common import gpu_kernel_events
 
 
 class Gap(NamedTuple):
@@ -23,15 +23,6 @@ class Gap(NamedTuple):
   host: list  # [(host event name, overlapped us)], the shortest (innermost) events first
 
 
-def _newest_trace(trace_dir: str):
-  import jax
-
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-  if not paths:
-    raise ValueError(f"no profiler trace (*.xplane.pb) under {trace_dir}")
-  return jax.profiler.ProfileData.from_file(paths[-1])
-
-
 def _stat(ev, key: str) -> str:
   for k, v in ev.stats:
     if str(k) == key:
@@ -40,21 +31,13 @@ def _stat(ev, key: str) -> str:
 
 
 def kernel_intervals(data) -> dict[str, list[tuple[int, int, str]]]:
-  """{GPU plane name: [(start ns, end ns, "kernel [hlo_op]")] sorted by start} over stream lines."""
-  out = {}
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    evs = []
-    for line in plane.lines:
-      if "stream" not in line.name.lower():
-        continue
-      for ev in line.events:
-        op = _stat(ev, "hlo_op")
-        evs.append((ev.start_ns, ev.start_ns + ev.duration_ns, f"{ev.name} [{op}]" if op else ev.name))
-    if evs:
-      out[plane.name] = sorted(evs)
-  return out
+  """{GPU plane name: [(start ns, end ns, "kernel [hlo_op]")] sorted by start} of a read trace."""
+  out = collections.defaultdict(list)
+  for plane, ev in gpu_kernel_events(data):
+    op = _stat(ev, "hlo_op")
+    out[plane].append((ev.start_ns, ev.start_ns + ev.duration_ns,
+                       f"{ev.name} [{op}]" if op else ev.name))
+  return {plane: sorted(evs) for plane, evs in out.items()}
 
 
 def host_events(data) -> list[tuple[int, int, str]]:
@@ -102,10 +85,10 @@ def idle_gaps(kernels: list[tuple[int, int, str]], host: list[tuple[int, int, st
   return busy / 1e3, span / 1e3, out
 
 
-def gap_report(trace_dir: str, top: int = 12, min_us: float = 2.0) -> dict:
+def gap_report(data, top: int = 12, min_us: float = 2.0) -> dict:
   """{"busy_ms", "span_ms", "idle_ms", "gaps": count >= min_us, "idle_by_size": {bucket: ms},
-  "top": [[us, before, after, host overlap]]} for the first GPU of the newest trace in trace_dir."""
-  data = _newest_trace(trace_dir)
+  "top": [[us, before, after, host overlap]]} for the first GPU of a read trace
+  (`_common.load_trace`)."""
   planes = kernel_intervals(data)
   if not planes:
     return {}

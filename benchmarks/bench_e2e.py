@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 from _common import Budget, device_env, parse_modes
+from _hlo import hlo_ops
 from coat_jax.models.llama import REMAT_POLICIES  # no device is touched by this import
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,22 +142,6 @@ def _shard_shapes(tree):
   return jax.tree.map(one, tree)
 
 
-def _hlo_ops(text: str) -> dict:
-  """Kernels and collectives in a compiled module's text: custom calls by target (the Pallas
-  kernels: Mosaic GPU `mosaic_gpu*`, jax-triton `triton_kernel_call`; cuDNN, cuBLAS) and each
-  collective's count (how a mesh run shows its kernels ran per shard and what it communicates)."""
-  import collections
-  import re
-
-  ops = collections.Counter(f"custom-call {t}" for t in
-                            re.findall(r'custom_call_target="([^"]+)"', text))
-  for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"):
-    n = len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", text))
-    if n:
-      ops[op] = n
-  return dict(ops)
-
-
 def measure_one(args: argparse.Namespace) -> dict:
   """Builds, compiles and times one mode at args.batch; returns a JSON-able dict (never raises)."""
   out: dict = {"mode": args.one, "batch": args.batch, "seq_len": args.seq_len, "preset": args.preset,
@@ -229,7 +214,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
     out["memory_analysis"] = mem
   except Exception:  # not every backend reports it
     mem = None
-  out["hlo_ops"] = _hlo_ops(compiled.as_text())
+  out["hlo_ops"] = hlo_ops(compiled.as_text())
   say(f"[child {args.one} b={args.batch}] compiled step: " + ", ".join(
       f"{k} {v}" for k, v in sorted(out["hlo_ops"].items())))
   say(f"[child {args.one} b={args.batch}] compiled in {out['compile_s']:.1f} s"
@@ -266,9 +251,8 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   out["tokens_per_s_per_device"] = tokens_per_s / mesh.devices.size
   out.update(status="ok", peak_bytes=peak, peak_kind=kind, step_s=step_s, timed_steps=steps,
              step_s_blocking=statistics.median(blocking[1:] or blocking), tokens_per_s=tokens_per_s,
-             mfu=(metrics_lib.mfu(out["flops_per_token"], tokens_per_s, list(mesh.devices.flat))
-                  if tokens_per_s else None),
-             loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
+             mfu=metrics_lib.mfu(out["flops_per_token"], tokens_per_s, list(mesh.devices.flat)),
+             loss_first=losses[0], loss_last=losses[-1],
              loss_finite=all(math.isfinite(x) for x in losses))
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from _common import kernel_times
+from _common import kernel_times, load_trace
 from _trace import gap_report, print_gap_report
 from coat_jax import ops
 from coat_jax.nn import DecoderBlock
@@ -59,8 +59,9 @@ def main(argv=None):
       with jax.profiler.trace(tmp):  # back to back: the host dispatches ahead, as in training
         outs = [run() for _ in range(a.iters)]
         jax.block_until_ready(outs)
-      times = kernel_times(tmp)
-      gaps = gap_report(tmp, top=a.gaps)
+      trace = load_trace(tmp)   # read once for the kernel times and the gaps
+      times = kernel_times(trace)
+      gaps = gap_report(trace, top=a.gaps)
     total = sum(times.values()) / a.iters
     print(f"\n== {mode}: {total / 1e3:.2f} ms of kernel time per fwd+bwd ({len(times)} kernels)")
     for name, us in times.most_common(a.top):

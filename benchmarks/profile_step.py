@@ -49,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import gpu_kernel_events, load_trace
+
 RESULT_TAG = "RESULT "
 # Variant suffixes `+NAME` (several allowed: coat:scan+dsf+unroll2): XLA flags and config overrides.
 EXTRAS = {
@@ -107,26 +109,13 @@ def category(kernel: str, info) -> str:
   return "optimizer"
 
 
-def kernel_events(trace_dir: str) -> collections.Counter:
-  """Microseconds per (kernel name, HLO instruction or "") over the GPU stream lines of the
-  newest trace (as `_common.kernel_times`, plus the `hlo_op` stat XLA attaches to a kernel)."""
-  import glob
-
-  import jax
-
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+def kernel_events(data) -> collections.Counter:
+  """Microseconds per (kernel name, HLO instruction or "") over the GPU kernels of a read trace
+  (as `_common.kernel_times`, plus the `hlo_op` stat XLA attaches to a kernel)."""
   out = collections.Counter()
-  if not paths:
-    return out
-  for plane in jax.profiler.ProfileData.from_file(paths[-1]).planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if "stream" not in line.name.lower():
-        continue
-      for ev in line.events:
-        stats = dict((str(k), v) for k, v in ev.stats)
-        out[(ev.name, str(stats.get("hlo_op", "")))] += ev.duration_ns / 1e3
+  for _, ev in gpu_kernel_events(data):
+    stats = dict((str(k), v) for k, v in ev.stats)
+    out[(ev.name, str(stats.get("hlo_op", "")))] += ev.duration_ns / 1e3
   return out
 
 
@@ -146,14 +135,13 @@ def measure_one(a) -> dict:
   if a.hlo_dir:
     import gzip
     Path(a.hlo_dir).mkdir(parents=True, exist_ok=True)
-    name = a.one.replace(":", "_").replace("+", "_") + ".hlo.txt.gz"
-    with gzip.open(Path(a.hlo_dir) / name, "wt") as f:
+    with gzip.open(Path(a.hlo_dir) / f"{_stem(a.one)}.hlo.txt.gz", "wt") as f:
       f.write(text)
-  if a.buffers:
-    out["memory_report"] = _read_memory_report(a.buffers, a.one)
-    out["peak_live"] = _read_peak_live(a.buffers, a.one, text)
   index = instruction_index(text)
   shapes = instruction_shapes(text)
+  if a.buffers:
+    out["memory_report"] = _read_memory_report(a.buffers, a.one)
+    out["peak_live"] = _read_peak_live(a.buffers, a.one, text, shapes)
   out["hlo_categories"] = dict(collections.Counter(category(k, v) for k, v in index.items()))
   params, opt_state, rest = built.init()
   vocab = built.llama_cfg.vocab_size
@@ -174,8 +162,9 @@ def measure_one(a) -> dict:
       for _ in range(a.iters):
         *state, metrics = compiled(*state, tokens)
       jax.block_until_ready(metrics["loss"])
-    times_us = kernel_events(tmp)
-    out["gaps"] = gap_report(tmp, top=a.gaps)
+    trace = load_trace(tmp)   # read once for the kernel times and the gaps
+    times_us = kernel_events(trace)
+    out["gaps"] = gap_report(trace, top=a.gaps)
   per_cat, kernels = collections.Counter(), []
   for (name, hlo_op), us in times_us.items():
     cat = category(name, index.get(hlo_op) or index.get(name))
@@ -189,8 +178,13 @@ def measure_one(a) -> dict:
   return out
 
 
+def _stem(variant: str) -> str:
+  """A variant's name as a file or directory name ('coat:scan+nocb' -> 'coat_scan_nocb')."""
+  return variant.replace(":", "_").replace("+", "_")
+
+
 def _dump_dir(root: str, variant: str) -> Path:
-  return Path(root) / variant.replace(":", "_").replace("+", "_")
+  return Path(root) / _stem(variant)
 
 
 def _read_memory_report(root: str, variant: str) -> dict:
@@ -203,13 +197,13 @@ def _read_memory_report(root: str, variant: str) -> dict:
   return memory_report(paths[-1].read_text())
 
 
-def _read_peak_live(root: str, variant: str, hlo_text: str) -> dict:
+def _read_peak_live(root: str, variant: str, hlo_text: str, launched: dict) -> dict:
   """The buffers live at the step's memory peak (XLA's live-range dump), each with its
-  instruction's shape and op_name, and the peak by JAX op (`_hlo.live_range_peak`)."""
+  instruction's shape and op_name (`launched`: `_hlo.instruction_shapes` of hlo_text, else the
+  shape of any instruction of that name), and the peak by JAX op (`_hlo.live_range_peak`)."""
   import re
 
-  from _hlo import (buffer_slots, instruction_shapes, live_range_peak, physical_bytes,
-                    physical_peak)
+  from _hlo import buffer_slots, live_range_peak, physical_bytes, physical_peak
 
   dump = _dump_dir(root, variant)
   paths = sorted(dump.glob("*train_step*after_optimizations-live-range.txt"))
@@ -226,7 +220,6 @@ def _read_peak_live(root: str, variant: str, hlo_text: str) -> dict:
   shapes = {}   # every instruction's shape, the nested ones too (a buffer may be made in a loop)
   for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ", hlo_text, re.M):
     shapes.setdefault(m.group(1), m.group(2))
-  launched = instruction_shapes(hlo_text)
   peak["buffers"] = [(name, size, launched.get(name.split("{")[0]) or shapes.get(name.split("{")[0], ""))
                      for name, size in peak.get("buffers", [])]
   return peak

@@ -270,7 +270,8 @@ def test_e2e_hlo_ops_and_device_env():
   %b = f32[4]{0} custom-call(f32[4]{0} %a), custom_call_target="mosaic_gpu_v2"
   %ag = (f32[4]{0}, f32[8]{0}) all-gather-start(f32[4]{0} %b), channel_id=1
   %ar = f32[8]{0} all-reduce(f32[8]{0} %q), to_apply=%add"""
-  assert e2e._hlo_ops(text) == {"custom-call mosaic_gpu_v2": 2, "all-gather": 1, "all-reduce": 1}
+  assert _load("_hlo").hlo_ops(text) == {"custom-call mosaic_gpu_v2": 2, "all-gather": 1,
+                                          "all-reduce": 1}
   env = common.device_env(2, {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"})
   assert env == {"CUDA_VISIBLE_DEVICES": "0,1",
                  "XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=2"}
