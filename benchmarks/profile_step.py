@@ -2,8 +2,9 @@
 
 Each variant (`precision:layout[+extra...]`, precision bf16 | fp8_linear with adamw, coat with
 coat_adamw; layout scan | loop; extras EXTRAS: `+dsf` XLA's dynamic-slice fusion, `+vjploop`
-the layer loop with its own VJP (`model.scan_impl=vjp_loop`), `+unroll2` two layers per scan
-iteration) runs in its own child process: it builds and compiles the train step as
+the layer loop with its own VJP (`model.scan_impl=vjp_loop`), `+lax` JAX's lax.scan
+(`model.scan_impl=lax`; without either the model's default "auto" picks), `+unroll2` two layers
+per scan iteration) runs in its own child process: it builds and compiles the train step as
 bench_e2e does (`_hlo.build_step`), runs --warmup steps, times --steps steps (median), then
 traces --iters steps (dispatched back to back, as train.py does) with jax.profiler and sums device
 time per kernel (the GPU stream lines, as `_common.kernel_times`, keyed also by the `hlo_op` XLA
@@ -57,8 +58,11 @@ EXTRAS = {
     # XLA GPU's dynamic-slice fusion: cuBLAS / custom calls read and write slices of the stacked
     # scan buffers in place instead of through a copy.
     "dsf": {"xla_flags": "--xla_gpu_enable_dynamic_slice_fusion=true"},
-    # llama.layer_loop: residual and gradient buffers uninitialized (AllocateBuffer), no zero fill.
+    # llama.layer_loop: residual and gradient buffers uninitialized (AllocateBuffer), no zero fill
+    # (what scan_impl="auto", the default, runs on one device).
     "vjploop": {"sets": ["model.scan_impl=vjp_loop"]},
+    # JAX's lax.scan and its transpose (zero-filled stacks; what "auto" runs on a mesh).
+    "lax": {"sets": ["model.scan_impl=lax"]},
     "unroll2": {"sets": ["model.scan_unroll=2"]},
     "unroll4": {"sets": ["model.scan_unroll=4"]},
     # No command buffers (CUDA graphs): each kernel then keeps its own instruction's name, so

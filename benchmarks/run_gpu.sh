@@ -7,7 +7,7 @@
 # optimizer kernels' tests, tree kernel included: carry .whl), kernels (quantize bandwidth,
 # fused Adam step, FP8 GEMM), quant_sweep (the Mosaic GPU quantize kernels' tunables), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params),
 # train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e (benchmarks/bench_e2e.py),
-# peak (what the coat step holds at its memory peak, scan vs vjp_loop, and with W^T from FP8 codes),
+# peak (what the coat step holds at its memory peak, lax.scan vs vjp_loop),
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,11 +58,9 @@ for s in "$@"; do
                  --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \
                  --set run.eval_every=1000 --set checkpoint.every=100000 --set mesh.fsdp=-1 --out-dir /tmp/runs_$1; done ;;
     e2e) section e2e 500 $PY benchmarks/bench_e2e.py ${E2E_ARGS:-} ;;
-    peak) section peak 300 $PY benchmarks/profile_step.py --variants coat:scan,coat:scan+vjploop \
-            --iters 1 --steps 1 --warmup 1 --top 25 --gaps 0 --buffers /tmp/peak_dumps --json "$OUT/peak.json"
-          section peak 200 env COAT_JAX_LINEAR_OPTIONS=weight_transpose=codes,weight_quantize=kernel \
-            $PY benchmarks/profile_step.py --variants coat:scan --iters 1 --steps 1 --warmup 1 --top 25 \
-            --gaps 0 --buffers /tmp/peak_dumps_codes --hlo-dir "$OUT/hlo" --json "$OUT/peak_codes.json" ;;
+    peak) section peak 300 $PY benchmarks/profile_step.py --variants coat:scan+lax,coat:scan+vjploop \
+            --iters 1 --steps 1 --warmup 1 --top 25 --gaps 0 --buffers /tmp/peak_dumps --hlo-dir "$OUT/hlo" \
+            --json "$OUT/peak.json" ;;
     multi_gpu) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
           section multi_gpu 200 $PY benchmarks/resume_across_meshes.py --devices-a 2 --devices-b 1 --reference \
             --set precision=coat --set optimizer.name=coat_adamw --out-dir /tmp/resume \

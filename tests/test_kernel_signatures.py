@@ -1,8 +1,7 @@
 """Which Mosaic GPU kernels (one module each, compiled with the step) the FP8 linears bind on
 Hopper, listed without a GPU by benchmarks/compile_breakdown.py --signatures (the dispatch told it
-is on Hopper, the traced jaxpr walked; nothing runs), and that the linear options which drop
-kernels (amax="fused", weight_quantize="xla", the defaults) keep values and gradients bit for bit
-in interpret mode."""
+is on Hopper, the traced jaxpr walked; nothing runs), and that every linear option keeps the
+defaults' values and gradients bit for bit in interpret mode."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -54,19 +53,25 @@ def _signatures(rng, **options):
 
 def test_signatures_of_the_default_and_the_kernel_options(rng):
   default = _signatures(rng)
-  kernel = _signatures(rng, amax="kernel", weight_quantize="kernel")
-  # GEMMs: fwd, dX, dW of two linears (K x N and N x K): 6 shapes; per-tensor quantize
-  # + transposed copy: x and h (e4m3; h is (M, N)), dY of both (e5m2): 4; per-group: the norm's x.
-  assert cb.family_counts(default) == {"gemm": 6, "per_tensor": 4, "per_group": 1}
-  # + the tile maxima of (M, K) and (M, N) (x, h, dY's) and the weights' quantize: (K*N) once.
-  assert cb.family_counts(kernel) == {"gemm": 6, "per_tensor": 5, "per_group": 1, "tile_amax": 2}
+  xla = _signatures(rng, weight_quantize="xla", weight_transpose="cast")
+  kernel = _signatures(rng, amax="kernel")
+  # GEMMs: fwd, dX, dW of two linears (K x N and N x K): 6 shapes. Per-tensor quantize +
+  # transposed copy: x and h (e4m3; h is (M, N)), dY of both (e5m2), and under the defaults
+  # (weight_quantize="kernel", weight_transpose="codes") each weight with its transposed codes in
+  # the forward (W1 (K, N) shares h's signature; W2 (N, K)) and without in the backward (both
+  # weights' K * N values as the same rows): 6; per-group: the norm's x.
+  assert cb.family_counts(default) == {"gemm": 6, "per_tensor": 6, "per_group": 1}
+  # weights quantized by XLA's ops: the activations' and gradients' 4 only.
+  assert cb.family_counts(xla) == {"gemm": 6, "per_tensor": 4, "per_group": 1}
+  # + the tile maxima of (M, K) and (M, N) (x, h, dY's).
+  assert cb.family_counts(kernel) == {"gemm": 6, "per_tensor": 6, "per_group": 1, "tile_amax": 2}
   by_what = {r["what"]: r for r in default}
   fwd = by_what[f"M x N x K = {M} x {N} x {K}, e4m3 . e4m3 -> bf16"]
   first_linear = _block.__code__.co_firstlineno + 3   # the line of `h = ops.linear(y, w1, ...)`
   assert fwd["calls"] == 1 and list(fwd["sites"]) == [f"fwd _block:{first_linear} linear"], fwd
   dw = by_what[f"M x N x K = {K} x {N} x {M}, e4m3 . e5m2 -> f32"]
   assert all(s.startswith("bwd") for s in dw["sites"]), dw
-  assert all(r["traces"] == 1 for r in default + kernel)   # one module per signature
+  assert all(r["traces"] == 1 for r in default + xla + kernel)   # one module per signature
   assert all(r["grid"] for r in default)
 
 
@@ -84,15 +89,16 @@ def test_variant_linear_options_parse():
     cb.parse_variant("coat:coat_adamw/linear=amax")
 
 
-@pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="kernel"),
-                                     dict(amax="kernel", weight_quantize="kernel"),
-                                     dict(weight_quant="once", weight_quantize="kernel"),
-                                     dict(activation_quantize="xla", gradient_quantize="xla"),
-                                     dict(weight_transpose="codes"),
-                                     dict(weight_transpose="codes", weight_quantize="kernel")])
+@pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="xla"),
+                                     dict(weight_transpose="cast"),
+                                     dict(weight_transpose="cast", weight_quantize="xla"),
+                                     dict(amax="kernel", weight_quantize="xla"),
+                                     dict(weight_quant="once"),
+                                     dict(weight_quant="once", weight_quantize="xla"),
+                                     dict(activation_quantize="xla", gradient_quantize="xla")])
 def test_kernel_options_give_the_defaults_values_in_interpret_mode(rng, options):
-  """The Mosaic GPU kernels (interpret mode) vs the defaults' XLA amax and weight quantize: the
-  same forward values and gradients, bit for bit."""
+  """Every option against the defaults (the Mosaic GPU kernels in interpret mode, XLA's amax,
+  the weight's codes transposed): the same forward values and gradients, bit for bit."""
   args = _args(rng)
   ct = jnp.asarray(rng.standard_normal((2, M // 2, K)), jnp.bfloat16)
 
@@ -119,9 +125,9 @@ def test_linear_options_reject_unknown_values():
   with pytest.raises(ValueError, match="unknown option 'amx'"):
     with ops.linear_options(amx="kernel"):
       pass
-  assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused", weight_quantize="xla",
+  assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused", weight_quantize="kernel",
                                      activation_quantize="kernel", gradient_quantize="kernel",
-                                     swiglu_quantize="fused", weight_transpose="cast")
+                                     swiglu_quantize="fused", weight_transpose="codes")
 
 
 def test_linear_options_from_the_environment():

@@ -125,6 +125,28 @@ def test_vjp_loop_matches_lax_scan_coat(rng):
   compare_grads(g1, g0, 1e-5, 1 - 1e-5, "coat vjp_loop vs lax.scan")
 
 
+def test_auto_scan_impl_is_vjp_loop_on_one_device_only(monkeypatch):
+  """"auto" runs layer_loop on one device and lax.scan on several (llama.resolve_scan_impl), and
+  the model takes the loop it names: with one device the traced step carries AllocateBuffer-style
+  `empty` buffers, with several JAX's scan."""
+  from coat_jax.models import resolve_scan_impl
+  from coat_jax.models import llama as llama_module
+
+  assert tiny().scan_impl == "auto"
+  assert resolve_scan_impl("lax") == "lax" and resolve_scan_impl("vjp_loop") == "vjp_loop"
+  assert jax.device_count() > 1 and resolve_scan_impl("auto") == "lax"
+  cfg = tiny(dtype="float32", num_layers=2)
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.zeros((1, 8), jnp.int32) + 5
+  loops = {}
+  for count in (8, 1):
+    monkeypatch.setattr(llama_module.jax, "device_count", lambda count=count: count)
+    text = str(jax.make_jaxpr(nnx.grad(lambda m: jnp.sum(m(tokens))))(model))
+    loops[count] = (" empty[" in text, "scan[" in text)
+  assert resolve_scan_impl("auto") == "vjp_loop"
+  assert loops[8] == (False, True) and loops[1][0], loops
+
+
 def test_scan_options_are_checked():
   with pytest.raises(ValueError, match="scan_unroll"):
     tiny(num_layers=3, scan_unroll=2)
@@ -136,7 +158,7 @@ def test_scan_options_are_checked():
     ("coat", dict(weight_quant="once"), 64 * 48 + 4), ("fp8_linear", dict(weight_quant="once"),
                                                      64 * 48 + 4),
     ("coat", dict(amax="kernel"), 0), ("coat", dict(weight_quant="once", amax="kernel"), 64 * 48 + 4),
-    ("coat", dict(weight_quantize="kernel"), 0)])
+    ("coat", dict(weight_quantize="xla", weight_transpose="cast"), 0)])
 def test_linear_options_keep_values(mode, options, extra, rng):
   """ops.linear_options: W quantized once per step (the backward reusing the forward's (K, N) FP8
   copy, `extra` bytes kept), the activation amax from the quantize's own pass, W quantized by the

@@ -23,7 +23,7 @@ from coat_jax.models.layer_loop import layer_loop
 from coat_jax.nn import layers
 from coat_jax.precision import DTYPES, check_precision, resolve_dtype
 
-SCAN_IMPLS = ("lax", "vjp_loop")
+SCAN_IMPLS = ("auto", "lax", "vjp_loop")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -48,7 +48,8 @@ class LlamaConfig:
   layer per iteration, the fastest compile; must divide num_layers). `scan_impl` (SCAN_IMPLS) is
   how the scanned blocks are differentiated: "lax" lets JAX transpose the `lax.scan` (its stacked
   residual buffers are zero-filled before the loop); "vjp_loop" is `layer_loop`, whose buffers
-  start uninitialized and stack neither parameters nor one array twice.
+  start uninitialized and stack neither parameters nor one array twice; "auto" (default) is
+  `resolve_scan_impl`: "vjp_loop" on one device, "lax" on several.
   `attention_residuals` ("bf16" | "fp8", ops.ATTENTION_RESIDUALS) is what each attention keeps of
   q, k, v for its backward, in any precision mode: "fp8" keeps per-1x16-group E4M3 copies
   (1.125 instead of 2 bytes a value) and recomputes the attention from them in the backward.
@@ -74,7 +75,7 @@ class LlamaConfig:
   init_std: float = 0.02
   scan_layers: bool = True
   scan_unroll: int = 1
-  scan_impl: str = "lax"
+  scan_impl: str = "auto"
 
   def __post_init__(self):
     if self.num_kv_heads is None:
@@ -185,6 +186,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def resolve_scan_impl(scan_impl: str) -> str:
+  """The layer loop a `scan_impl` runs now: "auto" is "vjp_loop" when JAX sees one device, else "lax".
+
+  `layer_loop` is faster (OLMo-1B batch 8 on an H100: coat 196.8 vs 202.9 ms a step, bf16 262.2
+  vs 264.9 ms, same peak; docs/benchmarks.md, twelfth session), but its uninitialized buffers
+  are XLA `AllocateBuffer` custom calls, which the SPMD partitioner does not shard: on a mesh
+  every device would allocate the full, unsharded residual stacks and slice its shard out of
+  them (seen in XLA's partitioned HLO on an 8-device mesh). With one device nothing is
+  partitioned. A named implementation is returned as it is.
+  """
+  if scan_impl != "auto":
+    return scan_impl
+  return "vjp_loop" if jax.device_count() == 1 else "lax"
+
+
 def num_params(cfg: LlamaConfig) -> int:
   """Parameter count (embedding counted once when tied)."""
   d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -229,9 +245,9 @@ class Llama(nnx.Module):
     # Final norm and LM head stay in the compute dtype ("bf16" ops) in every mode.
     self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps, mode="bf16", dtype=dtype,
                                param_dtype=param_dtype)
-    self.lm_head = None if cfg.tie_embeddings else layers.Linear(
-        cfg.hidden_size, cfg.vocab_size, mode="bf16", dtype=dtype, param_dtype=param_dtype,
-        kernel_init=init, rngs=rngs)
+    self.lm_head = None if cfg.tie_embeddings else layers.LMHead(
+        cfg.hidden_size, cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, kernel_init=init,
+        rngs=rngs)
 
   def rope(self, seq_len: int) -> tuple[jax.Array, jax.Array]:
     """(cos, sin) tables for positions 0..seq_len-1."""
@@ -256,7 +272,7 @@ class Llama(nnx.Module):
 
       if self.cfg.remat != "none":
         block = jax.checkpoint(block, policy=policy, prevent_cse=False)
-      if self.cfg.scan_impl == "vjp_loop":
+      if resolve_scan_impl(self.cfg.scan_impl) == "vjp_loop":
         x = layer_loop(block, x, stacked, self.cfg.scan_unroll)
       else:
         x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, stacked,

@@ -90,8 +90,24 @@ class Embedding(nnx.Module):
     return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
 
   def attend(self, h: jax.Array) -> jax.Array:
-    """h: (..., D) -> logits (..., V) = h @ embedding^T, in `dtype`."""
-    return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.embedding[...].astype(self.dtype))
+    """h: (..., D) -> logits (..., V) = h @ embedding^T, in `dtype` (`ops.lm_head`, tied)."""
+    return ops.lm_head(h.astype(self.dtype), self.embedding[...], tied=True)
+
+
+class LMHead(nnx.Module):
+  """The untied LM head: logits = h @ kernel, `kernel` (features, vocab) (`ops.lm_head`)."""
+
+  def __init__(self, features: int, vocab_size: int, *, dtype: Any = jnp.bfloat16,
+               param_dtype: Any = jnp.float32, kernel_init: Callable = DEFAULT_INIT,
+               rngs: nnx.Rngs):
+    self.features, self.vocab_size = features, vocab_size
+    self.dtype = jnp.dtype(dtype)
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (features, vocab_size),
+                                        jnp.dtype(param_dtype)))
+
+  def __call__(self, h: jax.Array) -> jax.Array:
+    """h: (..., features) -> logits (..., vocab) in `dtype`."""
+    return ops.lm_head(h.astype(self.dtype), self.kernel[...])
 
 
 class Attention(nnx.Module):

@@ -60,17 +60,17 @@ def _quantize_x(x, *, with_transpose=False, amax=None) -> QuantizedArray:
 
 WEIGHT_QUANT = ("per_use", "once")
 AMAX = ("kernel", "fused")
-WEIGHT_QUANTIZE = ("xla", "kernel")
+WEIGHT_QUANTIZE = ("kernel", "xla")
 ACTIVATION_QUANTIZE = ("kernel", "xla")
 SWIGLU_QUANTIZE = ("fused", "separate")
-WEIGHT_TRANSPOSE = ("cast", "codes")
+WEIGHT_TRANSPOSE = ("codes", "cast")
 # Each option's choices; DEFAULT_OPTIONS are the options in effect outside any `with` (one place).
 CHOICES = {"weight_quant": WEIGHT_QUANT, "amax": AMAX, "weight_quantize": WEIGHT_QUANTIZE,
            "activation_quantize": ACTIVATION_QUANTIZE, "gradient_quantize": ACTIVATION_QUANTIZE,
            "swiglu_quantize": SWIGLU_QUANTIZE, "weight_transpose": WEIGHT_TRANSPOSE}
-DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "xla",
+DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "kernel",
                    "activation_quantize": "kernel", "gradient_quantize": "kernel",
-                   "swiglu_quantize": "fused", "weight_transpose": "cast"}
+                   "swiglu_quantize": "fused", "weight_transpose": "codes"}
 OPTIONS_ENV = "COAT_JAX_LINEAR_OPTIONS"
 
 
@@ -124,12 +124,12 @@ def linear_options(**options: str):
   its own stage-1 pass (a Mosaic GPU tile-maxima kernel per tensor shape, each compiled with the
   step). Same values either way. H100, 7B layer (bench_layer.py --modes coat, 2026-11-23):
   24.07 ms fused vs 24.30 ms kernel, and OLMo-1B's step compiles 2 Mosaic GPU modules fewer.
-  weight_quantize: "xla" (default) quantizes W (q = sat(W / s), an elementwise map given s) as
-  XLA ops, which fuse with W's cast to the compute dtype and its transpose: one pass over the
-  parameter; "kernel" runs the dispatch's per-tensor quantize (the Mosaic GPU kernel on Hopper,
-  one module per weight shape). Same values either way (XLA and Mosaic GPU both divide with
-  div.full.f32). H100 alone (docs/benchmarks.md, 16384 x 4096 / 11008 bf16): 0.154 / 0.369 ms
-  XLA vs 0.150 / 0.389 ms kernel; OLMo-1B's step compiles 2 Mosaic GPU modules fewer.
+  weight_quantize: "kernel" (default) runs the dispatch's per-tensor quantize of W (the Mosaic
+  GPU kernel on Hopper, one module per weight shape; with weight_transpose="codes" it writes W^T's
+  codes in the same pass); "xla" quantizes W (q = sat(W / s), an elementwise map given s) as XLA
+  ops, which fuse with W's cast to the compute dtype and any transpose. Same values either way
+  (XLA and Mosaic GPU both divide with div.full.f32). H100 alone (docs/benchmarks.md, 16384 x
+  4096 / 11008 bf16): 0.154 / 0.369 ms XLA vs 0.150 / 0.389 ms kernel.
   activation_quantize: the per-tensor E4M3 quantize (+ transposed copy) of each linear's input x
   (RMSNorm's y, SwiGLU's h, the attention output) by the dispatch's kernel ("kernel", default)
   or as XLA ops ("xla"), which XLA can fuse into the op producing x, so that a bf16 x read only
@@ -140,11 +140,15 @@ def linear_options(**options: str):
   "separate": h and its amax by XLA, then a per-group quantize of each of gate and up (two
   more reads). Same values either way.
   weight_transpose: how the forward gets W^T (N, K) for the TN GEMM under weight_quant=
-  "per_use". "cast" (default) quantizes the transposed cast weight; inside the scan over layers
-  XLA then relayouts every stacked weight once per step (f32 (L, K, N) -> (N, L, K), 4.3 GB for
-  OLMo-1B, alive through the forward). "codes" quantizes W as it lies and transposes the FP8 codes
-  (the kernel's transposed copy under weight_quantize="kernel", XLA's swapaxes of the codes
-  under "xla"): no relayout of the parameters. Same values either way.
+  "per_use". "codes" (default) quantizes W as it lies and transposes its FP8 codes (the kernel's
+  transposed copy under weight_quantize="kernel", XLA's swapaxes of the codes under "xla");
+  "cast" quantizes the transposed cast weight. Same values either way. Inside the scan over
+  layers "cast" makes XLA relayout every stacked weight once per step (f32 (L, K, N) ->
+  (N, L, K), 4.3 GB for OLMo-1B); "codes" with the kernel reads the parameter as it lies: no
+  relayout (0 instead of 21 in OLMo-1B's step). H100, OLMo-1B batch 8, coat (docs/benchmarks.md,
+  twelfth session, one call): 193.0 ms a step with both defaults vs 195.3 with "cast" and "xla"
+  (eleventh session: 200.5 vs 202.1; "codes" under "xla" 202.5), same peak; compile 0.5-3 s
+  longer (one more kernel module per weight shape).
   Options not named keep their values outside any `with`: DEFAULT_OPTIONS, or those set by the
   environment variable COAT_JAX_LINEAR_OPTIONS="OPTION=VALUE,..." (read at import). CHOICES
   lists each option's values.
@@ -177,9 +181,9 @@ def _weight_amax(w):
 
 
 def _quantize_weight(wc, *, with_transpose=False) -> QuantizedArray:
-  """Per-tensor E4M3 of a (cast) weight, amax from `_weight_amax`: XLA's ops under
-  `weight_quantize="xla"` (default; fused with the cast and any transpose of wc), else the
-  dispatch's kernel (see `linear_options`)."""
+  """Per-tensor E4M3 of a (cast) weight, amax from `_weight_amax`: the dispatch's kernel
+  (`weight_quantize="kernel"`, default), else XLA's ops, fused with the cast and any transpose of
+  wc (see `linear_options`)."""
   return kernels.quantize_per_tensor(wc, "e4m3", amax=_weight_amax(wc),
                                      with_transpose=with_transpose,
                                      producer_fusion=_OPTIONS["weight_quantize"] == "xla")

@@ -49,7 +49,8 @@ class ModelConfig:
   "fp8_residuals") or a bool. `scan_layers` (default on) runs the decoder blocks as one scanned
   layer, compiled once; off: a Python loop over the layers (compile time grows with depth).
   `scan_unroll` runs that many layers per scan iteration (must divide num_layers); `scan_impl`
-  "lax" | "vjp_loop" is how the scan is differentiated (`coat_jax.models.layer_loop`).
+  "auto" (default) | "lax" | "vjp_loop" is how the scan is differentiated
+  (`coat_jax.models.resolve_scan_impl`: "auto" runs `layer_loop` on one device, lax.scan on a mesh).
   `attention_residuals` "bf16" (default) | "fp8": what each attention keeps of q, k, v for its
   backward (`LlamaConfig.attention_residuals`: fp8 keeps 1 x 16 E4M3 copies and recomputes the
   attention in the backward: less activation memory, one more attention forward).
