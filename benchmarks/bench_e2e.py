@@ -4,10 +4,10 @@ Modes: "bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw" (precision + optimize
 measurement is a child process of this script (`--one MODE --batch B`), so every mode's
 `peak_bytes_in_use` is its own. A child builds the model, optimizer and jitted step with
 `coat_jax.training.build.build` (as train.py does), compiles the train step ahead
-of time (XLA's `memory_analysis` is recorded), runs --warmup steps and then --steps timed steps on
-synthetic random tokens (the timed ones dispatched back to back with one block at the end, as
-train.py runs them: step_s is their mean; step_s_blocking is the median warmup step blocked on
-one by one, the host's round trip included), and prints one
+of time (XLA's `memory_analysis` is recorded), runs --warmup steps (at least 2) and then --steps
+timed steps on synthetic random tokens (the timed ones dispatched back to back with one block at
+the end, as train.py runs them: step_s is their mean; step_s_blocking is the median of the warmup
+steps after the first, each blocked on, the host's round trip included), and prints one
 `RESULT {json}` line. The memory budget (`coat_jax.training.build.memory_budget`: master weights,
 gradients, the bfloat16 weight copy of `optimizer.grad_dtype=bfloat16`, the gradient accumulator,
 optimizer state) is printed and tabulated next to the measured peak. Before compiling the child
@@ -79,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seq-len", type=int, default=2048)
   p.add_argument("--batch", type=int, default=8, help="the equal batch for all modes (sequences)")
   p.add_argument("--steps", type=int, default=10, help="timed steps (back to back, mean reported)")
-  p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
+  p.add_argument("--warmup", type=int, default=3,
+                 help="untimed steps after compilation, each blocked on (at least 2 run)")
   p.add_argument("--remat", default="none", choices=REMATS, help="per-block rematerialization policy")
   p.add_argument("--attention-impl", default=None, help="None: cudnn on GPU, xla elsewhere")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -226,7 +227,9 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
                          dtype=np.int32), batch_sh)
   deadline = args.deadline or float("inf")
   losses, blocking = [], []
-  for i in range(max(args.warmup, 1)):  # each step blocked on: the host's round trip included
+  # Each warmup step blocked on (the host's round trip included); at least two, so that the
+  # blocked time (their median after the first) never is the first step's alone.
+  for i in range(max(args.warmup, 2)):
     t0 = time.perf_counter()
     params, opt_state, rest, metrics = compiled(params, opt_state, rest, tokens)
     jax.block_until_ready(metrics["loss"])

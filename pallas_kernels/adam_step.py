@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-OUTPUTS = ("param", "update")
+from pallas_kernels.adam_operands import OUTPUTS
 
 
 def _saturate(y: jax.Array, fmax: float) -> jax.Array:

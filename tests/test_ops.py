@@ -287,8 +287,10 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
   """With the quantize kernels on (interpreted here) and linear_options(amax="kernel",
   weight_quantize="kernel"), a coat linear's forward and backward run the stage-1 tile-maxima
   kernel for x and dY only: a weight's amax is an XLA reduction (one Mosaic GPU module less per
-  weight shape in a compiled step); values and gradients as the reference's. The defaults run
-  no stage-1 kernel and quantize W by XLA: the quantize kernels of x and dY only."""
+  weight shape in a compiled step); values and gradients as the reference's. The defaults
+  (amax="fused", weight_quantize="kernel") run no stage-1 kernel and the quantize kernels of x,
+  dY and W (forward with W^T's codes, backward without); with weight_quantize="xla" those of x and
+  dY only."""
   x = jnp.asarray(rng.standard_normal((64, 64)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((64, 64)) * 0.1, jnp.float32)
   loss = lambda x, w: jnp.sum(ops.linear(x, w, mode="coat").astype(jnp.float32) ** 2)
@@ -308,7 +310,11 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
     got = step(x, w)
   assert names.count("coat_tile_amax_mgpu") == 2
   assert names.count("coat_quantize_per_tensor_mgpu") == 4
-  with kernels.backend("quantize=mosaic"):   # the defaults: every amax and W's quantize by XLA
+  with kernels.backend("quantize=mosaic"):   # the defaults: every amax by XLA
+    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
+  assert names.count("coat_tile_amax_mgpu") == 0
+  assert names.count("coat_quantize_per_tensor_mgpu") == 4   # x, dY, W twice
+  with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="xla"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
   assert names.count("coat_tile_amax_mgpu") == 0
   assert names.count("coat_quantize_per_tensor_mgpu") == 2   # x and dY, with transposed copies
