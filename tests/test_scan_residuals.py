@@ -147,6 +147,26 @@ def test_auto_scan_impl_is_vjp_loop_on_one_device_only(monkeypatch):
   assert loops[8] == (False, True) and loops[1][0], loops
 
 
+def test_vjp_loop_named_on_a_gpu_mesh_warns(monkeypatch):
+  """Named "vjp_loop" on several accelerators warns that each device would hold the unsharded
+  buffers; on one device, or on the CPU (where `lax.empty` is zeros), it does not."""
+  import warnings
+
+  from coat_jax.models import llama as llama_module
+  from coat_jax.models import resolve_scan_impl
+
+  monkeypatch.setattr(llama_module.jax, "default_backend", lambda: "gpu")
+  with pytest.warns(UserWarning, match="does not shard"):
+    assert resolve_scan_impl("vjp_loop") == "vjp_loop"
+  for count, backend in ((1, "gpu"), (8, "cpu")):
+    monkeypatch.setattr(llama_module.jax, "device_count", lambda count=count: count)
+    monkeypatch.setattr(llama_module.jax, "default_backend", lambda backend=backend: backend)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      assert resolve_scan_impl("vjp_loop") == "vjp_loop"
+      assert resolve_scan_impl("auto") == ("vjp_loop" if count == 1 else "lax")
+
+
 def test_scan_options_are_checked():
   with pytest.raises(ValueError, match="scan_unroll"):
     tiny(num_layers=3, scan_unroll=2)

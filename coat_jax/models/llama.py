@@ -12,6 +12,7 @@ block, not num_layers copies. With `scan_layers=False` they are a Python list of
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -194,8 +195,13 @@ def resolve_scan_impl(scan_impl: str) -> str:
   are XLA `AllocateBuffer` custom calls, which the SPMD partitioner does not shard: on a mesh
   every device would allocate the full, unsharded residual stacks and slice its shard out of
   them (seen in XLA's partitioned HLO on an 8-device mesh). With one device nothing is
-  partitioned. A named implementation is returned as it is.
+  partitioned. A named implementation is returned as it is; "vjp_loop" named for several GPUs or
+  TPUs gets a warning saying so (on the CPU `lax.empty` is zeros, which XLA shards).
   """
+  if scan_impl == "vjp_loop" and jax.device_count() > 1 and jax.default_backend() != "cpu":
+    warnings.warn(f"scan_impl='vjp_loop' with {jax.device_count()} devices: XLA does not shard "
+                  "its uninitialized buffers, so on a mesh each device allocates the full "
+                  "residual stacks; scan_impl='auto' runs lax.scan there", stacklevel=2)
   if scan_impl != "auto":
     return scan_impl
   return "vjp_loop" if jax.device_count() == 1 else "lax"
