@@ -65,6 +65,10 @@ def test_signatures_of_the_default_and_the_kernel_options(rng):
   assert cb.family_counts(xla) == {"gemm": 6, "per_tensor": 4, "per_group": 1}
   # + the tile maxima of (M, K) and (M, N) (x, h, dY's).
   assert cb.family_counts(kernel) == {"gemm": 6, "per_tensor": 6, "per_group": 1, "tile_amax": 2}
+  # the backward's weight quantize by XLA: the weights' transposing forward ones stay (W1's
+  # shares h's signature, W2's its own): 5.
+  forward_kernel = _signatures(rng, weight_quantize="forward_kernel")
+  assert cb.family_counts(forward_kernel) == {"gemm": 6, "per_tensor": 5, "per_group": 1}
   by_what = {r["what"]: r for r in default}
   fwd = by_what[f"M x N x K = {M} x {N} x {K}, e4m3 . e4m3 -> bf16"]
   first_linear = _block.__code__.co_firstlineno + 3   # the line of `h = ops.linear(y, w1, ...)`
@@ -90,6 +94,7 @@ def test_variant_linear_options_parse():
 
 
 @pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="xla"),
+                                     dict(weight_quantize="forward_kernel"),
                                      dict(weight_transpose="cast"),
                                      dict(weight_transpose="cast", weight_quantize="xla"),
                                      dict(amax="kernel", weight_quantize="xla"),

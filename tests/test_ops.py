@@ -314,6 +314,9 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
   assert names.count("coat_tile_amax_mgpu") == 0
   assert names.count("coat_quantize_per_tensor_mgpu") == 4   # x, dY, W twice
+  with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="forward_kernel"):
+    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
+  assert names.count("coat_quantize_per_tensor_mgpu") == 3   # x, dY, W in the forward
   with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="xla"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
   assert names.count("coat_tile_amax_mgpu") == 0

@@ -60,7 +60,7 @@ def _quantize_x(x, *, with_transpose=False, amax=None) -> QuantizedArray:
 
 WEIGHT_QUANT = ("per_use", "once")
 AMAX = ("kernel", "fused")
-WEIGHT_QUANTIZE = ("kernel", "xla")
+WEIGHT_QUANTIZE = ("kernel", "xla", "forward_kernel")
 ACTIVATION_QUANTIZE = ("kernel", "xla")
 SWIGLU_QUANTIZE = ("fused", "separate")
 WEIGHT_TRANSPOSE = ("codes", "cast")
@@ -129,7 +129,10 @@ def linear_options(**options: str):
   codes in the same pass); "xla" quantizes W (q = sat(W / s), an elementwise map given s) as XLA
   ops, which fuse with W's cast to the compute dtype and any transpose. Same values either way
   (XLA and Mosaic GPU both divide with div.full.f32). H100 alone (docs/benchmarks.md, 16384 x
-  4096 / 11008 bf16): 0.154 / 0.369 ms XLA vs 0.150 / 0.389 ms kernel.
+  4096 / 11008 bf16): 0.154 / 0.369 ms XLA vs 0.150 / 0.389 ms kernel. "forward_kernel": the
+  forward's by the kernel, the backward's (W as it lies, no transpose) by XLA's ops fused with
+  the cast: for a float32 W it reads 4 bytes and writes 1 per weight, where the kernel's path
+  writes and reads the bf16 cast too (ablation; not yet measured on the GPU).
   activation_quantize: the per-tensor E4M3 quantize (+ transposed copy) of each linear's input x
   (RMSNorm's y, SwiGLU's h, the attention output) by the dispatch's kernel ("kernel", default)
   or as XLA ops ("xla"), which XLA can fuse into the op producing x, so that a bf16 x read only
@@ -180,13 +183,14 @@ def _weight_amax(w):
   return jnp.max(jnp.abs(w))
 
 
-def _quantize_weight(wc, *, with_transpose=False) -> QuantizedArray:
+def _quantize_weight(wc, *, with_transpose=False, backward=False) -> QuantizedArray:
   """Per-tensor E4M3 of a (cast) weight, amax from `_weight_amax`: the dispatch's kernel
-  (`weight_quantize="kernel"`, default), else XLA's ops, fused with the cast and any transpose of
-  wc (see `linear_options`)."""
+  (`weight_quantize="kernel"`, default; "forward_kernel" in the forward only), else XLA's ops,
+  fused with the cast and any transpose of wc (see `linear_options`)."""
+  choice = _OPTIONS["weight_quantize"]
+  by_xla = choice == "xla" or (choice == "forward_kernel" and backward)
   return kernels.quantize_per_tensor(wc, "e4m3", amax=_weight_amax(wc),
-                                     with_transpose=with_transpose,
-                                     producer_fusion=_OPTIONS["weight_quantize"] == "xla")
+                                     with_transpose=with_transpose, producer_fusion=by_xla)
 
 
 def _fwd_gemm(xq, w, out_dtype):
@@ -222,7 +226,7 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   if kept is not None:
     wq = QuantizedArray(*kept, "e4m3")
   else:
-    wq = _quantize_weight(w.astype(g.dtype))
+    wq = _quantize_weight(w.astype(g.dtype), backward=True)
   tn = (((1,), (1,)), ((), ()))
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
   x_tq = QuantizedArray(x_t, x_scale, "e4m3")
