@@ -83,12 +83,8 @@ def test_backward_releases_dh_only_with_dw(rng, tied):
     for e in j.eqns:
       if e.primitive.name == "optimization_barrier":
         barriers.append(e)
-      for p in e.params.values():
-        for sub in (p if isinstance(p, (list, tuple)) else [p]):
-          if hasattr(sub, "jaxpr"):
-            walk(sub.jaxpr if hasattr(sub.jaxpr, "eqns") else sub.jaxpr.jaxpr)
-          elif hasattr(sub, "eqns"):
-            walk(sub)
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        walk(getattr(sub, "jaxpr", sub))
 
   walk(jaxpr.jaxpr)
   assert len(barriers) == 1

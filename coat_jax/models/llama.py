@@ -198,13 +198,14 @@ def resolve_scan_impl(scan_impl: str) -> str:
   partitioned. A named implementation is returned as it is; "vjp_loop" named for several GPUs or
   TPUs gets a warning saying so (on the CPU `lax.empty` is zeros, which XLA shards).
   """
-  if scan_impl == "vjp_loop" and jax.device_count() > 1 and jax.default_backend() != "cpu":
-    warnings.warn(f"scan_impl='vjp_loop' with {jax.device_count()} devices: XLA does not shard "
-                  "its uninitialized buffers, so on a mesh each device allocates the full "
-                  "residual stacks; scan_impl='auto' runs lax.scan there", stacklevel=2)
+  devices = jax.device_count()
+  if scan_impl == "vjp_loop" and devices > 1 and jax.default_backend() != "cpu":
+    warnings.warn(f"scan_impl='vjp_loop' with {devices} devices: XLA does not shard its "
+                  "uninitialized buffers, so on a mesh each device allocates the full residual "
+                  "stacks; scan_impl='auto' runs lax.scan there", stacklevel=2)
   if scan_impl != "auto":
     return scan_impl
-  return "vjp_loop" if jax.device_count() == 1 else "lax"
+  return "vjp_loop" if devices == 1 else "lax"
 
 
 def num_params(cfg: LlamaConfig) -> int:

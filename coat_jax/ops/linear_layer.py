@@ -200,15 +200,13 @@ def _fwd_gemm(xq, w, out_dtype):
   `linear_options(weight_quant="once")`, else None.
   """
   wc = w.astype(out_dtype)
-  if _OPTIONS["weight_quant"] == "once":
-    q = _quantize_weight(wc, with_transpose=True)
-    wq, kept = QuantizedArray(q.data_t, q.scale, "e4m3"), name_residuals((q.data, q.scale))
-  elif _OPTIONS["weight_transpose"] == "codes":
+  once = _OPTIONS["weight_quant"] == "once"
+  if once or _OPTIONS["weight_transpose"] == "codes":
     q = _quantize_weight(wc, with_transpose=True)   # W read as it lies; its codes transposed
-    wq, kept = QuantizedArray(q.data_t, q.scale, "e4m3"), None
+    wq = QuantizedArray(q.data_t, q.scale, "e4m3")
+    kept = name_residuals((q.data, q.scale)) if once else None
   else:
-    wq = _quantize_weight(jnp.swapaxes(wc, 0, 1))
-    kept = None
+    wq, kept = _quantize_weight(jnp.swapaxes(wc, 0, 1)), None
   dn = (((xq.data.ndim - 1,), (1,)), ((), ()))
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype), kept
 

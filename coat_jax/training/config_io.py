@@ -158,14 +158,17 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
   return raw
 
 
-def load(cls: type[T], path: str | Path | None, overrides, validate: Callable[[T], T]) -> T:
+def load(cls: type[T], path: str | Path | None, overrides, validate: Callable[[T], T],
+         raw: dict[str, Any] | None = None) -> T:
   """`cls` from a YAML file (defaults when None) plus `--set` overrides, checked by `validate`.
 
   A value error that appears when an override is applied (and not before) names that override;
-  one already present in the file names the file (unless a later override fixes it).
+  one already present in the file names the file (unless a later override fixes it). `raw`: the
+  file's mapping when the caller has read it already (`load_yaml(path)`), so it is read once.
   """
   source = f"config file {path}" if path is not None else "the default config"
-  raw = load_yaml(path) if path is not None else {}
+  if raw is None:
+    raw = load_yaml(path) if path is not None else {}
   try:
     cfg = build(cls, raw)
   except ValueError as e:

@@ -307,24 +307,21 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
   moves the fill to AXIS: a mesh axis that the file (or the defaults: `data`) fills becomes 1
   unless an override names it too.
   """
-  return config_io.load(RunConfig, path, _move_mesh_fill(path, list(overrides)), validate)
+  raw = config_io.load_yaml(path) if path is not None else {}
+  return config_io.load(RunConfig, path, _move_mesh_fill(raw, list(overrides)), validate, raw)
 
 
 _MESH_FILL = re.compile(r"\s*mesh\.(data|fsdp|tensor)\s*=\s*-1\s*")
 
 
-def _move_mesh_fill(path, overrides: list[str]) -> list[str]:
-  """Overrides with `mesh.X=1` put first for each other axis the file fills (-1), when an override
-  fills another axis (`mesh.fsdp=-1` over the default data=-1)."""
+def _move_mesh_fill(raw: dict[str, Any], overrides: list[str]) -> list[str]:
+  """Overrides with `mesh.X=1` put first for each other axis the file (its mapping `raw`) fills
+  (-1), when an override fills another axis (`mesh.fsdp=-1` over the default data=-1)."""
   items = [o for o in overrides if isinstance(o, str)]   # others: config_io.load names them
   filled = [m.group(1) for m in map(_MESH_FILL.fullmatch, items) if m]
   if not filled:
     return overrides
   named = {o.split("=", 1)[0].strip() for o in items if "=" in o}
-  try:
-    raw = config_io.load_yaml(path) if path is not None else {}
-  except ValueError:
-    return overrides   # config_io.load reports the file's problem
   mesh = raw.get("mesh") if isinstance(raw.get("mesh"), dict) else {}
   base = {**dataclasses.asdict(MeshConfig()), **mesh}
   axes = [f.name for f in dataclasses.fields(MeshConfig)]
