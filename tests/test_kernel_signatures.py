@@ -57,18 +57,18 @@ def test_signatures_of_the_default_and_the_kernel_options(rng):
   kernel = _signatures(rng, amax="kernel")
   # GEMMs: fwd, dX, dW of two linears (K x N and N x K): 6 shapes. Per-tensor quantize +
   # transposed copy: x and h (e4m3; h is (M, N)), dY of both (e5m2), and under the defaults
-  # (weight_quantize="kernel", weight_transpose="codes") each weight with its transposed codes in
-  # the forward (W1 (K, N) shares h's signature; W2 (N, K)) and without in the backward (both
-  # weights' K * N values as the same rows): 6; per-group: the norm's x.
-  assert cb.family_counts(default) == {"gemm": 6, "per_tensor": 6, "per_group": 1}
+  # (weight_quantize="forward_kernel", weight_transpose="codes") each weight with its transposed
+  # codes in the forward (W1 (K, N) shares h's signature; W2 (N, K)): 5; the backward's weight
+  # quantize is XLA's. Per-group: the norm's x.
+  assert cb.family_counts(default) == {"gemm": 6, "per_tensor": 5, "per_group": 1}
   # weights quantized by XLA's ops: the activations' and gradients' 4 only.
   assert cb.family_counts(xla) == {"gemm": 6, "per_tensor": 4, "per_group": 1}
   # + the tile maxima of (M, K) and (M, N) (x, h, dY's).
-  assert cb.family_counts(kernel) == {"gemm": 6, "per_tensor": 6, "per_group": 1, "tile_amax": 2}
-  # the backward's weight quantize by XLA: the weights' transposing forward ones stay (W1's
-  # shares h's signature, W2's its own): 5.
-  forward_kernel = _signatures(rng, weight_quantize="forward_kernel")
-  assert cb.family_counts(forward_kernel) == {"gemm": 6, "per_tensor": 5, "per_group": 1}
+  assert cb.family_counts(kernel) == {"gemm": 6, "per_tensor": 5, "per_group": 1, "tile_amax": 2}
+  # the backward's weight quantize by the kernel too, without the transposed copy (both weights'
+  # K * N values as the same rows): 6.
+  both_kernel = _signatures(rng, weight_quantize="kernel")
+  assert cb.family_counts(both_kernel) == {"gemm": 6, "per_tensor": 6, "per_group": 1}
   by_what = {r["what"]: r for r in default}
   fwd = by_what[f"M x N x K = {M} x {N} x {K}, e4m3 . e4m3 -> bf16"]
   first_linear = _block.__code__.co_firstlineno + 3   # the line of `h = ops.linear(y, w1, ...)`
@@ -94,7 +94,7 @@ def test_variant_linear_options_parse():
 
 
 @pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="xla"),
-                                     dict(weight_quantize="forward_kernel"),
+                                     dict(weight_quantize="kernel"),
                                      dict(weight_transpose="cast"),
                                      dict(weight_transpose="cast", weight_quantize="xla"),
                                      dict(amax="kernel", weight_quantize="xla"),
@@ -130,8 +130,8 @@ def test_linear_options_reject_unknown_values():
   with pytest.raises(ValueError, match="unknown option 'amx'"):
     with ops.linear_options(amx="kernel"):
       pass
-  assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused", weight_quantize="kernel",
-                                     activation_quantize="kernel", gradient_quantize="kernel",
+  assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused",
+                                     weight_quantize="forward_kernel", activation_quantize="kernel", gradient_quantize="kernel",
                                      swiglu_quantize="fused", weight_transpose="codes")
 
 

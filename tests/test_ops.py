@@ -73,10 +73,42 @@ def test_linear_values_and_grads(mode, with_x_q, rng):
 def test_linear_saved_residuals(rng):
   x, w = bf16(rng, (4, 16, 64)), bf16(rng, (64, 32))
   coat = memory.saved_residuals(lambda x, w: ops.linear(x, w, mode="coat"), x, w)
-  assert _nbytes(coat) == x.size + 4
+  # x's E4M3 codes and float32 scale, and W's amax (in W's compute dtype, bf16: the backward
+  # quantizes W again with it, reducing W only once a step).
+  assert _nbytes(coat) == x.size + 4 + 2
   fp8l = memory.saved_residuals(lambda x, w: ops.linear(x, w, mode="fp8_linear"), x, w,
                                 exclude_args=False)
   assert (x.shape, np.dtype(jnp.bfloat16)) in fp8l
+
+
+def _reductions_of_shape(jaxpr, shape, out):
+  """Counts `reduce_max` equations over an operand of `shape`, sub-jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "reduce_max" and tuple(eqn.invars[0].aval.shape) == shape:
+      out.append(eqn)
+    for j in jax.extend.core.jaxprs_in_params(eqn.params):
+      _reductions_of_shape(getattr(j, "jaxpr", j), shape, out)
+  return out
+
+
+@pytest.mark.parametrize("options", [{}, dict(weight_quantize="forward_kernel"),
+                                     dict(weight_quantize="xla")])
+def test_weight_is_reduced_once_a_step(options, rng):
+  """The backward quantizes W with the forward's amax (a kept scalar): one max|W| per step, not
+  one in each direction; the gradients are those of the forward's scale (checked against the
+  other options bit for bit in test_kernel_signatures / test_scan_residuals)."""
+  x, w = bf16(rng, (4, 16, 64)), jnp.asarray(0.1 * rng.standard_normal((64, 48)), jnp.float32)
+  ct = bf16(rng, (4, 16, 48))
+
+  def step(x, w):
+    y, pb = jax.vjp(lambda x, w: ops.linear(x, w, mode="coat"), x, w)
+    return y, pb(ct)
+
+  with ops.linear_options(**options):
+    jaxpr = jax.make_jaxpr(step)(x, w).jaxpr
+    _, (dx, dw) = step(x, w)
+  assert len(_reductions_of_shape(jaxpr, w.shape, [])) == 1
+  assert np.isfinite(np.asarray(dw)).all() and np.isfinite(np.asarray(dx, np.float32)).all()
 
 
 def rmsnorm_ref(x, s, eps=1e-6):
@@ -288,9 +320,9 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
   weight_quantize="kernel"), a coat linear's forward and backward run the stage-1 tile-maxima
   kernel for x and dY only: a weight's amax is an XLA reduction (one Mosaic GPU module less per
   weight shape in a compiled step); values and gradients as the reference's. The defaults
-  (amax="fused", weight_quantize="kernel") run no stage-1 kernel and the quantize kernels of x,
-  dY and W (forward with W^T's codes, backward without); with weight_quantize="xla" those of x and
-  dY only."""
+  (amax="fused", weight_quantize="forward_kernel") run no stage-1 kernel and the quantize kernels
+  of x, dY and W's forward one (with W^T's codes; the backward's is XLA's); weight_quantize=
+  "kernel" also W's backward one; "xla" those of x and dY only."""
   x = jnp.asarray(rng.standard_normal((64, 64)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((64, 64)) * 0.1, jnp.float32)
   loss = lambda x, w: jnp.sum(ops.linear(x, w, mode="coat").astype(jnp.float32) ** 2)
@@ -313,10 +345,10 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
   with kernels.backend("quantize=mosaic"):   # the defaults: every amax by XLA
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
   assert names.count("coat_tile_amax_mgpu") == 0
-  assert names.count("coat_quantize_per_tensor_mgpu") == 4   # x, dY, W twice
-  with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="forward_kernel"):
-    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
   assert names.count("coat_quantize_per_tensor_mgpu") == 3   # x, dY, W in the forward
+  with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="kernel"):
+    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
+  assert names.count("coat_quantize_per_tensor_mgpu") == 4   # x, dY, W twice
   with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="xla"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
   assert names.count("coat_tile_amax_mgpu") == 0

@@ -3,7 +3,7 @@
 FP8 modes: forward x per-tensor E4M3 and w per-tensor E4M3, one FP8 GEMM (float32 accumulation,
 "TN": w is quantized as its transpose (N, K)). Backward: dY per-tensor E5M2 (current scaling),
 dX = dY . W^T and dW = X^T . dY as FP8 GEMMs. W is re-quantized in the backward from the parameter
-(no FP8 copy of W is saved). "coat" saves only the FP8 x (data + scale) and w; "fp8_linear" saves
+with the forward's amax, a saved scalar (no FP8 copy of W is saved, and W is not reduced again). "coat" saves only the FP8 x (data + scale) and w; "fp8_linear" saves
 the bf16 x and w.
 
 w is kept as the parameter itself (its dtype, e.g. float32 master weights), not as its cast to the
@@ -68,7 +68,7 @@ WEIGHT_TRANSPOSE = ("codes", "cast")
 CHOICES = {"weight_quant": WEIGHT_QUANT, "amax": AMAX, "weight_quantize": WEIGHT_QUANTIZE,
            "activation_quantize": ACTIVATION_QUANTIZE, "gradient_quantize": ACTIVATION_QUANTIZE,
            "swiglu_quantize": SWIGLU_QUANTIZE, "weight_transpose": WEIGHT_TRANSPOSE}
-DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "kernel",
+DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "forward_kernel",
                    "activation_quantize": "kernel", "gradient_quantize": "kernel",
                    "swiglu_quantize": "fused", "weight_transpose": "codes"}
 OPTIONS_ENV = "COAT_JAX_LINEAR_OPTIONS"
@@ -124,15 +124,17 @@ def linear_options(**options: str):
   its own stage-1 pass (a Mosaic GPU tile-maxima kernel per tensor shape, each compiled with the
   step). Same values either way. H100, 7B layer (bench_layer.py --modes coat, 2026-11-23):
   24.07 ms fused vs 24.30 ms kernel, and OLMo-1B's step compiles 2 Mosaic GPU modules fewer.
-  weight_quantize: "kernel" (default) runs the dispatch's per-tensor quantize of W (the Mosaic
-  GPU kernel on Hopper, one module per weight shape; with weight_transpose="codes" it writes W^T's
-  codes in the same pass); "xla" quantizes W (q = sat(W / s), an elementwise map given s) as XLA
-  ops, which fuse with W's cast to the compute dtype and any transpose. Same values either way
-  (XLA and Mosaic GPU both divide with div.full.f32). H100 alone (docs/benchmarks.md, 16384 x
-  4096 / 11008 bf16): 0.154 / 0.369 ms XLA vs 0.150 / 0.389 ms kernel. "forward_kernel": the
-  forward's by the kernel, the backward's (W as it lies, no transpose) by XLA's ops fused with
-  the cast: for a float32 W it reads 4 bytes and writes 1 per weight, where the kernel's path
-  writes and reads the bf16 cast too (ablation; not yet measured on the GPU).
+  weight_quantize: "forward_kernel" (default): the forward's per-tensor quantize of W by the
+  dispatch's kernel (the Mosaic GPU kernel on Hopper, one module per weight shape; with
+  weight_transpose="codes" it writes W^T's codes in the same pass), the backward's (W as it lies,
+  no transpose) by XLA's ops fused with W's cast, with the forward's amax: for a float32 W one
+  pass reading 4 bytes and writing 1 per weight, where a kernel would read the bf16 cast XLA
+  writes first. "kernel": both by the kernel. "xla": both by XLA's ops (q = sat(W / s), an
+  elementwise map given s), fused with the cast and any transpose. Same values either way (XLA
+  and Mosaic GPU both divide with div.full.f32). H100, OLMo-1B batch 8, coat (docs/benchmarks.md,
+  thirteenth session, one call): 195.0 ms a step with "forward_kernel" vs 197.0 / 197.3 with
+  "kernel", peak 27.29 vs 27.34 GB, compile 10.9 vs 11.6 / 13.4 s. The weight alone (16384 x
+  4096 / 11008 bf16, eighth session): 0.154 / 0.369 ms XLA vs 0.150 / 0.389 ms kernel.
   activation_quantize: the per-tensor E4M3 quantize (+ transposed copy) of each linear's input x
   (RMSNorm's y, SwiGLU's h, the attention output) by the dispatch's kernel ("kernel", default)
   or as XLA ops ("xla"), which XLA can fuse into the op producing x, so that a bf16 x read only
@@ -183,36 +185,39 @@ def _weight_amax(w):
   return jnp.max(jnp.abs(w))
 
 
-def _quantize_weight(wc, *, with_transpose=False, backward=False) -> QuantizedArray:
-  """Per-tensor E4M3 of a (cast) weight, amax from `_weight_amax`: the dispatch's kernel
-  (`weight_quantize="kernel"`, default; "forward_kernel" in the forward only), else XLA's ops,
-  fused with the cast and any transpose of wc (see `linear_options`)."""
+def _quantize_weight(wc, amax, *, with_transpose=False, backward=False) -> QuantizedArray:
+  """Per-tensor E4M3 of a (cast) weight with the given amax (`_weight_amax`): the dispatch's
+  kernel (`weight_quantize="kernel"`; "forward_kernel", default, in the forward only), else XLA's
+  ops, fused with the cast and any transpose of wc (see `linear_options`)."""
   choice = _OPTIONS["weight_quantize"]
   by_xla = choice == "xla" or (choice == "forward_kernel" and backward)
-  return kernels.quantize_per_tensor(wc, "e4m3", amax=_weight_amax(wc),
-                                     with_transpose=with_transpose, producer_fusion=by_xla)
+  return kernels.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=with_transpose,
+                                     producer_fusion=by_xla)
 
 
 def _fwd_gemm(xq, w, out_dtype):
   """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K).
 
-  Returns (y, kept): kept is the FP8 (K, N) copy of w (data, scale) for the backward under
-  `linear_options(weight_quant="once")`, else None.
+  Returns (y, kept): kept = (amax, codes, scale) for the backward's quantize of w: max|w cast| (a
+  float32 scalar: the backward reuses it instead of reducing w again) and, under
+  `linear_options(weight_quant="once")`, the FP8 (K, N) codes and their scale (else None, None).
   """
   wc = w.astype(out_dtype)
+  amax = _weight_amax(wc)
   once = _OPTIONS["weight_quant"] == "once"
   if once or _OPTIONS["weight_transpose"] == "codes":
-    q = _quantize_weight(wc, with_transpose=True)   # W read as it lies; its codes transposed
+    q = _quantize_weight(wc, amax, with_transpose=True)   # W read as it lies; its codes transposed
     wq = QuantizedArray(q.data_t, q.scale, "e4m3")
-    kept = name_residuals((q.data, q.scale)) if once else None
+    codes, scale = (q.data, q.scale) if once else (None, None)
   else:
-    wq, kept = _quantize_weight(jnp.swapaxes(wc, 0, 1)), None
+    wq, codes, scale = _quantize_weight(jnp.swapaxes(wc, 0, 1), amax), None, None
   dn = (((xq.data.ndim - 1,), (1,)), ((), ()))
-  return kernels.fp8_dot_general(xq, wq, dn, out_dtype), kept
+  return kernels.fp8_dot_general(xq, wq, dn, out_dtype), name_residuals((amax, codes, scale))
 
 
-def _bwd_gemms(x_t, x_scale, w, g, kept=None):
-  """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N).
+def _bwd_gemms(x_t, x_scale, w, g, kept):
+  """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N)
+  and the forward's `kept` (w's amax; its (K, N) codes and scale under weight_quant="once").
 
   Both GEMMs are TN: dX = gq (M, N) . wq (K, N)^T, and dW = x^T (K, M) . (g^T (N, M))^T, whose
   M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
@@ -220,11 +225,13 @@ def _bwd_gemms(x_t, x_scale, w, g, kept=None):
   k, n = w.shape
   gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g),
                                   producer_fusion=_OPTIONS["gradient_quantize"] == "xla")
-  # (K, N): contracts N (TN); the forward's copy when it kept one.
-  if kept is not None:
-    wq = QuantizedArray(*kept, "e4m3")
+  # (K, N): contracts N (TN); the forward's codes when it kept them, else W quantized again
+  # with the forward's amax (the same scale).
+  amax, codes, scale = kept
+  if codes is not None:
+    wq = QuantizedArray(codes, scale, "e4m3")
   else:
-    wq = _quantize_weight(w.astype(g.dtype), backward=True)
+    wq = _quantize_weight(w.astype(g.dtype), amax, backward=True)
   tn = (((1,), (1,)), ((), ()))
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
   x_tq = QuantizedArray(x_t, x_scale, "e4m3")
