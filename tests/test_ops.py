@@ -190,6 +190,28 @@ def test_rope_values_and_grads(per_batch_positions, rng):
               rope_ref(ct, -np.asarray(positions), dh, theta), 1e-5, 0.99999)
 
 
+def test_rope_backward_is_the_inverse_rotation_bit_for_bit(rng):
+  """The custom backward (rotation by -angle, one concatenate) gives the values JAX's transpose
+  of the plain rotation gives (bf16 in and out), without that transpose's pads; the tables get
+  no gradient."""
+  from coat_jax.ops import rope as rope_module
+  b, s, h, dh = 2, 16, 4, 32
+  cos, sin = ops.rope_frequencies(dh, s)
+  x = jnp.asarray(rng.standard_normal((b, s, h, dh)), jnp.bfloat16)
+  ct = jnp.asarray(rng.standard_normal((b, s, h, dh)), jnp.bfloat16)
+  c, sn = cos[None, :, None, :], sin[None, :, None, :]
+  _, plain_pb = jax.vjp(lambda x: rope_module._rotation(x, c, sn), x)
+  (dx,) = jax.vjp(lambda x: ops.apply_rope(x, cos, sin), x)[1](ct)
+  (want,) = plain_pb(ct)
+  assert dx.dtype == jnp.bfloat16 and np.isfinite(np.asarray(dx, np.float32)).all()
+  np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(want, np.float32))
+  prims = lambda f: {e.primitive.name for e in jax.make_jaxpr(f)(x, ct).jaxpr.eqns}
+  assert "pad" in prims(lambda x, ct: plain_pb(ct))   # what the custom backward avoids
+  assert "pad" not in prims(lambda x, ct: jax.vjp(lambda x: ops.apply_rope(x, cos, sin), x)[1](ct))
+  dcos = jax.grad(lambda cs: jnp.sum(ops.apply_rope(x, cs, sin).astype(jnp.float32)))(cos)
+  assert not np.asarray(dcos).any()
+
+
 def test_rope_llama3_scaling_keeps_norms():
   cos, sin = ops.rope_frequencies(8, 32, scaling=dict(factor=8.0, low_freq_factor=1.0,
       high_freq_factor=4.0, original_max_position_embeddings=64))

@@ -55,8 +55,34 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, positions=None) -> 
     if positions.ndim == 1:
       c, sn = c[None], sn[None]
     c, sn = c[:, :, None, :], sn[:, :, None, :]
+  # The tables are not differentiated (their cotangents would need x kept for the backward).
+  return _rotate(x, jax.lax.stop_gradient(c), jax.lax.stop_gradient(sn))
+
+
+def _rotation(x, c, sn):
+  """(x1, x2) -> (x1 c - x2 sn, x2 c + x1 sn) over the halves of x's last axis, in float32;
+  returns x.dtype."""
   half = x.shape[-1] // 2
   x32 = x.astype(jnp.float32)
   x1, x2 = x32[..., :half], x32[..., half:]
-  out = jnp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1)
-  return out.astype(x.dtype)
+  return jnp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1).astype(x.dtype)
+
+
+@jax.custom_vjp
+def _rotate(x, c, sn):
+  return _rotation(x, c, sn)
+
+
+def _rotate_fwd(x, c, sn):
+  return _rotation(x, c, sn), (c, sn)
+
+
+def _rotate_bwd(res, g):
+  """The rotation's transpose is the rotation by the opposite angle: dx = rotate(g, c, -sn), the
+  values JAX's own transpose gives (the same products and sums), as one concatenate instead of
+  the transposed slices' pads and adds (XLA ran that fusion at ~1.2 TB/s on the H100)."""
+  c, sn = res
+  return _rotation(g, c, -sn), jnp.zeros_like(c), jnp.zeros_like(sn)
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
