@@ -17,10 +17,18 @@ An XLA RESOURCE_EXHAUSTED error (compile or run) is reported "oom". Memory optio
 `--set` (e.g. `--set model.param_dtype=bfloat16 --set optimizer.master_rounding=stochastic
 --set optimizer.grad_dtype=bfloat16`; master_rounding needs `--modes coat+coat_adamw`).
 
+Layers: `--layers scanned` (default: `model.scan_layers: true`, as train.py), `unrolled`
+(`model.scan_layers: false`) or `best`: each mode both ways, and every ratio against bf16's best
+row (its fastest for tokens/s, its smallest peak for memory). On one H100 the scanned loop costs
+bf16 ~12 % of its OLMo-1B step in residual copies that coat mostly avoids (docs/benchmarks.md,
+thirteenth session), so a fair speed ratio takes each mode at its best: `--layers best`.
+
 MFU = coat_jax.models.llama.flops_per_token x tokens/s / the devices' dense BF16 peak (the same
 denominator for every mode; coat_jax.training.metrics.mfu, n/a on CPU and unknown devices).
 
 GPU (H100; children get XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 unless it is set):
+  python benchmarks/bench_e2e.py --modes bf16+adamw,coat+coat_adamw --layers best --json $OUT/e2e.json
+      # olmo-1b, batch 8: each mode scanned and unrolled, ratios against bf16's best (~5 min)
   python benchmarks/bench_e2e.py --json $OUT/e2e_olmo1b.json --seconds-budget 450
       # olmo-1b, seq 2048, batch 8, remat none: 3 modes, ~1.5 min each (compile ~1 min), ~5 min
   python benchmarks/bench_e2e.py --modes coat+coat_adamw --find-max-batch --batch 8 \
@@ -66,6 +74,7 @@ from coat_jax.models.llama import REMAT_POLICIES  # no device is touched by this
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 REMATS = tuple(REMAT_POLICIES)
+LAYERS = {"scanned": ("scanned",), "unrolled": ("unrolled",), "best": ("scanned", "unrolled")}
 RESULT_TAG = "RESULT "
 GB = 1e9
 
@@ -83,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="untimed steps after compilation, each blocked on (at least 2 run)")
   p.add_argument("--remat", default="none", choices=REMATS, help="per-block rematerialization policy")
   p.add_argument("--attention-impl", default=None, help="None: cudnn on GPU, xla elsewhere")
+  p.add_argument("--layers", default="scanned", choices=tuple(LAYERS),
+                 help="decoder blocks scanned (model.scan_layers: true, the default), unrolled, "
+                      "or best: each mode both ways, ratios against bf16's best row")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="extra train.py config override for the children, e.g. model.num_layers=2")
   p.add_argument("--find-max-batch", action="store_true",
@@ -110,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       p.error(f"--{name.replace('_', '-')} must be > 0")
   if args.warmup < 0:
     p.error("--warmup must be >= 0")
+  if args.layers != "scanned" and any(o.split("=")[0].strip() == "model.scan_layers"
+                                      for o in args.overrides):
+    p.error("--layers and --set model.scan_layers both choose the layers: give one")
   return args
 
 
@@ -176,6 +191,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   dev = jax.devices()[0]
   out.update(device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}", num_devices=mesh.devices.size,
              dtype=llama_cfg.dtype, num_params=llama_lib.num_params(llama_cfg),
+             layers="scanned" if llama_cfg.scan_layers else "unrolled",
              flops_per_token=float(llama_lib.flops_per_token(llama_cfg, args.seq_len)))
 
   # Per device: each leaf counted at its shard's shape (the whole array where replicated), so a
@@ -275,14 +291,17 @@ def _on_signal(signum, frame):
     proc.kill()
 
 
-def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget) -> dict:
-  """Runs `--one mode --batch batch` in a subprocess, streaming its output; returns its result."""
+def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget,
+              layers: str = "scanned") -> dict:
+  """Runs `--one mode --batch batch` in a subprocess (its decoder blocks `layers`: "scanned" as
+  configured, "unrolled" with model.scan_layers=false), streaming its output; returns its
+  result, with `layers` recorded."""
   cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mode, "--batch", str(batch),
          "--preset", args.preset, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
          "--warmup", str(args.warmup), "--remat", args.remat]
   if args.attention_impl:
     cmd += ["--attention-impl", args.attention_impl]
-  for item in args.overrides:
+  for item in args.overrides + (["model.scan_layers=false"] if layers == "unrolled" else []):
     cmd += ["--set", item]
   deadline = budget.deadline()
   if deadline is not None:
@@ -295,7 +314,7 @@ def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget) -
   if args.devices:
     env.update(device_env(args.devices, env))
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-  say(f"[e2e] {mode} batch {batch}: starting child ({budget.left():.0f} s of budget left)")
+  say(f"[e2e] {mode} ({layers}) batch {batch}: starting child ({budget.left():.0f} s of budget left)")
   t0 = time.time()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           cwd=str(REPO))
@@ -327,7 +346,8 @@ def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget) -
               "oom" if ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()) else "crash")
     result = {"mode": mode, "batch": batch, "status": status, "error": f"rc {rc}: {text[-600:]}"}
   result["wall_s"] = wall
-  say(f"[e2e] {mode} batch {batch}: {result['status']} in {wall:.0f} s"
+  result.setdefault("layers", layers)   # the child's own (from its config) when it ran
+  say(f"[e2e] {mode} ({layers}) batch {batch}: {result['status']} in {wall:.0f} s"
       + (f", {result['tokens_per_s']:,.0f} tokens/s, peak {result['peak_bytes'] / GB:.2f} GB"
          if result.get("status") == "ok" else f" ({result.get('error', '')[:200]})"))
   return result
@@ -338,21 +358,25 @@ def _fmt(v, spec: str, none: str = "n/a") -> str:
 
 
 def ratio_rows(results: list[dict]) -> list[dict]:
-  """Per mode: memory and tokens/s ratios vs bf16+adamw (when both ran)."""
-  base = next((r for r in results if r["mode"] == "bf16+adamw" and r.get("status") == "ok"), None)
+  """Per row: memory and tokens/s ratios vs bf16+adamw's best row (when one ran): its smallest
+  peak and its most tokens/s (one row unless `--layers best` ran it both ways)."""
+  bf16 = [r for r in results if r["mode"] == "bf16+adamw" and r.get("status") == "ok"]
+  peak = min((r["peak_bytes"] for r in bf16), default=None)
+  tps = max((r["tokens_per_s"] for r in bf16), default=None)
   rows = []
   for r in results:
     ok = r.get("status") == "ok"
     row = dict(r)
-    row["mem_ratio"] = (r["peak_bytes"] / base["peak_bytes"]) if ok and base else None
-    row["tps_ratio"] = (r["tokens_per_s"] / base["tokens_per_s"]) if ok and base else None
+    row["mem_ratio"] = (r["peak_bytes"] / peak) if ok and peak else None
+    row["tps_ratio"] = (r["tokens_per_s"] / tps) if ok and tps else None
     rows.append(row)
   return rows
 
 
 def print_table(title: str, rows: list[dict]) -> None:
   say(f"\n{title}")
-  head = (f"{'mode':18} {'batch':>5} {'devs':>4} {'status':>16} {'params':>6} {'grads':>6} {'opt st':>6} "
+  head = (f"{'mode':18} {'layers':>8} {'batch':>5} {'devs':>4} {'status':>16} {'params':>6} "
+          f"{'grads':>6} {'opt st':>6} "
           f"{'budget':>6} {'peak GB':>8} {'mem/bf16':>8} {'step ms':>8} {'blocked':>8} "
           f"{'tokens/s':>10} {'per device':>10} {'tok/s vs bf16':>13} {'MFU':>6} {'compile s':>9} "
           f"{'XLA pred GB':>11}")
@@ -364,7 +388,8 @@ def print_table(title: str, rows: list[dict]) -> None:
     pred = (r.get("memory_analysis") or {}).get("predicted_bytes")
     b = r.get("memory_budget") or {}
     gb = lambda k: _fmt(b.get(k) and b[k] / GB, '6.1f')
-    say(f"{r['mode']:18} {r['batch']:>5} {r.get('num_devices', '?'):>4} {r.get('status', '?')[:16]:>16} "
+    say(f"{r['mode']:18} {r.get('layers', 'scanned'):>8} {r['batch']:>5} "
+        f"{r.get('num_devices', '?'):>4} {r.get('status', '?')[:16]:>16} "
         f"{gb('params'):>6} {gb('grads'):>6} {gb('optimizer_state'):>6} {gb('total'):>6} "
         f"{_fmt(r.get('peak_bytes') and r['peak_bytes'] / GB if ok else None, '8.2f'):>8} "
         f"{_fmt(r.get('mem_ratio'), '7.2f') + ('x' if r.get('mem_ratio') else ''):>8} "
@@ -379,6 +404,7 @@ def print_table(title: str, rows: list[dict]) -> None:
       "their sum\n  with the accumulator and the larger of the bf16 weight copy and the SR/Kahan "
       "step workspace\n  (training.build.memory_budget); "
       "peak: measured; step ms: back to back (as train.py); blocked: one step blocked on\n"
+      "  mem/bf16, tok/s vs bf16: against bf16's best row (smallest peak, most tokens/s)\n"
       "  on a mesh: batch is global; params .. peak GB are per device (the largest peak); "
       "tokens/s is global and per device")
   kinds = {r.get("peak_kind") for r in rows if r.get("status") == "ok"}
@@ -411,21 +437,24 @@ def main(argv=None) -> dict:
       Path(args.json).parent.mkdir(parents=True, exist_ok=True)
       Path(args.json).write_text(json.dumps(report, indent=2))
 
-  def launch(mode: str, batch: int, estimate: float) -> dict:
+  def launch(mode: str, batch: int, estimate: float, layers: str) -> dict:
     if _RUNNING["signal"]:
-      return {"mode": mode, "batch": batch, "status": f"skipped ({_RUNNING['signal']})"}
+      return {"mode": mode, "layers": layers, "batch": batch,
+              "status": f"skipped ({_RUNNING['signal']})"}
     if budget.left() < estimate:
-      say(f"[e2e] {mode} batch {batch}: skipped, {budget.left():.0f} s left < ~{estimate:.0f} s needed")
-      return {"mode": mode, "batch": batch, "status": "skipped (budget)"}
-    return run_child(args, mode, batch, budget)
+      say(f"[e2e] {mode} ({layers}) batch {batch}: skipped, {budget.left():.0f} s left < "
+          f"~{estimate:.0f} s needed")
+      return {"mode": mode, "layers": layers, "batch": batch, "status": "skipped (budget)"}
+    return run_child(args, mode, batch, budget, layers)
 
   estimate = 20.0  # seconds a child needs at least; updated from the children that ran
   for mode in args.modes:
-    r = launch(mode, args.batch, estimate)
-    if r.get("status") == "ok":
-      estimate = max(estimate, 0.8 * r["wall_s"])
-    report["equal_batch"].append(r)
-    save()
+    for layers in LAYERS[args.layers]:
+      r = launch(mode, args.batch, estimate, layers)
+      if r.get("status") == "ok":
+        estimate = max(estimate, 0.8 * r["wall_s"])
+      report["equal_batch"].append(r)
+      save()
   report["equal_batch"] = ratio_rows(report["equal_batch"])
   save()
   print_table(f"Equal batch {args.batch} x {args.seq_len} tokens, {args.preset}, remat {args.remat}",
@@ -433,21 +462,22 @@ def main(argv=None) -> dict:
 
   if args.find_max_batch:
     for r0 in report["equal_batch"]:
-      mode, tried = r0["mode"], [r0]
+      mode, layers, tried = r0["mode"], r0.get("layers", "scanned"), [r0]
+      key = mode if args.layers != "best" else f"{mode} ({layers})"
       batch = args.batch
       while tried[-1].get("status") == "ok" and batch * 2 <= args.max_batch:
         batch *= 2
-        r = launch(mode, batch, estimate)
+        r = launch(mode, batch, estimate, layers)
         if r.get("status") == "ok":
           estimate = max(estimate, 0.8 * r["wall_s"])
         tried.append(r)
-        report["max_batch"][mode] = tried
+        report["max_batch"][key] = tried
         save()
         if r.get("status", "").startswith(("skipped", "timeout", "killed")):
           break
-      report["max_batch"][mode] = tried
+      report["max_batch"][key] = tried
     best = []
-    for mode, tried in report["max_batch"].items():
+    for key, tried in report["max_batch"].items():
       fits = [r for r in tried if r.get("status") == "ok"]
       last = tried[-1].get("status")
       if fits:
@@ -455,7 +485,8 @@ def main(argv=None) -> dict:
         b["stopped_by"] = last if last != "ok" else f"--max-batch {args.max_batch}"
         best.append(b)
       else:
-        best.append({"mode": mode, "batch": args.batch, "status": last or "n/a",
+        best.append({"mode": tried[0]["mode"], "layers": tried[0].get("layers", "scanned"),
+                     "batch": args.batch, "status": last or "n/a",
                      "error": tried[-1].get("error", "")})
     best = ratio_rows(best)
     report["max_batch_summary"] = best
@@ -464,7 +495,8 @@ def main(argv=None) -> dict:
                 "failure)", best)
     for r in best:
       if r.get("stopped_by"):
-        say(f"  {r['mode']}: largest fitting batch {r['batch']}, next doubling: {r['stopped_by']}")
+        say(f"  {r['mode']} ({r.get('layers', 'scanned')}): largest fitting batch {r['batch']}, "
+            f"next doubling: {r['stopped_by']}")
   say(f"[e2e] done in {time.time() - budget.t0:.0f} s" + (f"; results in {args.json}" if args.json else ""))
   return report
 

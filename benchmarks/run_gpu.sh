@@ -57,7 +57,7 @@ for s in "$@"; do
                  --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=16 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
                  --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \
                  --set run.eval_every=1000 --set checkpoint.every=100000 --set mesh.fsdp=-1 --out-dir /tmp/runs_$1; done ;;
-    e2e) section e2e 500 $PY benchmarks/bench_e2e.py ${E2E_ARGS:-} ;;
+    e2e) section e2e 500 $PY benchmarks/bench_e2e.py --modes bf16+adamw,coat+coat_adamw --layers best ${E2E_ARGS:-} ;;
     peak) section peak 300 $PY benchmarks/profile_step.py --variants coat:scan+lax,coat:scan+vjploop \
             --iters 1 --steps 1 --warmup 1 --top 25 --gaps 0 --buffers /tmp/peak_dumps --hlo-dir "$OUT/hlo" \
             --json "$OUT/peak.json" ;;

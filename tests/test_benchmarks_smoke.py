@@ -75,6 +75,28 @@ def test_e2e_child_and_table(capsys):
   assert rows[2]["mem_ratio"] is None
   e2e.print_table("t", rows)
   assert "coat+coat_adamw" in capsys.readouterr().out
+  assert r["layers"] == "scanned"
+  # --layers best: bf16 both ways; every ratio against bf16's best row for that metric (its
+  # fastest for tokens/s, its smallest peak for memory), not against the first bf16 row.
+  unrolled = dict(r, layers="unrolled", tokens_per_s=1.5 * r["tokens_per_s"],
+                  peak_bytes=r["peak_bytes"] * 2)
+  rows = e2e.ratio_rows([r, unrolled, other])
+  assert rows[2]["tps_ratio"] == pytest.approx(2 / 1.5) and rows[2]["mem_ratio"] == pytest.approx(0.5, rel=1e-3)
+  assert rows[0]["tps_ratio"] == pytest.approx(1 / 1.5) and rows[1]["mem_ratio"] == pytest.approx(2, rel=1e-3)
+  e2e.print_table("t", rows)
+  assert "unrolled" in capsys.readouterr().out
+
+
+def test_e2e_layers_option():
+  """--layers runs children scanned, unrolled or both; it may not be given together with a
+  --set of model.scan_layers (two answers to one question), a one-line parser error."""
+  assert e2e.LAYERS["best"] == ("scanned", "unrolled")
+  assert e2e.parse_args(["--layers", "best"]).layers == "best"
+  with pytest.raises(SystemExit):
+    e2e.parse_args(["--layers", "unrolled", "--set", "model.scan_layers=true"])
+  with pytest.raises(SystemExit):
+    e2e.parse_args(["--layers", "sideways"])
+  assert e2e.parse_args(["--set", "model.scan_layers=false"]).layers == "scanned"   # as before
 
 
 def test_master_weights_child_table_and_plot(tmp_path):
