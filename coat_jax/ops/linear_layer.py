@@ -3,8 +3,8 @@
 FP8 modes: forward x per-tensor E4M3 and w per-tensor E4M3, one FP8 GEMM (float32 accumulation,
 "TN": w is quantized as its transpose (N, K)). Backward: dY per-tensor E5M2 (current scaling),
 dX = dY . W^T and dW = X^T . dY as FP8 GEMMs. W is re-quantized in the backward from the parameter
-with the forward's amax, a saved scalar (no FP8 copy of W is saved, and W is not reduced again). "coat" saves only the FP8 x (data + scale) and w; "fp8_linear" saves
-the bf16 x and w.
+with the forward's amax, a saved scalar (no FP8 copy of W is saved, and W is not reduced again).
+"coat" saves only the FP8 x (data + scale), w and that amax; "fp8_linear" the bf16 x, w and amax.
 
 w is kept as the parameter itself (its dtype, e.g. float32 master weights), not as its cast to the
 compute dtype: the cast is redone where it is used (XLA merges the two casts in an unrolled graph).
@@ -199,7 +199,7 @@ def _fwd_gemm(xq, w, out_dtype):
   """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K).
 
   Returns (y, kept): kept = (amax, codes, scale) for the backward's quantize of w: max|w cast| (a
-  float32 scalar: the backward reuses it instead of reducing w again) and, under
+  scalar in out_dtype: the backward reuses it instead of reducing w again) and, under
   `linear_options(weight_quant="once")`, the FP8 (K, N) codes and their scale (else None, None).
   """
   wc = w.astype(out_dtype)
