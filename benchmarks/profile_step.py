@@ -19,13 +19,15 @@ transposes, scan DUS / DS / fill (the stacked residuals and gradients of the sca
 zero fill, dynamic-update-slice writes, dynamic-slice reads), collectives, other fusions of the
 forward / backward, unmapped.
 
-GPU, olmo-1b width (batch 8 x 2048) at 4 layers: the loop's coat step takes ~12 s a layer to
-compile (16 layers: 278 s on the H100), so scan vs loop is compared per layer; ~4 min:
+GPU, olmo-1b width (batch 8 x 2048) at 4 layers, scan vs loop per layer (~4 min):
   python benchmarks/profile_step.py --set model.num_layers=4 --json $OUT/profile_step_l4.json \
       --variants bf16:scan,bf16:loop,coat:scan,coat:loop,coat:scan+vjploop,coat:scan+dsf
-The full 16-layer model without the coat loop (~3 min):
+The full 16-layer model (~3 min; the unrolled coat step compiled in 278 s in the fourth session,
+25 s in the thirteenth, so the loop variants are affordable at 16 layers now):
   python benchmarks/profile_step.py --json $OUT/profile_step.json \
-      --variants bf16:scan,bf16:loop,bf16:scan+vjploop,coat:scan,coat:scan+vjploop,coat:scan+dsf
+      --variants bf16:scan,bf16:loop,coat:scan,coat:loop
+(thirteenth session, scan: bf16 spends 30.7 ms a step in copies of the loop's residuals, coat
+6.1 ms; docs/benchmarks.md.)
 Which fusion is which (`+nocb`: every kernel named after its instruction; the top list then
 shows each one's output shape and op_name; --hlo-dir keeps the optimized HLO to read them in):
   python benchmarks/profile_step.py --set model.num_layers=2 --variants coat:scan+nocb \
