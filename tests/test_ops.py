@@ -81,14 +81,12 @@ def test_linear_saved_residuals(rng):
   assert (x.shape, np.dtype(jnp.bfloat16)) in fp8l
 
 
-def _reductions_of_shape(jaxpr, shape, out):
-  """Counts `reduce_max` equations over an operand of `shape`, sub-jaxprs included."""
+def _equations(jaxpr):
+  """Every equation of `jaxpr`, those of its sub-jaxprs (custom_vjp, jit, loops) included."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "reduce_max" and tuple(eqn.invars[0].aval.shape) == shape:
-      out.append(eqn)
+    yield eqn
     for j in jax.extend.core.jaxprs_in_params(eqn.params):
-      _reductions_of_shape(getattr(j, "jaxpr", j), shape, out)
-  return out
+      yield from _equations(getattr(j, "jaxpr", j))
 
 
 @pytest.mark.parametrize("options", [{}, dict(weight_quantize="forward_kernel"),
@@ -107,7 +105,9 @@ def test_weight_is_reduced_once_a_step(options, rng):
   with ops.linear_options(**options):
     jaxpr = jax.make_jaxpr(step)(x, w).jaxpr
     _, (dx, dw) = step(x, w)
-  assert len(_reductions_of_shape(jaxpr, w.shape, [])) == 1
+  reductions = [e for e in _equations(jaxpr)
+                if e.primitive.name == "reduce_max" and tuple(e.invars[0].aval.shape) == w.shape]
+  assert len(reductions) == 1
   assert np.isfinite(np.asarray(dw)).all() and np.isfinite(np.asarray(dx, np.float32)).all()
 
 
@@ -350,29 +350,25 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
   loss = lambda x, w: jnp.sum(ops.linear(x, w, mode="coat").astype(jnp.float32) ** 2)
   step = jax.value_and_grad(loss, argnums=(0, 1))
 
-  def kernel_names(jaxpr, out):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("mpmd_map", "pallas_call"):
-        out.append(eqn.params.get("name"))
-      for j in jax.extend.core.jaxprs_in_params(eqn.params):
-        kernel_names(getattr(j, "jaxpr", j), out)
-    return out
+  def kernel_names(jaxpr):
+    return [e.params.get("name") for e in _equations(jaxpr)
+            if e.primitive.name in ("mpmd_map", "pallas_call")]
 
   with kernels.backend("quantize=mosaic"), ops.linear_options(amax="kernel",
                                                                weight_quantize="kernel"):
-    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
+    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
     got = step(x, w)
   assert names.count("coat_tile_amax_mgpu") == 2
   assert names.count("coat_quantize_per_tensor_mgpu") == 4
   with kernels.backend("quantize=mosaic"):   # the defaults: every amax by XLA
-    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
+    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_tile_amax_mgpu") == 0
   assert names.count("coat_quantize_per_tensor_mgpu") == 3   # x, dY, W in the forward
   with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="kernel"):
-    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
+    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_quantize_per_tensor_mgpu") == 4   # x, dY, W twice
   with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="xla"):
-    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr, [])
+    names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_tile_amax_mgpu") == 0
   assert names.count("coat_quantize_per_tensor_mgpu") == 2   # x and dY, with transposed copies
   with kernels.backend("reference"):
