@@ -122,8 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       p.error(f"--{name.replace('_', '-')} must be > 0")
   if args.warmup < 0:
     p.error("--warmup must be >= 0")
-  if args.layers != "scanned" and any(o.split("=")[0].strip() == "model.scan_layers"
-                                      for o in args.overrides):
+  if args.layers != "scanned" and _sets_layers(args.overrides):
     p.error("--layers and --set model.scan_layers both choose the layers: give one")
   return args
 
@@ -291,6 +290,11 @@ def _on_signal(signum, frame):
     proc.kill()
 
 
+def _sets_layers(overrides) -> bool:
+  """Whether a --set names model.scan_layers (then the child's layers are what it says)."""
+  return any(o.split("=")[0].strip() == "model.scan_layers" for o in overrides)
+
+
 def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget,
               layers: str = "scanned") -> dict:
   """Runs `--one mode --batch batch` in a subprocess (its decoder blocks `layers`: "scanned" as
@@ -314,7 +318,8 @@ def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget,
   if args.devices:
     env.update(device_env(args.devices, env))
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-  say(f"[e2e] {mode} ({layers}) batch {batch}: starting child ({budget.left():.0f} s of budget left)")
+  label = "layers as --set" if layers == "scanned" and _sets_layers(args.overrides) else layers
+  say(f"[e2e] {mode} ({label}) batch {batch}: starting child ({budget.left():.0f} s of budget left)")
   t0 = time.time()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           cwd=str(REPO))

@@ -25,6 +25,7 @@ from coat_jax.nn import layers
 from coat_jax.precision import DTYPES, check_precision, resolve_dtype
 
 SCAN_IMPLS = ("auto", "lax", "vjp_loop")
+LOSS_IMPLS = ("auto", "fused", "logits")
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -54,6 +55,10 @@ class LlamaConfig:
   `attention_residuals` ("bf16" | "fp8", ops.ATTENTION_RESIDUALS) is what each attention keeps of
   q, k, v for its backward, in any precision mode: "fp8" keeps per-1x16-group E4M3 copies
   (1.125 instead of 2 bytes a value) and recomputes the attention from them in the backward.
+  `loss_impl` (LOSS_IMPLS) is how `Llama.loss` computes the training loss: "fused" is
+  `ops.lm_head_loss` (the LM head and cross-entropy over chunks of `loss_chunk_tokens` tokens,
+  no full logits held); "logits" writes all logits, then `ops.softmax_cross_entropy`; "auto"
+  (default) is `resolve_loss_impl`: "fused" on one device, "logits" on several.
   """
   vocab_size: int = 4096
   hidden_size: int = 256
@@ -77,6 +82,8 @@ class LlamaConfig:
   scan_layers: bool = True
   scan_unroll: int = 1
   scan_impl: str = "auto"
+  loss_impl: str = "auto"
+  loss_chunk_tokens: int = 4096
 
   def __post_init__(self):
     if self.num_kv_heads is None:
@@ -114,6 +121,12 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig.scan_layers must be a bool, got {self.scan_layers!r}")
     if self.scan_impl not in SCAN_IMPLS:
       raise ValueError(f"LlamaConfig.scan_impl must be one of {SCAN_IMPLS}, got {self.scan_impl!r}")
+    if self.loss_impl not in LOSS_IMPLS:
+      raise ValueError(f"LlamaConfig.loss_impl must be one of {LOSS_IMPLS}, got {self.loss_impl!r}")
+    if (not isinstance(self.loss_chunk_tokens, int) or isinstance(self.loss_chunk_tokens, bool)
+        or self.loss_chunk_tokens < 1):
+      raise ValueError(f"LlamaConfig.loss_chunk_tokens must be a positive int, "
+                       f"got {self.loss_chunk_tokens!r}")
     if (not isinstance(self.scan_unroll, int) or isinstance(self.scan_unroll, bool)
         or self.scan_unroll < 1 or self.num_layers % self.scan_unroll):
       raise ValueError(f"LlamaConfig.scan_unroll must be a positive int dividing num_layers="
@@ -206,6 +219,18 @@ def resolve_scan_impl(scan_impl: str) -> str:
   if scan_impl != "auto":
     return scan_impl
   return "vjp_loop" if devices == 1 else "lax"
+
+
+def resolve_loss_impl(loss_impl: str) -> str:
+  """The loss a `loss_impl` runs now: "auto" is "fused" when JAX sees one device, else "logits".
+
+  On several devices the tokens are split across them, and the fused loss's per-chunk weight
+  gradients are partial sums that XLA reduces across the devices once per chunk inside the loop
+  (`ops.lm_head_loss`); the unfused path reduces once. A named implementation is returned as is.
+  """
+  if loss_impl != "auto":
+    return loss_impl
+  return "fused" if jax.device_count() == 1 else "logits"
 
 
 def num_params(cfg: LlamaConfig) -> int:
@@ -303,6 +328,22 @@ class Llama(nnx.Module):
     on OLMo-1B), so this only keeps the loss from depending on it."""
     h = self.hidden_states(tokens)
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+
+  def loss(self, tokens: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats, float32 scalar) of tokens (B, S) against labels (B, S).
+
+    `cfg.loss_impl` (resolve_loss_impl) picks how: "fused" never holds all logits
+    (`ops.lm_head_loss`, chunks of `cfg.loss_chunk_tokens`); "logits" is `logits` and then
+    `ops.softmax_cross_entropy`. Same values and gradients to float32 rounding."""
+    if labels.shape != tokens.shape:
+      raise ValueError(f"Llama.loss: labels shape {labels.shape} must equal tokens shape "
+                       f"{tokens.shape}")
+    if resolve_loss_impl(self.cfg.loss_impl) == "logits":
+      return ops.softmax_cross_entropy(self.logits(tokens), labels).mean()
+    h, chunk = self.hidden_states(tokens), self.cfg.loss_chunk_tokens
+    if self.lm_head is None:
+      return self.embed.attend_loss(h, labels, chunk)
+    return self.lm_head.loss(h, labels, chunk)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """tokens (B, S) int32 -> logits (B, S, vocab_size) float32."""

@@ -93,6 +93,12 @@ class Embedding(nnx.Module):
     """h: (..., D) -> logits (..., V) = h @ embedding^T, in `dtype` (`ops.lm_head`, tied)."""
     return ops.lm_head(h.astype(self.dtype), self.embedding[...], tied=True)
 
+  def attend_loss(self, h: jax.Array, labels: jax.Array, chunk_tokens: int) -> jax.Array:
+    """Mean cross-entropy of `attend(h)` against labels, never holding all logits
+    (`ops.lm_head_loss`, tied)."""
+    return ops.lm_head_loss(h.astype(self.dtype), self.embedding[...], labels, tied=True,
+                            chunk_tokens=chunk_tokens)
+
 
 class LMHead(nnx.Module):
   """The untied LM head: logits = h @ kernel, `kernel` (features, vocab) (`ops.lm_head`)."""
@@ -108,6 +114,12 @@ class LMHead(nnx.Module):
   def __call__(self, h: jax.Array) -> jax.Array:
     """h: (..., features) -> logits (..., vocab) in `dtype`."""
     return ops.lm_head(h.astype(self.dtype), self.kernel[...])
+
+  def loss(self, h: jax.Array, labels: jax.Array, chunk_tokens: int) -> jax.Array:
+    """Mean cross-entropy of `self(h)` against labels, never holding all logits
+    (`ops.lm_head_loss`)."""
+    return ops.lm_head_loss(h.astype(self.dtype), self.kernel[...], labels,
+                            chunk_tokens=chunk_tokens)
 
 
 class Attention(nnx.Module):

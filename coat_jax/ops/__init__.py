@@ -5,6 +5,7 @@ from coat_jax.ops.linear_layer import (ACTIVATION_QUANTIZE, AMAX, CHOICES as LIN
                                  DEFAULT_OPTIONS as LINEAR_DEFAULTS, FP8_RESIDUALS, WEIGHT_QUANT,
                                  WEIGHT_QUANTIZE, linear, linear_options, linears, quantize_input)
 from coat_jax.ops.lm_head import lm_head
+from coat_jax.ops.lm_head_loss import lm_head_loss
 from coat_jax.ops.norm import rmsnorm
 from coat_jax.ops.residual import residual_add
 from coat_jax.ops.rope import LLAMA3_ROPE_KEYS, apply_rope, rope_frequencies

@@ -262,7 +262,7 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
 
   def loss_fn(params, rest, tokens):
     model = parts.merge(params, rest)
-    loss = cross_entropy(model.logits(tokens[:, :-1]), tokens[:, 1:])
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
     return loss, nnx.to_pure_dict(new_rest)
 
@@ -331,6 +331,8 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
                      f"optimizer.accumulate={micro} microbatches x {shards} batch shards")
   seed = cfg.run.seed if seed is None else seed
   llama_cfg = model_config(cfg, vocab_size)
+  if llama_cfg.loss_impl == "auto":  # the mesh, not the devices JAX sees, says how tokens split
+    llama_cfg = dataclasses.replace(llama_cfg, loss_impl="fused" if shards == 1 else "logits")
   group = cfg.optimizer.group_size if cfg.optimizer.name == "coat_adamw" else None
   parts, init_params = model_parts(llama_cfg, seed, mesh, group, cfg.optimizer.group_axis)
   base_tx, schedule = build_optimizer(cfg.optimizer, total_steps or cfg.run.steps)

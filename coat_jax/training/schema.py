@@ -54,6 +54,10 @@ class ModelConfig:
   `attention_residuals` "bf16" (default) | "fp8": what each attention keeps of q, k, v for its
   backward (`LlamaConfig.attention_residuals`: fp8 keeps 1 x 16 E4M3 copies and recomputes the
   attention in the backward: less activation memory, one more attention forward).
+  `loss_impl` "auto" (default) | "fused" | "logits" is how the training loss is computed
+  (`LlamaConfig.loss_impl`): "fused" runs the LM head and cross-entropy over chunks of
+  `loss_chunk_tokens` tokens (default 4096) and never holds all logits; "auto" is "fused" when the
+  mesh has one batch shard and "logits" otherwise (`ops.lm_head_loss` says why).
   """
   preset: str = "tiny"
   vocab_size: int | None = None
@@ -76,6 +80,8 @@ class ModelConfig:
   scan_unroll: int | None = None
   scan_impl: str | None = None
   attention_residuals: str | None = None
+  loss_impl: str | None = None
+  loss_chunk_tokens: int | None = None
 
   def overrides(self) -> dict[str, Any]:
     """The fields set away from the preset, as `LlamaConfig.from_name` keyword arguments."""
