@@ -48,6 +48,10 @@ GPU (H100; children get XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 unless it is set):
       --set optimizer.master_rounding=stochastic --json $OUT/e2e_13b.json --seconds-budget 450
       # 13B on one H200: budget 80.4 GB (26.0 master + 26.0 grads + 27.0 FP8 moments + 1.3
       # SR step workspace)
+  python benchmarks/bench_e2e.py --preset llama2-7b --modes coat+coat_adamw --remat full \
+      --batch 8 --compile-only --set model.loss_impl=logits
+      # what a configuration will hold (XLA's prediction: arguments + its temp allocation, which
+      # the GPU allocates whole, so it is the measured peak), in a compile (~20 s), no step run
 CPU smoke (~45 s on 2 cores):
   JAX_PLATFORMS=cpu python benchmarks/bench_e2e.py --preset tiny --set model.num_layers=1 \
       --seq-len 32 --batch 2 --steps 2 --warmup 1 --find-max-batch --max-batch 4 \
@@ -97,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "or best: each mode both ways, ratios against bf16's best row")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="extra train.py config override for the children, e.g. model.num_layers=2")
+  p.add_argument("--compile-only", action="store_true",
+                 help="compile each step and report XLA's predicted peak (arguments + its temp "
+                      "allocation, which the device allocates whole), run no step")
   p.add_argument("--find-max-batch", action="store_true",
                  help="also double the batch from --batch until the first OOM, per mode")
   p.add_argument("--max-batch", type=int, default=1024, help="stop the doubling here")
@@ -122,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       p.error(f"--{name.replace('_', '-')} must be > 0")
   if args.warmup < 0:
     p.error("--warmup must be >= 0")
+  if args.compile_only and args.find_max_batch:
+    p.error("--compile-only and --find-max-batch: the search needs steps that run")
   if args.layers != "scanned" and _sets_layers(args.overrides):
     p.error("--layers and --set model.scan_layers both choose the layers: give one")
   return args
@@ -235,6 +244,9 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
       f"{k} {v}" for k, v in sorted(out["hlo_ops"].items())))
   say(f"[child {args.one} b={args.batch}] compiled in {out['compile_s']:.1f} s"
       + (f", XLA predicts {mem['predicted_bytes'] / GB:.2f} GB" if mem else ""))
+  if args.compile_only:
+    out["status"] = "compiled"
+    return
 
   params, opt_state, rest = built.init()
   tokens = jax.device_put(
@@ -305,6 +317,8 @@ def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget,
          "--warmup", str(args.warmup), "--remat", args.remat]
   if args.attention_impl:
     cmd += ["--attention-impl", args.attention_impl]
+  if args.compile_only:
+    cmd.append("--compile-only")
   for item in args.overrides + (["model.scan_layers=false"] if layers == "unrolled" else []):
     cmd += ["--set", item]
   deadline = budget.deadline()

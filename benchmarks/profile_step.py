@@ -66,6 +66,9 @@ EXTRAS = {
     # JAX's lax.scan and its transpose (zero-filled stacks; what "auto" runs on a mesh).
     "lax": {"sets": ["model.scan_impl=lax"]},
     "unroll2": {"sets": ["model.scan_unroll=2"]},
+    # The loss from all logits (`model.loss_impl=logits`) instead of the default fused, chunked
+    # LM head + cross-entropy on one device (`ops.lm_head_loss`).
+    "logits": {"sets": ["model.loss_impl=logits"]},
     "unroll4": {"sets": ["model.scan_unroll=4"]},
     # No command buffers (CUDA graphs): each kernel then keeps its own instruction's name, so
     # the top list names every fusion and copy (inside a command buffer the trace names only

@@ -87,6 +87,20 @@ def test_e2e_child_and_table(capsys):
   assert "unrolled" in capsys.readouterr().out
 
 
+def test_e2e_compile_only_reports_the_prediction_and_runs_nothing(capsys):
+  args = e2e.parse_args(["--one", "coat+coat_adamw", "--preset", "tiny", "--set", "model.num_layers=1",
+                         "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128",
+                         "--seq-len", "16", "--batch", "8", "--compile-only"])
+  r = e2e.measure_one(args)
+  assert r["status"] == "compiled", r.get("error")
+  assert r["memory_analysis"]["predicted_bytes"] > r["params_bytes"] > 0 and r["compile_s"] > 0
+  assert "tokens_per_s" not in r and "loss_first" not in r
+  e2e.print_table("t", e2e.ratio_rows([r]))
+  assert "compiled" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    e2e.parse_args(["--compile-only", "--find-max-batch"])
+
+
 def test_e2e_layers_option():
   """--layers runs children scanned, unrolled or both; it may not be given together with a
   --set of model.scan_layers (two answers to one question), a one-line parser error."""
