@@ -195,9 +195,23 @@ def test_llama_loss_fused_equals_logits(tie, precision):
     assert _rel(a, b) < 1e-5
 
 
+def test_loss_impl_auto_picks_the_smaller(monkeypatch):
+  """auto: fused only with remat none, one device and N > C + 4 D / s tokens; names pass through."""
+  cfg = lambda **kw: LlamaConfig(**{**dict(hidden_size=2048, num_heads=16, dtype="bfloat16",
+                                            loss_chunk_tokens=4096), **kw}).validate()
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
+  assert resolve_loss_impl(cfg(), 16384) == "fused"               # OLMo-1B, batch 8 x 2048
+  assert resolve_loss_impl(cfg(), 4096 + 4096) == "logits"        # N = C + 2 D: not more
+  assert resolve_loss_impl(cfg(), 4096 + 4096 + 1) == "fused"
+  assert resolve_loss_impl(cfg(dtype="float32"), 4096 + 2048 + 1) == "fused"   # s = 4
+  assert resolve_loss_impl(cfg(remat="full"), 16384) == "logits"
+  assert resolve_loss_impl(cfg(loss_impl="fused", remat="full"), 10) == "fused"
+  monkeypatch.setattr(jax, "device_count", lambda: 2)
+  assert resolve_loss_impl(cfg(), 16384) == "logits"
+  assert resolve_loss_impl(cfg(loss_impl="fused"), 16384) == "fused"
+
+
 def test_loss_impl_config():
-  assert resolve_loss_impl("fused") == "fused" and resolve_loss_impl("logits") == "logits"
-  assert resolve_loss_impl("auto") == ("fused" if jax.device_count() == 1 else "logits")
   assert LlamaConfig().loss_impl == "auto"
   with pytest.raises(ValueError, match="loss_impl must be one of"):
     LlamaConfig(loss_impl="chunked").validate()

@@ -109,6 +109,18 @@ def test_eight_devices_match_one(cache, tmp_path):
   np.testing.assert_allclose(eight["final_eval_loss"], one["final_eval_loss"], rtol=1e-4)
 
 
+def test_fused_loss_trains_as_the_logits_loss_on_a_mesh(cache, tmp_path):
+  """model.loss_impl=fused (ops.lm_head_loss) on an 8-device mesh (batch split 4 ways, so "auto"
+  would take the logits path there) gives the logits path's losses and evaluation."""
+  extra = ["run.steps=3", "run.log_every=1", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+  out = {impl: run(mini(cache, tmp_path / impl, *extra, f"model.loss_impl={impl}",
+                        "model.loss_chunk_tokens=40"), log=QUIET) for impl in ("fused", "logits")}
+  a, b = (np.array([out[i]["losses"][k] for k in sorted(out[i]["losses"])]) for i in ("fused", "logits"))
+  assert len(a) == 3 and np.isfinite(a).all() and not np.array_equal(a[0], a[-1])
+  np.testing.assert_allclose(a, b, rtol=1e-5)
+  np.testing.assert_allclose(out["fused"]["final_eval_loss"], out["logits"]["final_eval_loss"], rtol=1e-5)
+
+
 @pytest.mark.parametrize("name,clip", [("coat_adamw", 0.05), ("coat_adamw", 0.0), ("adamw", 0.05)])
 def test_build_apply_equals_update_then_apply_updates(rng, name, clip):
   """build.py's fused step (coat_adamw_apply for coat_adamw) gives tx.update + apply_updates:

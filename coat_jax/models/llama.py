@@ -58,7 +58,8 @@ class LlamaConfig:
   `loss_impl` (LOSS_IMPLS) is how `Llama.loss` computes the training loss: "fused" is
   `ops.lm_head_loss` (the LM head and cross-entropy over chunks of `loss_chunk_tokens` tokens,
   no full logits held); "logits" writes all logits, then `ops.softmax_cross_entropy`; "auto"
-  (default) is `resolve_loss_impl`: "fused" on one device, "logits" on several.
+  (default) is `resolve_loss_impl`: "fused" where it holds less (no remat, many tokens, one
+  device), else "logits".
   """
   vocab_size: int = 4096
   hidden_size: int = 256
@@ -221,16 +222,30 @@ def resolve_scan_impl(scan_impl: str) -> str:
   return "vjp_loop" if devices == 1 else "lax"
 
 
-def resolve_loss_impl(loss_impl: str) -> str:
-  """The loss a `loss_impl` runs now: "auto" is "fused" when JAX sees one device, else "logits".
+def resolve_loss_impl(cfg: LlamaConfig, num_tokens: int) -> str:
+  """The loss `cfg.loss_impl` runs for a batch of `num_tokens` tokens; "auto" picks the smaller.
 
-  On several devices the tokens are split across them, and the fused loss's per-chunk weight
-  gradients are partial sums that XLA reduces across the devices once per chunk inside the loop
-  (`ops.lm_head_loss`); the unfused path reduces once. A named implementation is returned as is.
+  The logits path holds all logits and their gradient at once, 2 N V s bytes (s: the compute
+  dtype's size); the fused one holds two chunks of them, 2 C V s, plus the weight gradient's float32
+  accumulator and each chunk's float32 product, 2 x 4 V D. "auto" is "fused" when the first is
+  the larger, N > C + 4 D / s, and also:
+    - `remat` is "none": only then does the loss sit at the step's memory peak (the turnaround
+      from forward to backward, with every residual live). With remat the peak is elsewhere, and
+      the fused loss's buffers can still cost: Llama-2-7B batch 8, remat full: 52.24 against
+      51.22 GB (same live peak; XLA's allocation packs worse); Llama-3-8B (V = 128,256) batch 4:
+      64.61 against 61.46 GB, where N < C + 2 D as well (docs/benchmarks.md, fourteenth session);
+    - JAX sees one device: with the tokens split across devices, each chunk's weight gradient is
+      a partial sum reduced across them inside the loop (`ops.lm_head_loss`).
+  OLMo-1B, batch 8 x 2048 (N = 16384 > 4096 + 2 x 2048), remat none, layers unrolled, H100:
+  bf16 39.42 against 41.40 GB, coat 24.00 against 25.98, the same step time. A named
+  implementation is returned as it is.
   """
-  if loss_impl != "auto":
-    return loss_impl
-  return "fused" if jax.device_count() == 1 else "logits"
+  if cfg.loss_impl != "auto":
+    return cfg.loss_impl
+  size = jnp.dtype(cfg.dtype).itemsize
+  big_enough = num_tokens > cfg.loss_chunk_tokens + 4 * cfg.hidden_size // size
+  fused = big_enough and cfg.remat == "none" and jax.device_count() == 1
+  return "fused" if fused else "logits"
 
 
 def num_params(cfg: LlamaConfig) -> int:
@@ -338,7 +353,7 @@ class Llama(nnx.Module):
     if labels.shape != tokens.shape:
       raise ValueError(f"Llama.loss: labels shape {labels.shape} must equal tokens shape "
                        f"{tokens.shape}")
-    if resolve_loss_impl(self.cfg.loss_impl) == "logits":
+    if resolve_loss_impl(self.cfg, labels.size) == "logits":
       return ops.softmax_cross_entropy(self.logits(tokens), labels).mean()
     h, chunk = self.hidden_states(tokens), self.cfg.loss_chunk_tokens
     if self.lm_head is None:

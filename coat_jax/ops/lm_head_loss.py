@@ -20,8 +20,10 @@ Without differentiation (evaluation) the op runs the chunked loss alone: no grad
 
 On several devices with the tokens split across them, each chunk's h_c^T dz_c is a partial sum
 that XLA reduces across the devices inside the loop (a while loop's carry cannot stay
-unreduced): one weight-gradient reduction per chunk instead of one per step. The model therefore
-chooses the fused loss on one device only (`models.resolve_loss_impl`).
+unreduced): one weight-gradient reduction per chunk instead of one per step. And the fused path
+holds buffers of its own (two chunks of logits, dW's float32 accumulator and each chunk's
+product): with few tokens or a large D x V it holds more than the logits path. The model
+weighs both (`models.resolve_loss_impl`).
 """
 from __future__ import annotations
 

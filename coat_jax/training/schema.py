@@ -56,8 +56,9 @@ class ModelConfig:
   attention in the backward: less activation memory, one more attention forward).
   `loss_impl` "auto" (default) | "fused" | "logits" is how the training loss is computed
   (`LlamaConfig.loss_impl`): "fused" runs the LM head and cross-entropy over chunks of
-  `loss_chunk_tokens` tokens (default 4096) and never holds all logits; "auto" is "fused" when the
-  mesh has one batch shard and "logits" otherwise (`ops.lm_head_loss` says why).
+  `loss_chunk_tokens` tokens (default 4096) and never holds all logits; "auto" picks "fused" where
+  it holds less: remat none, enough tokens per step, one batch shard
+  (`coat_jax.models.resolve_loss_impl`).
   """
   preset: str = "tiny"
   vocab_size: int | None = None
