@@ -9,6 +9,7 @@ from flax import nnx
 
 from coat_jax import ops
 from coat_jax.models import Llama, LlamaConfig
+from tests.test_ops import cosine as _cos, rel_l2 as _rel
 
 SEED = 20261125
 
@@ -17,16 +18,6 @@ SEED = 20261125
 def rng():
   print(f"seed {SEED}")
   return np.random.default_rng(SEED)
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def _cos(a, b):
-  a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-  return a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
 
 
 def _inputs(rng, tied, h_dtype, w_dtype=jnp.float32, shape=(2, 7, 48), vocab=96):

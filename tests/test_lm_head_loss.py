@@ -1,7 +1,8 @@
 """ops.lm_head_loss (the LM head and the mean cross-entropy over token chunks, gradient made in the
 forward) against float64, against the unfused path (ops.lm_head + ops.softmax_cross_entropy), its
 memory claim (no tokens x vocab array anywhere in the differentiated program), the cotangent's
-scaling, the gradient-free evaluation, NaN, bad input, and Llama.loss / the train step using it."""
+scaling, the gradient-free evaluation, NaN, bad input, Llama.loss and the rule that picks it
+(the train step with it on a mesh: tests/test_train.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,24 +11,9 @@ from flax import nnx
 
 from coat_jax import ops
 from coat_jax.models import Llama, LlamaConfig, resolve_loss_impl
+from tests.test_ops import _equations, cosine as _cos, rel_l2 as _rel
 
-SEED = 20261124
-
-
-@pytest.fixture
-def rng():
-  print(f"seed {SEED}")
-  return np.random.default_rng(SEED)
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def _cos(a, b):
-  a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-  return a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+SEED = 20261124   # the Llama tests' token draw; the op tests take conftest's per-test rng
 
 
 def _inputs(rng, tied, dtype, shape=(2, 13, 32), vocab=80, w_dtype=jnp.float32):
@@ -92,16 +78,8 @@ def test_matches_the_unfused_path(rng, tied, chunk):
 
 def _largest_array(fn, *args):
   """Elements of the largest array any equation of fn's jaxpr (sub-jaxprs included) makes."""
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      for v in eqn.outvars:
-        yield int(np.prod(v.aval.shape)) if hasattr(v.aval, "shape") else 0
-      for p in eqn.params.values():
-        for sub in (p if isinstance(p, (list, tuple)) else [p]):
-          inner = getattr(sub, "jaxpr", None)
-          if inner is not None:
-            yield from walk(getattr(inner, "jaxpr", inner))
-  return max(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+  return max(int(np.prod(v.aval.shape)) for e in _equations(jax.make_jaxpr(fn)(*args).jaxpr)
+             for v in e.outvars if hasattr(v.aval, "shape"))
 
 
 def test_no_tokens_by_vocab_array_is_made(rng):
@@ -127,15 +105,7 @@ def test_cotangent_scales_both_gradients(rng):
 
 
 def _dots(fn, *args):
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      yield eqn.primitive.name == "dot_general"
-      for p in eqn.params.values():
-        for sub in (p if isinstance(p, (list, tuple)) else [p]):
-          inner = getattr(sub, "jaxpr", None)
-          if inner is not None:
-            yield from walk(getattr(inner, "jaxpr", inner))
-  return sum(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+  return sum(e.primitive.name == "dot_general" for e in _equations(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
 def test_evaluation_runs_only_the_logits_gemms(rng):
