@@ -332,3 +332,21 @@ def test_bench_layer_has_a_flag_for_every_linear_option():
   layer = _load("bench_layer")
   args = layer.parse_args([])
   assert {k: getattr(args, k) for k in ops.LINEAR_CHOICES} == ops.LINEAR_DEFAULTS
+
+
+def test_bench_loss_rows_and_the_accumulation_reading(capsys):
+  """benchmarks/bench_loss.py on CPU: a row per loss, all one value; the HLO reading of how the
+  chunks' dW sums run tells a separate add from a GEMM that accumulates."""
+  bench = _load("bench_loss")
+  rows = bench.main(["--tokens", "96", "--hidden", "16", "--vocab", "40", "--chunks", "32,64",
+                     "--iters", "1", "--untied"])
+  assert [r["loss"] for r in rows] == ["logits", "fused 32", "fused 64"]
+  assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in rows)
+  assert rows[1]["value"] == pytest.approx(rows[0]["value"], rel=1e-5)
+  assert "fused 64" in capsys.readouterr().out
+  added = "%loop_add_fusion.2 = f32[40,16]{1,0} fusion(%a, %b), kind=kLoop"
+  gemm = "%custom-call.3 = f32[40,16]{1,0} custom-call(%x, %y, %acc), custom_call_target=\"__cublas$lt$matmul\""
+  assert bench.accumulation(added, 40, 16) == "separate adds"
+  assert bench.accumulation(gemm, 40, 16) == "in GEMM"
+  with pytest.raises(SystemExit):
+    bench.parse_args(["--chunks", "0"])
