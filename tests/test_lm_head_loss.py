@@ -11,6 +11,7 @@ from flax import nnx
 
 from coat_jax import ops
 from coat_jax.models import Llama, LlamaConfig, resolve_loss_impl
+from tests.test_cross_entropy import _reference64 as cross_entropy_reference64
 from tests.test_ops import _equations, cosine as _cos, rel_l2 as _rel
 
 SEED = 20261124   # the Llama tests' token draw; the op tests take conftest's per-test rng
@@ -25,24 +26,15 @@ def _inputs(rng, tied, dtype, shape=(2, 13, 32), vocab=80, w_dtype=jnp.float32):
 
 
 def _reference64(h, w, labels, tied):
-  """Loss, dh, dW in float64 from the operands as the op computes with them (W cast to h's dtype)."""
+  """Loss, dh, dW in float64 from the operands as the op computes with them (W cast to h's dtype);
+  the cross-entropy's own float64 reference (test_cross_entropy) on the float64 logits."""
   h64 = np.asarray(h, np.float64).reshape(-1, h.shape[-1])
   w64 = np.asarray(w.astype(h.dtype), np.float64)
   wm = w64.T if tied else w64                                    # (D, V)
   y = np.asarray(labels).ravel()
-  z = h64 @ wm
-  m = z.max(-1, keepdims=True)
-  p = np.exp(z - m)
-  p /= p.sum(-1, keepdims=True)
-  lse = np.log(np.exp(z - m).sum(-1)) + m[:, 0]
-  n = len(y)
-  loss = np.mean(lse - z[np.arange(n), y])
-  dz = p.copy()
-  dz[np.arange(n), y] -= 1.0
-  dz /= n
-  dh = (dz @ wm.T).reshape(h.shape)
+  losses, dz = cross_entropy_reference64(h64 @ wm, y, np.full(len(y), 1.0 / len(y)))
   dwm = h64.T @ dz
-  return loss, dh, (dwm.T if tied else dwm)
+  return losses.mean(), (dz @ wm.T).reshape(h.shape), (dwm.T if tied else dwm)
 
 
 @pytest.mark.parametrize("tied", [False, True])

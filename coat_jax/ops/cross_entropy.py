@@ -26,30 +26,37 @@ def _check(logits, labels):
     raise ValueError(f"softmax_cross_entropy: labels must be integers, got {labels.dtype}")
 
 
-def _forward(logits, labels):
+def loss_and_lse(logits, labels):
+  """Per-example loss and logsumexp, both float32 (module docstring's first line)."""
   z32 = logits.astype(jnp.float32)
   lse = jax.nn.logsumexp(z32, axis=-1)
   picked = jnp.take_along_axis(z32, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
   return lse - picked, lse
 
 
+def logits_gradient(logits, labels, lse, g):
+  """dz = g * (softmax(z) - onehot(y)) in float32, written in the logits' dtype; g broadcasts
+  against the per-example axes (a scalar or one value per example)."""
+  classes = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+  onehot = classes == labels[..., None].astype(jnp.int32)
+  dz = jnp.asarray(g, jnp.float32)[..., None] * jnp.where(onehot, probs - 1.0, probs)
+  return dz.astype(logits.dtype)
+
+
 @jax.custom_vjp
 def _cross_entropy(logits, labels):
-  return _forward(logits, labels)[0]
+  return loss_and_lse(logits, labels)[0]
 
 
 def _fwd(logits, labels):
-  loss, lse = _forward(logits, labels)
+  loss, lse = loss_and_lse(logits, labels)
   return loss, (logits, labels, lse)
 
 
 def _bwd(res, g):
   logits, labels, lse = res
-  classes = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-  probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
-  onehot = classes == labels[..., None].astype(jnp.int32)
-  dz = g[..., None].astype(jnp.float32) * jnp.where(onehot, probs - 1.0, probs)
-  return dz.astype(logits.dtype), None
+  return logits_gradient(logits, labels, lse, g), None
 
 
 _cross_entropy.defvjp(_fwd, _bwd)

@@ -22,29 +22,34 @@ import jax
 import jax.numpy as jnp
 
 
-def _logits(h, w, tied):
+def head_logits(h, w, tied):
+  """logits = h . cast(W) (or h . cast(E)^T, tied), in h's dtype."""
   wc = w.astype(h.dtype)
   return jnp.einsum("...d,vd->...v", h, wc) if tied else jnp.einsum("...d,dv->...v", h, wc)
 
 
+def head_gradients(h, wc, dz, tied):
+  """(dh in h's dtype, dW float32 in W's layout) of the logits h . wc given their gradient dz;
+  wc is the parameter already cast to h's dtype."""
+  if tied:
+    return (jnp.einsum("...v,vd->...d", dz, wc),
+            jnp.einsum("...v,...d->vd", dz, h, preferred_element_type=jnp.float32))
+  return (jnp.einsum("...v,dv->...d", dz, wc),
+          jnp.einsum("...d,...v->dv", h, dz, preferred_element_type=jnp.float32))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _lm_head(h, w, tied):
-  return _logits(h, w, tied)
+  return head_logits(h, w, tied)
 
 
 def _lm_head_fwd(h, w, tied):
-  return _logits(h, w, tied), (h, w)
+  return head_logits(h, w, tied), (h, w)
 
 
 def _lm_head_bwd(tied, res, dz):
   h, w = res
-  wc = w.astype(h.dtype)
-  if tied:
-    dh = jnp.einsum("...v,vd->...d", dz, wc)
-    dw = jnp.einsum("...v,...d->vd", dz, h, preferred_element_type=jnp.float32)
-  else:
-    dh = jnp.einsum("...v,dv->...d", dz, wc)
-    dw = jnp.einsum("...d,...v->dv", h, dz, preferred_element_type=jnp.float32)
+  dh, dw = head_gradients(h, w.astype(h.dtype), dz, tied)
   dh, dw = jax.lax.optimization_barrier((dh, dw.astype(w.dtype)))
   return dh, dw
 

@@ -32,6 +32,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from coat_jax.ops.cross_entropy import logits_gradient, loss_and_lse
+from coat_jax.ops.lm_head import head_gradients, head_logits
+
 
 def _check(h, w, labels, tied, chunk_tokens):
   d = w.shape[1] if tied else w.shape[0]
@@ -51,31 +54,17 @@ def _check(h, w, labels, tied, chunk_tokens):
     raise ValueError(f"lm_head_loss: chunk_tokens must be a positive int, got {chunk_tokens!r}")
 
 
-def _logits(h, wc, tied):
-  return h @ wc.T if tied else h @ wc
-
-
 def _chunk_loss(h, wc, y, tied):
-  """Summed loss of one chunk (float32) and what the gradient needs: z (T, V), lse (T,)."""
-  z = _logits(h, wc, tied)
-  z32 = z.astype(jnp.float32)
-  lse = jax.nn.logsumexp(z32, axis=-1)
-  picked = jnp.take_along_axis(z32, y[:, None], axis=-1)[:, 0]
-  return jnp.sum(lse - picked), z, lse
+  """Summed loss of one chunk (float32) and what its gradient needs: z (T, V), lse (T,)."""
+  z = head_logits(h, wc, tied)
+  loss, lse = loss_and_lse(z, y)
+  return jnp.sum(loss), z, lse
 
 
 def _chunk_grads(h, wc, y, tied, inv_n):
   """One chunk: (summed loss, dh (T, D) in h's dtype, dW float32 in W's layout)."""
   loss, z, lse = _chunk_loss(h, wc, y, tied)
-  probs = jnp.exp(z.astype(jnp.float32) - lse[:, None])
-  onehot = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None]
-  dz = (inv_n * jnp.where(onehot, probs - 1.0, probs)).astype(h.dtype)
-  if tied:
-    dh = dz @ wc
-    dw = jnp.einsum("tv,td->vd", dz, h, preferred_element_type=jnp.float32)
-  else:
-    dh = dz @ wc.T
-    dw = jnp.einsum("td,tv->dv", h, dz, preferred_element_type=jnp.float32)
+  dh, dw = head_gradients(h, wc, logits_gradient(z, y, lse, inv_n), tied)
   return loss, dh, dw
 
 
@@ -96,33 +85,28 @@ def _run(h, w, labels, tied, chunk, with_grads):
   first, k, tail = _chunks(n, chunk)
 
   def one(start, size):
+    """(summed loss, dh rows, dW part) of the chunk at `start`; (loss, None, None) without grads."""
     hc = jax.lax.dynamic_slice_in_dim(hf, start, size)
     yc = jax.lax.dynamic_slice_in_dim(yf, start, size)
     if with_grads:
       return _chunk_grads(hc, wc, yc, tied, inv_n)
-    return (_chunk_loss(hc, wc, yc, tied)[0],)
+    return _chunk_loss(hc, wc, yc, tied)[0], None, None
 
-  out = one(0, first)            # the first chunk outside the loop: dW needs no zero fill
-  loss, rest = out[0], out[1:]
-  dh_parts = [rest[0]] if with_grads else []
-  dw = rest[1] if with_grads else None
+  loss, dh, dw = one(0, first)   # the first chunk outside the loop: dW needs no zero fill
+  dh_parts = [dh]
   if k:
     def body(carry, i):
       loss, dw = carry
-      got = one(first + i * chunk, chunk)
-      if with_grads:
-        return (loss + got[0], dw + got[2]), got[1]
-      return (loss + got[0], dw), None
+      part_loss, part_dh, part_dw = one(first + i * chunk, chunk)
+      return (loss + part_loss, None if dw is None else dw + part_dw), part_dh
 
     (loss, dw), dh_mid = jax.lax.scan(body, (loss, dw), jnp.arange(k))
-    if with_grads:
-      dh_parts.append(dh_mid.reshape(k * chunk, d))
+    dh_parts.append(None if dh_mid is None else dh_mid.reshape(k * chunk, d))
   if tail:
-    got = one(n - tail, tail)
-    loss = loss + got[0]
-    if with_grads:
-      dh_parts.append(got[1])
-      dw = dw + got[2]
+    part_loss, part_dh, part_dw = one(n - tail, tail)
+    loss = loss + part_loss
+    dh_parts.append(part_dh)
+    dw = None if dw is None else dw + part_dw
   loss = loss * inv_n
   if not with_grads:
     return loss
