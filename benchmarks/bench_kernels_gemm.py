@@ -48,6 +48,12 @@ TUNE = {
     "n128x96": fm.GemmConfig(tile_m=128, tile_n=96, epi_n=32, wg_dim="n"),
     "m128x128_w4": fm.GemmConfig(wg_dim="m", grid_tile_width=4),
     "m128x128_gm_m": fm.GemmConfig(wg_dim="m", grid_minor="m"),
+    # Two-CTA clusters, the shared operand's tile multicast (B's for "m", A's for "n")
+    "m128x128_cm": fm.GemmConfig(cluster_dim="m"),
+    "m128x128_cn": fm.GemmConfig(cluster_dim="n"),
+    "n128x128_cm": fm.GemmConfig(wg_dim="n", cluster_dim="m"),
+    "n128x128_cn": fm.GemmConfig(wg_dim="n", cluster_dim="n"),
+    "m128x128_cm_gm_m": fm.GemmConfig(cluster_dim="m", grid_minor="m"),
 }
 
 

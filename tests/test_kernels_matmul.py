@@ -17,6 +17,7 @@ from coat_jax import gemm, kernels
 from coat_jax.quantize import (QuantizedArray, group_amax, quantize_per_group,
                                quantize_per_tensor)
 from pallas_kernels import fp8_matmul as fm
+from tests.jaxpr_walk import equations
 
 SMALL = fm.GemmConfig(tile_m=64, tile_n=64, epi_m=64, epi_n=32, stages=2)
 TN = (((1,), (1,)), ((), ()))
@@ -68,19 +69,9 @@ def _dot64(a, b, dn):
 def _kernel_traces(fn, *args) -> list:
   """The traced kernel of each GEMM call in fn's jaxpr (the `jit` wrapping the Mosaic GPU kernel),
   in call order: one object per trace, shared when a trace is reused."""
-  out = []
-
-  def visit(jaxpr):
-    for eqn in jaxpr.eqns:
-      sub = eqn.params.get("jaxpr")
-      if sub is not None and "wgmma" in str(sub):
-        out.append(sub)
-      else:
-        for j in jax.extend.core.jaxprs_in_params(eqn.params):
-          visit(j)
-
-  visit(jax.make_jaxpr(fn)(*args).jaxpr)
-  return out
+  is_kernel = lambda eqn: "jaxpr" in eqn.params and "wgmma" in str(eqn.params["jaxpr"])
+  return [eqn.params["jaxpr"] for eqn in equations(jax.make_jaxpr(fn)(*args), stop=is_kernel)
+          if is_kernel(eqn)]
 
 
 def test_kernel_traced_once_per_signature(rng):
@@ -127,6 +118,19 @@ def test_kernel_interpret_epilogue_amax(rng, wg_dim):
                                config=cfg, interpret=_interp(), with_amax=True)
   assert amax.shape == (m, -(-n // cfg.tile_n)) and amax.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(amax), np.asarray(group_amax(out, cfg.tile_n)))
+
+
+@pytest.mark.parametrize("cluster_dim,wg_dim", [("m", "m"), ("n", "n")])
+def test_kernel_interpret_cluster_pairs(rng, cluster_dim, wg_dim):
+  """Two-CTA clusters (the shared operand's tile multicast to both): float64's product, on a
+  shape that is padded to the pair tile (200 rows / 136 columns are not multiples of it)."""
+  m, n, k = 200, 136, 256
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  scale = jnp.float32(rng.uniform(0.1, 2.0))
+  cfg = dataclasses.replace(SMALL, cluster_dim=cluster_dim, wg_dim=wg_dim)
+  out = fm.fp8_matmul_tn(a, b, scale, jnp.float32, config=cfg, interpret=_interp(), num_ctas=4)
+  assert out.shape == (m, n)
+  assert _rel(out, _ref64(a, b, scale)) < 1e-6
 
 
 def _qa(rng, shape, with_t=False, fmt="e4m3"):
@@ -196,6 +200,8 @@ def test_bad_arguments(rng):
     fm.fp8_matmul_tn(a, a, 1.0, jnp.float16)
   with pytest.raises(ValueError, match="tile_m"):
     fm.validate_config(fm.GemmConfig(tile_m=96), jnp.bfloat16)
+  with pytest.raises(ValueError, match="cluster_dim"):
+    fm.validate_config(fm.GemmConfig(cluster_dim="k"), jnp.bfloat16)
   with pytest.raises(ValueError, match="exceed shared memory"):
     fm.validate_config(fm.GemmConfig(stages=8), jnp.bfloat16)
   qa = QuantizedArray(a, jnp.float32(1.0))
@@ -231,6 +237,21 @@ def test_gpu_kernel_matches_reference(rng, m, n, k, out_dtype):
   print(f"GPUERR {m}x{n}x{k} {jnp.dtype(out_dtype).name}: pallas {err:.2e} xla {err_xla:.2e} "
         f"pallas-vs-xla {_rel(out, np.asarray(jnp.asarray(ref, jnp.float32), np.float64)):.2e}")
   assert err < 2.0 * err_xla + 2e-4 and err < 4e-3, (err, err_xla)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster_dim", ["m", "n"])
+def test_gpu_cluster_pairs_equal_single_ctas(rng, cluster_dim):
+  """Two-CTA clusters with the shared tile multicast compute every output tile as one CTA
+  does (same K order): bit for bit the default's output, on a padded and an aligned shape."""
+  for m, n, k in [(1000, 1500, 700), (2048, 4096, 1024)]:
+    a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+    scale = jnp.float32(rng.uniform(1e-3, 1e-1))
+    cfg = dataclasses.replace(fm.DEFAULT_CONFIG, cluster_dim=cluster_dim)
+    run = lambda c: jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=c))
+    out, ref = run(cfg)(a, b, scale), run(fm.DEFAULT_CONFIG)(a, b, scale)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
 
 
 @pytest.mark.gpu
