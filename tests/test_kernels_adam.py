@@ -12,6 +12,7 @@ import pytest
 
 from coat_jax import adam_math, expansion, kernels, kernels_adam, optim
 from pallas_kernels import adam_step as pk
+from tests.jaxpr_walk import equations
 
 INTERPRET = jax.default_backend() != "gpu"
 # pallas_kernels/adam_step.py runs on the deprecated Pallas Triton backend: its direct tests run in
@@ -25,12 +26,7 @@ KERNEL_PRIMITIVES = ("pallas_call", "triton_kernel_call")
 
 def n_kernels(jaxpr) -> int:
   """Kernel calls in a (closed) jaxpr and its sub-jaxprs."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name in KERNEL_PRIMITIVES
-    n += sum(n_kernels(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
-  return n
+  return sum(eqn.primitive.name in KERNEL_PRIMITIVES for eqn in equations(jaxpr))
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 NP_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import quantize_mgpu as qm
+from tests.jaxpr_walk import equations
 
 E4M3 = (jnp.float8_e4m3fn, 448.0)
 E5M2 = (jnp.float8_e5m2, 57344.0)
@@ -199,18 +200,8 @@ def test_quantize_per_tensor_given_amax_and_nan():
 def _kernel_eqns(fn, *args) -> list:
   """The Pallas kernel equation reached by each kernel call in fn's jaxpr, in call order: calls
   that reuse one trace reach the same equation object."""
-  out = []
-
-  def visit(jaxpr):
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-      if eqn.primitive.name in ("mpmd_map", "pallas_call"):
-        out.append(eqn)
-        continue
-      for j in jax.extend.core.jaxprs_in_params(eqn.params):
-        visit(j)
-
-  visit(jax.make_jaxpr(fn)(*args))
-  return out
+  is_kernel = lambda eqn: eqn.primitive.name in ("mpmd_map", "pallas_call")
+  return [eqn for eqn in equations(jax.make_jaxpr(fn)(*args), stop=is_kernel) if is_kernel(eqn)]
 
 
 def test_one_kernel_trace_per_kernel_view():

@@ -13,6 +13,7 @@ from coat_jax import formats, kernels, memory
 from coat_jax.models import Llama, layer_params
 from coat_jax.precision import PRECISIONS as MODES
 from tests.test_llama import loss_fn, tiny, tokens_for
+from tests.jaxpr_walk import equations
 
 def named_arrays(state, scanned: bool) -> dict[str, np.ndarray]:
   """{"embed/embedding": ..., "layers/0/self_attn/q_proj/kernel": ...} in either layer layout."""
@@ -140,16 +141,11 @@ PALLAS_GEMM_PRIMITIVES = ("pallas_call", "wgmma_ref")
 def fp8_dots_and_pallas_calls(jaxpr) -> tuple[int, int]:
   """(dot_generals with a float8 operand, Pallas GEMMs) in a jaxpr and all its sub-jaxprs."""
   fp8 = {jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
+  is_gemm = lambda eqn: eqn.primitive.name in PALLAS_GEMM_PRIMITIVES
   dots = calls = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      dots += any(v.aval.dtype in fp8 for v in eqn.invars)
-    if eqn.primitive.name in PALLAS_GEMM_PRIMITIVES:
-      calls += 1
-      continue
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      d, c = fp8_dots_and_pallas_calls(getattr(sub, "jaxpr", sub))
-      dots, calls = dots + d, calls + c
+  for eqn in equations(jaxpr, stop=is_gemm):
+    dots += eqn.primitive.name == "dot_general" and any(v.aval.dtype in fp8 for v in eqn.invars)
+    calls += is_gemm(eqn)
   return dots, calls
 
 

@@ -9,7 +9,8 @@ from flax import nnx
 
 from coat_jax import ops
 from coat_jax.models import Llama, LlamaConfig
-from tests.test_ops import _equations, cosine as _cos, rel_l2 as _rel
+from tests.jaxpr_walk import equations
+from tests.test_ops import cosine as _cos, rel_l2 as _rel
 
 SEED = 20261125
 
@@ -68,7 +69,7 @@ def test_backward_releases_dh_only_with_dw(rng, tied):
   h, w, dz = _inputs(rng, tied, jnp.bfloat16)
   jaxpr = jax.make_jaxpr(lambda h, w, dz: jax.vjp(lambda h, w: ops.lm_head(h, w, tied=tied),
                                                    h, w)[1](dz))(h, w, dz)
-  barriers = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"]
+  barriers = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"]
   assert len(barriers) == 1
   shapes = [tuple(v.aval.shape) for v in barriers[0].outvars]
   assert shapes == [h.shape, w.shape]

@@ -12,7 +12,8 @@ from flax import nnx
 from coat_jax import ops
 from coat_jax.models import Llama, LlamaConfig, resolve_loss_impl
 from tests.test_cross_entropy import _reference64 as cross_entropy_reference64
-from tests.test_ops import _equations, cosine as _cos, rel_l2 as _rel
+from tests.jaxpr_walk import equations
+from tests.test_ops import cosine as _cos, rel_l2 as _rel
 
 SEED = 20261124   # the Llama tests' token draw; the op tests take conftest's per-test rng
 
@@ -70,7 +71,7 @@ def test_matches_the_unfused_path(rng, tied, chunk):
 
 def _largest_array(fn, *args):
   """Elements of the largest array any equation of fn's jaxpr (sub-jaxprs included) makes."""
-  return max(int(np.prod(v.aval.shape)) for e in _equations(jax.make_jaxpr(fn)(*args).jaxpr)
+  return max(int(np.prod(v.aval.shape)) for e in equations(jax.make_jaxpr(fn)(*args).jaxpr)
              for v in e.outvars if hasattr(v.aval, "shape"))
 
 
@@ -97,7 +98,7 @@ def test_cotangent_scales_both_gradients(rng):
 
 
 def _dots(fn, *args):
-  return sum(e.primitive.name == "dot_general" for e in _equations(jax.make_jaxpr(fn)(*args).jaxpr))
+  return sum(e.primitive.name == "dot_general" for e in equations(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
 def test_evaluation_runs_only_the_logits_gemms(rng):

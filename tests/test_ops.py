@@ -8,6 +8,7 @@ import pytest
 
 from coat_jax import formats, kernels, memory, ops
 from coat_jax.precision import PRECISIONS
+from tests.jaxpr_walk import equations
 
 # Relative L2 bounds. bf16 rounds to 8 mantissa bits (~0.4% per element). FP8 modes: E4M3 values
 # (3 mantissa bits, ~2-3% RMS relative error per operand) and E5M2 gradients (2 bits, ~5% RMS)
@@ -81,14 +82,6 @@ def test_linear_saved_residuals(rng):
   assert (x.shape, np.dtype(jnp.bfloat16)) in fp8l
 
 
-def _equations(jaxpr):
-  """Every equation of `jaxpr`, those of its sub-jaxprs (custom_vjp, jit, loops) included."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for j in jax.extend.core.jaxprs_in_params(eqn.params):
-      yield from _equations(getattr(j, "jaxpr", j))
-
-
 @pytest.mark.parametrize("options", [{}, dict(weight_quantize="forward_kernel"),
                                      dict(weight_quantize="xla")])
 def test_weight_is_reduced_once_a_step(options, rng):
@@ -105,7 +98,7 @@ def test_weight_is_reduced_once_a_step(options, rng):
   with ops.linear_options(**options):
     jaxpr = jax.make_jaxpr(step)(x, w).jaxpr
     _, (dx, dw) = step(x, w)
-  reductions = [e for e in _equations(jaxpr)
+  reductions = [e for e in equations(jaxpr)
                 if e.primitive.name == "reduce_max" and tuple(e.invars[0].aval.shape) == w.shape]
   assert len(reductions) == 1
   assert np.isfinite(np.asarray(dw)).all() and np.isfinite(np.asarray(dx, np.float32)).all()
@@ -351,7 +344,7 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
   step = jax.value_and_grad(loss, argnums=(0, 1))
 
   def kernel_names(jaxpr):
-    return [e.params.get("name") for e in _equations(jaxpr)
+    return [e.params.get("name") for e in equations(jaxpr)
             if e.primitive.name in ("mpmd_map", "pallas_call")]
 
   with kernels.backend("quantize=mosaic"), ops.linear_options(amax="kernel",

@@ -15,6 +15,7 @@ from coat_jax.models import Llama
 from coat_jax.models.llama import layer_loop
 from coat_jax.precision import PRECISIONS
 from tests.test_llama import loss_fn, tiny, tokens_for
+from tests.jaxpr_walk import equations
 
 
 def stacked_residuals(cfg, tokens):
@@ -23,18 +24,10 @@ def stacked_residuals(cfg, tokens):
   graphdef, state = nnx.split(model)
   jaxpr = jax.make_jaxpr(jax.value_and_grad(
       lambda s: loss_fn(nnx.merge(graphdef, s), tokens)))(state).jaxpr
-  found = []
-
-  def visit(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name == "scan":
-        n_carry = len(list(eqn.params["ft_out"].unpack()[0].vals))
-        found.append([(tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars[n_carry:]])
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        visit(sub)
-
-  visit(jaxpr)
-  return found[0], model  # the first scan is the forward (the second one writes the gradients)
+  # The first scan is the forward (the second one writes the gradients).
+  forward = next(eqn for eqn in equations(jaxpr) if eqn.primitive.name == "scan")
+  n_carry = len(list(forward.params["ft_out"].unpack()[0].vals))
+  return [(tuple(v.aval.shape), v.aval.dtype) for v in forward.outvars[n_carry:]], model
 
 
 @pytest.mark.parametrize("mode", PRECISIONS)

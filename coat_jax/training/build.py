@@ -331,8 +331,6 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
                      f"optimizer.accumulate={micro} microbatches x {shards} batch shards")
   seed = cfg.run.seed if seed is None else seed
   llama_cfg = model_config(cfg, vocab_size)
-  if llama_cfg.loss_impl == "auto" and shards > 1:  # tokens split: models.resolve_loss_impl
-    llama_cfg = dataclasses.replace(llama_cfg, loss_impl="logits")
   group = cfg.optimizer.group_size if cfg.optimizer.name == "coat_adamw" else None
   parts, init_params = model_parts(llama_cfg, seed, mesh, group, cfg.optimizer.group_axis)
   base_tx, schedule = build_optimizer(cfg.optimizer, total_steps or cfg.run.steps)
