@@ -350,3 +350,29 @@ def test_bench_loss_rows_and_the_accumulation_reading(capsys):
   assert bench.accumulation(gemm, 40, 16) == "in GEMM"
   with pytest.raises(SystemExit):
     bench.parse_args(["--chunks", "0"])
+
+
+def test_attention_fp8_reference_and_its_error_off_the_gpu(rng, capsys):
+  """benchmarks/bench_attention_fp8.py: its float32 reference is causal attention (jax.nn's, and
+  its gradients) with dP = do v^T's causal amax; E4M3 codes round trip within FP8's step; on a
+  CPU it stops with one line saying cuDNN needs a GPU."""
+  bench = _load("bench_attention_fp8")
+  q, k, v, do = (jnp.asarray(rng.normal(size=(2, 24, 2, 16)), jnp.bfloat16) for _ in range(4))
+  o, grads, dp_amax = bench.reference(q, k, v, do, 0.25)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+  o_jax, pullback = jax.vjp(attend, *f32[:3])
+  np.testing.assert_allclose(o, o_jax, rtol=2e-5, atol=2e-6)
+  for g, g_jax in zip(grads, pullback(f32[3])):
+    assert bench.rel_l2(g, g_jax) < 1e-5 and bench.cosine(g, g_jax) > 0.99999
+  dp = np.einsum("bqnh,bknh->bnqk", np.asarray(f32[3], np.float64), np.asarray(f32[2], np.float64))
+  assert float(dp_amax) == pytest.approx(np.abs(np.tril(dp)).max(), rel=1e-5)
+  codes, descale = bench._codes(q, jnp.max(jnp.abs(q.astype(jnp.float32))))
+  assert codes.dtype == jnp.float8_e4m3fn
+  assert bench.rel_l2(codes.astype(jnp.float32) * descale, f32[0]) < 0.04
+  assert math.isnan(bench.rel_l2(np.full(3, np.nan), np.ones(3)))
+  with pytest.raises(SystemExit):
+    bench.main(["--shapes", "olmo-1b"])
+  assert "needs a GPU" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    bench.main(["--shapes", "8x2048"])
