@@ -54,6 +54,10 @@ TUNE = {
     "n128x128_cm": fm.GemmConfig(wg_dim="n", cluster_dim="m"),
     "n128x128_cn": fm.GemmConfig(wg_dim="n", cluster_dim="n"),
     "m128x128_cm_gm_m": fm.GemmConfig(cluster_dim="m", grid_minor="m"),
+    # Epilogue store pieces (fewer, larger TMA stores; 3 stages fit beside them)
+    "m128x128_s3": fm.GemmConfig(stages=3),
+    "m128x128_e64x128": fm.GemmConfig(epi_n=128),
+    "m128x128_e128x128": fm.GemmConfig(epi_m=128, epi_n=128),
 }
 
 
