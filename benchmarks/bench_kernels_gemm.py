@@ -58,11 +58,6 @@ TUNE = {
     "m128x128_s3": fm.GemmConfig(stages=3),
     "m128x128_e64x128": fm.GemmConfig(epi_n=128),
     "m128x128_e128x128": fm.GemmConfig(epi_m=128, epi_n=128),
-    # Each consumer warpgroup its own 128 x 128 tiles and ring: epilogues overlap products
-    "pingpong": fm.GemmConfig(schedule="pingpong"),
-    "pingpong_s2": fm.GemmConfig(schedule="pingpong", stages=2),
-    "pingpong_gm_m": fm.GemmConfig(schedule="pingpong", grid_minor="m"),
-    "pingpong_w16": fm.GemmConfig(schedule="pingpong", grid_tile_width=16),
 }
 
 

@@ -49,9 +49,6 @@ class GemmConfig:
     cluster_dim: None, or "m" / "n": two CTAs of a cluster take neighbouring CTA tiles along
       that dimension and load the operand they share once, multicast by TMA to both (B's tile
       for "m", A's for "n"); the grid is then the SM count's pairs.
-    schedule: "cooperative" (both consumer warpgroups share each pipeline stage and split the
-      CTA tile) or "pingpong" (each owns whole tile_m x tile_n tiles and a ring of `stages`
-      slots of its own; one's epilogue overlaps the other's products; no clusters).
   Default: CTA 256 x 128 (two 128 x 128 warpgroup tiles along M), 4 stages of 48 KiB; measured
   best-or-within-noise on the H100 for the square and 7B-layer shapes (docs/kernel_notes_gemm.md).
   """
@@ -65,7 +62,6 @@ class GemmConfig:
   grid_minor: str = "n"
   grid_tile_width: int = 8
   cluster_dim: str | None = None
-  schedule: str = "cooperative"
 
   @property
   def cluster_size(self) -> int:
@@ -73,11 +69,11 @@ class GemmConfig:
 
   @property
   def cta_m(self) -> int:
-    return self.tile_m * (2 if self.wg_dim == "m" and self.schedule == "cooperative" else 1)
+    return self.tile_m * (2 if self.wg_dim == "m" else 1)
 
   @property
   def cta_n(self) -> int:
-    return self.tile_n * (2 if self.wg_dim == "n" and self.schedule == "cooperative" else 1)
+    return self.tile_n * (2 if self.wg_dim == "n" else 1)
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -88,10 +84,8 @@ def _out_slots(cfg: GemmConfig) -> int:
 
 
 def smem_bytes_per_stage(cfg: GemmConfig) -> int:
-  """Shared memory of one pipeline stage (A and B tiles, 1 byte per element; "pingpong": one
-  stage of each consumer's ring)."""
-  rings = 2 if cfg.schedule == "pingpong" else 1
-  return rings * (cfg.cta_m + cfg.cta_n) * cfg.tile_k
+  """Shared memory of one pipeline stage (A and B tiles, 1 byte per element)."""
+  return (cfg.cta_m + cfg.cta_n) * cfg.tile_k
 
 
 def epilogue_smem_bytes(cfg: GemmConfig, out_dtype) -> int:
@@ -110,10 +104,6 @@ def validate_config(cfg: GemmConfig, out_dtype) -> GemmConfig:
     raise ValueError(f"wg_dim and grid_minor must be 'm' or 'n', got {cfg}")
   if cfg.cluster_dim not in (None, "m", "n"):
     raise ValueError(f"cluster_dim must be None, 'm' or 'n', got {cfg.cluster_dim!r}")
-  if cfg.schedule not in ("cooperative", "pingpong"):
-    raise ValueError(f"schedule must be 'cooperative' or 'pingpong', got {cfg.schedule!r}")
-  if cfg.schedule == "pingpong" and cfg.cluster_dim is not None:
-    raise ValueError("schedule 'pingpong' takes no cluster_dim")
   if cfg.tile_m % 64:
     raise ValueError(f"tile_m={cfg.tile_m} must be a multiple of 64 (wgmma M)")
   if cfg.tile_n % 8 or cfg.tile_n > 256:
@@ -273,142 +263,6 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
   ))
 
 
-@functools.lru_cache(maxsize=None)
-def _pingpong_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int, interpret,
-                 with_amax: bool, a_dtype, b_dtype):
-  """The "pingpong" schedule: each consumer warpgroup owns whole (tile_m, tile_n) output tiles
-  (the CTA's tiles alternate between them) and its own ring of `stages` shared-memory slots; the
-  producer fills the rings tile after tile, so one warpgroup's epilogue runs while the other's
-  wgmma keep the tensor cores busy (the cooperative schedule runs both epilogues at once)."""
-  tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
-  m_iters, n_iters, k_iters = m // tile_m, n // tile_n, k // tile_k
-  tiles, stages = m_iters * n_iters, cfg.stages
-  per_cta = -(-tiles // num_ctas)
-  in_transforms = _swizzled(tile_k, jnp.float8_e4m3fn)
-  out_transforms = _swizzled(cfg.epi_n, out_dtype)
-  slots = _out_slots(cfg)
-  epi_per_row = tile_n // cfg.epi_n
-  minor = 0 if cfg.grid_minor == "m" else 1
-
-  def body(a_gmem, b_gmem, scale_gmem, *outs, a_smem, b_smem, full, empty, out_smem):
-    out_gmem, amax_gmem = outs if with_amax else (outs[0], None)
-    wg, cta = lax.axis_index("wg"), lax.axis_index("sm")
-
-    def tile_of(j):  # the CTA's j-th output tile: (row block, column block), valid
-      lin = cta + j * num_ctas
-      mi, ni = plgpu.planar_snake(jnp.minimum(lin, tiles - 1), (m_iters, n_iters), minor,
-                                  cfg.grid_tile_width)
-      return mi, ni, lin < tiles
-
-    def producer():
-      plgpu.set_max_registers(40, action="decrease")
-
-      @pl.loop(0, per_cta)
-      def _tile(j):
-        mi, ni, valid = tile_of(j)
-        ring = lax.rem(j, 2) * stages
-        use = j // 2                       # this ring's tile count before tile j
-
-        @pl.when(valid)
-        def _():
-          @pl.loop(0, k_iters)
-          def _step(ki):
-            step = use * k_iters + ki      # the ring's step count
-            slot = ring + lax.rem(step, stages)
-
-            @pl.when(step >= stages)
-            def _():
-              plgpu.barrier_wait(empty.at[slot])
-            cols = pl.ds(ki * tile_k, tile_k)
-            plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(mi * tile_m, tile_m), cols], a_smem.at[slot],
-                                    full.at[slot])
-            plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(ni * tile_n, tile_n), cols], b_smem.at[slot],
-                                    full.at[slot])
-
-      # Observe the consumers' last release of every slot: no barrier is left mid-phase.
-      valid = jnp.clip((tiles - cta + num_ctas - 1) // num_ctas, 0, per_cta)
-      for w in range(2):
-        last = (valid - w + 1) // 2 * k_iters          # steps on ring w
-        for i in range(stages):
-          step = last - stages + i
-
-          @pl.when(step >= 0)
-          def _():
-            plgpu.barrier_wait(empty.at[w * stages + lax.rem(step, stages)])
-
-    def consumer():
-      plgpu.set_max_registers(232, action="increase")
-      scale = scale_gmem[0]
-      ring = wg * stages
-
-      @pl.loop(0, -(-per_cta // 2))
-      def _tile(use):
-        j = use * 2 + wg
-        mi, ni, valid = tile_of(j)
-
-        @pl.when(jnp.logical_and(valid, j < per_cta))
-        def _():
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def _acc_scope(acc_ref):
-            slot_of = lambda ki: ring + lax.rem(use * k_iters + ki, stages)
-
-            @pl.loop(0, k_iters)
-            def _step(ki):          # one wgmma in flight: release the previous step's slot
-              slot = slot_of(ki)
-              plgpu.barrier_wait(full.at[slot])
-              plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].transpose((1, 0)))
-              plgpu.wgmma_wait(1)
-
-              @pl.when(ki > 0)
-              def _():
-                plgpu.barrier_arrive(empty.at[slot_of(ki - 1)])
-
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(empty.at[slot_of(k_iters - 1)])
-
-            scaled = acc_ref[...] * scale
-            if with_amax:
-              amax_gmem[ni, pl.ds(mi * tile_m, tile_m)] = jnp.max(jnp.abs(scaled), axis=1)
-            out = scaled.astype(out_dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dst = out_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)]
-            for em in range(tile_m // cfg.epi_m):
-              for en in range(epi_per_row):
-                rows = slice(em * cfg.epi_m, (em + 1) * cfg.epi_m)
-                cols = slice(en * cfg.epi_n, (en + 1) * cfg.epi_n)
-                slot = (em * epi_per_row + en) % slots
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                out_smem[wg, slot] = out[rows, cols]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
-
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    lax.cond(wg == 2, producer, consumer)
-
-  ring_slots = 2 * stages
-  return jax.jit(plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
-                jax.ShapeDtypeStruct((n // tile_n, m), jnp.float32)) if with_amax
-      else jax.ShapeDtypeStruct((m, n), out_dtype),
-      scratch_types=dict(
-          a_smem=plgpu.SMEM((ring_slots, tile_m, tile_k), a_dtype, transforms=in_transforms),
-          b_smem=plgpu.SMEM((ring_slots, tile_n, tile_k), b_dtype, transforms=in_transforms),
-          full=plgpu.Barrier(num_arrivals=2, num_barriers=ring_slots),
-          empty=plgpu.Barrier(num_arrivals=1, num_barriers=ring_slots),
-          out_smem=plgpu.SMEM((2, slots, cfg.epi_m, cfg.epi_n), out_dtype,
-                              transforms=out_transforms)),
-      grid=(num_ctas,),
-      grid_names=("sm",),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name=KERNEL_NAME,
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret,
-  ))
-
-
 def _pad_to(x: jax.Array, rows: int, cols: int) -> jax.Array:
   pr, pc = rows - x.shape[0], cols - x.shape[1]
   if pr == 0 and pc == 0:
@@ -466,12 +320,7 @@ def fp8_matmul_tn(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype=jnp.bf
   if num_ctas is None:
     num_ctas = 2 if interpret is not None else num_sms()
   ctas = min(num_ctas, tiles) // cfg.cluster_size * cfg.cluster_size
-  if cfg.schedule == "pingpong":
-    fn = _pingpong_fn(mp, np_, kp, jnp.dtype(out_dtype), cfg, ctas, interpret, with_amax,
-                      jnp.dtype(a.dtype), jnp.dtype(b.dtype))
-  else:
-    fn = _kernel_fn(mp, np_, kp, jnp.dtype(out_dtype), cfg, ctas, interpret, with_amax)
-  out = fn(a, b, scale)
+  out = _kernel_fn(mp, np_, kp, jnp.dtype(out_dtype), cfg, ctas, interpret, with_amax)(a, b, scale)
   if with_amax:
     out, amax = out
     amax = amax.T[:m, :-(-n // cfg.tile_n)]
