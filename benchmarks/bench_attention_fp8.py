@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from _common import median_ms_back_to_back
+from coat_jax.quantize import quantize_per_tensor
 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)   # 448
 FP8_PARAM_KEYS = ("amax_dQ", "amax_dK", "amax_dV", "amax_dP", "descale_q", "descale_k",
@@ -63,23 +64,16 @@ def cudnn_bf16(q, k, v, do):
   return o, pullback(do)
 
 
-def _codes(x, amax):
-  """Per-tensor E4M3 codes of x at amax: (codes, descale)."""
-  descale = jnp.maximum(amax, 1e-30) / E4M3_MAX
-  codes = jnp.clip(x.astype(jnp.float32) / descale, -E4M3_MAX, E4M3_MAX)
-  return codes.astype(jnp.float8_e4m3fn), descale
-
-
 def fp8_operands(q, k, v, do, ref_amax, swap_o_do=False):
   """The FP8 codes of q, k, v, do and cuDNN's `fp8_params` at the best-case scales (module
   docstring). swap_o_do: pass o's descale as `descale_dO` and do's as `descale_o` (a probe:
   does the backward read them in that order?)."""
-  amax = lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)))
-  (q8, dq_), (k8, dk_), (v8, dv_), (do8, ddo) = (_codes(x, amax(x)) for x in (q, k, v, do))
+  q8, k8, v8, do8 = (quantize_per_tensor(x, "e4m3") for x in (q, k, v, do))  # x = data * scale
   one = lambda x: jnp.reshape(jnp.asarray(x, jnp.float32), (1, 1, 1, 1))
-  desc_o = amax(v) / E4M3_MAX
+  desc_o = v8.scale              # |o| <= max|v|: o at v's scale never overflows
   p = {key: one(1.0) for key in FP8_PARAM_KEYS}
-  p.update(descale_q=one(dq_), descale_k=one(dk_), descale_v=one(dv_), descale_dO=one(ddo),
+  p.update(descale_q=one(q8.scale), descale_k=one(k8.scale), descale_v=one(v8.scale),
+           descale_dO=one(do8.scale),
            descale_s=one(1.0 / E4M3_MAX), scale_s=one(E4M3_MAX),
            scale_o=one(1.0 / desc_o), descale_o=one(desc_o))
   for name, a in zip(("dP", "dQ", "dK", "dV"), ref_amax):
@@ -87,7 +81,7 @@ def fp8_operands(q, k, v, do, ref_amax, swap_o_do=False):
   p["descale_dP"] = one(ref_amax[0] / E4M3_MAX)
   if swap_o_do:
     p["descale_o"], p["descale_dO"] = p["descale_dO"], p["descale_o"]
-  return q8, k8, v8, do8, p
+  return q8.data, k8.data, v8.data, do8.data, p
 
 
 def fp8_attention(q8, k8, v8, do8, p, scale):

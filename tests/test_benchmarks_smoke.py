@@ -354,8 +354,9 @@ def test_bench_loss_rows_and_the_accumulation_reading(capsys):
 
 def test_attention_fp8_reference_and_its_error_off_the_gpu(rng, capsys):
   """benchmarks/bench_attention_fp8.py: its float32 reference is causal attention (jax.nn's, and
-  its gradients) with dP = do v^T's causal amax; E4M3 codes round trip within FP8's step; on a
-  CPU it stops with one line saying cuDNN needs a GPU."""
+  its gradients) with dP = do v^T's causal amax; the FP8 operands round trip within FP8's step
+  at the descales passed to cuDNN (o at max|v|, dq at its reference amax; the probe swaps o's and
+  do's); on a CPU it stops with one line saying cuDNN needs a GPU."""
   bench = _load("bench_attention_fp8")
   q, k, v, do = (jnp.asarray(rng.normal(size=(2, 24, 2, 16)), jnp.bfloat16) for _ in range(4))
   o, grads, dp_amax = bench.reference(q, k, v, do, 0.25)
@@ -367,9 +368,18 @@ def test_attention_fp8_reference_and_its_error_off_the_gpu(rng, capsys):
     assert bench.rel_l2(g, g_jax) < 1e-5 and bench.cosine(g, g_jax) > 0.99999
   dp = np.einsum("bqnh,bknh->bnqk", np.asarray(f32[3], np.float64), np.asarray(f32[2], np.float64))
   assert float(dp_amax) == pytest.approx(np.abs(np.tril(dp)).max(), rel=1e-5)
-  codes, descale = bench._codes(q, jnp.max(jnp.abs(q.astype(jnp.float32))))
-  assert codes.dtype == jnp.float8_e4m3fn
-  assert bench.rel_l2(codes.astype(jnp.float32) * descale, f32[0]) < 0.04
+  ref_amax = (float(dp_amax), *(float(jnp.max(jnp.abs(g))) for g in grads))
+  codes = bench.fp8_operands(q, k, v, do, ref_amax)
+  params = codes[-1]
+  for x, c, name in zip(f32, codes, ("q", "k", "v", "dO")):
+    assert c.dtype == jnp.float8_e4m3fn
+    descale = float(params[f"descale_{name}"].reshape(()))
+    assert bench.rel_l2(c.astype(jnp.float32) * descale, x) < 0.04
+  assert float(params["descale_o"].reshape(())) == pytest.approx(
+      float(jnp.max(jnp.abs(f32[2]))) / 448.0, rel=1e-6)
+  assert float(params["scale_dQ"].reshape(())) == pytest.approx(448.0 / ref_amax[1], rel=1e-6)
+  swapped = bench.fp8_operands(q, k, v, do, ref_amax, swap_o_do=True)[-1]
+  assert float(swapped["descale_o"].reshape(())) == float(params["descale_dO"].reshape(()))
   assert math.isnan(bench.rel_l2(np.full(3, np.nan), np.ones(3)))
   with pytest.raises(SystemExit):
     bench.main(["--shapes", "olmo-1b"])

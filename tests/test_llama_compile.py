@@ -12,8 +12,8 @@ from flax import nnx
 from coat_jax import formats, kernels, memory
 from coat_jax.models import Llama, layer_params
 from coat_jax.precision import PRECISIONS as MODES
-from tests.test_llama import loss_fn, tiny, tokens_for
 from tests.jaxpr_walk import equations
+from tests.test_llama import loss_fn, tiny, tokens_for
 
 def named_arrays(state, scanned: bool) -> dict[str, np.ndarray]:
   """{"embed/embedding": ..., "layers/0/self_attn/q_proj/kernel": ...} in either layer layout."""

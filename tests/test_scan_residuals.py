@@ -14,8 +14,8 @@ from coat_jax import ops
 from coat_jax.models import Llama
 from coat_jax.models.llama import layer_loop
 from coat_jax.precision import PRECISIONS
-from tests.test_llama import loss_fn, tiny, tokens_for
 from tests.jaxpr_walk import equations
+from tests.test_llama import loss_fn, tiny, tokens_for
 
 
 def stacked_residuals(cfg, tokens):

@@ -57,7 +57,7 @@ class ModelConfig:
   `loss_impl` "auto" (default) | "fused" | "logits" is how the training loss is computed
   (`LlamaConfig.loss_impl`): "fused" runs the LM head and cross-entropy over chunks of
   `loss_chunk_tokens` tokens (default 4096) and never holds all logits; "auto" picks "fused" where
-  it holds less: remat none, enough tokens per step, one batch shard
+  it holds less: remat none, enough tokens per step, one device
   (`coat_jax.models.resolve_loss_impl`).
   """
   preset: str = "tiny"
