@@ -20,7 +20,9 @@ called under two backends is traced twice, once for each.
 
 Which kernel (`implementation(family)`; `pallas`, and `auto` where AUTO_ON_HOPPER says so):
   gemm        mosaic: Mosaic GPU wgmma TN kernel (fp8_matmul.py) where `tn_operands` maps the
-              product; `auto` on one device only
+              product; `auto` on one device only. The gate/up GEMM with SwiGLU and the 1 x 16
+              quantize in its epilogue (`gemm_swiglu_quantize`, fp8_gemm_swiglu.py): one
+              device, bf16 out, M % 256, F % 64, K % 128 == 0
   quantize    mosaic: quantize_mgpu.py. Per group: G a multiple of 16 up to 256, N % G == 0 and
               size / G a multiple of 64. Per tensor: size / 64 a multiple of 64 and N % 64 == 0;
               with the transposed copy ndim >= 2, N and M multiples of 64 and a 16-bit input.
@@ -397,6 +399,48 @@ def swiglu_quantize(gate, up, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m
   return (h, jnp.max(jnp.abs(h)).astype(jnp.float32),
           quantize.quantize_per_group(gate, group_size, f, floor=floor),
           quantize.quantize_per_group(up, group_size, f, floor=floor))
+
+
+def gemm_swiglu_quantize(x: QuantizedArray, w_gate_t: QuantizedArray, w_up_t: QuantizedArray,
+                         out_dtype, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", *,
+                         floor=formats.ACTIVATION_SCALE_FLOOR):
+  """`swiglu_quantize(gate, up, group_size, fmt)` of gate = x . W_g and up = x . W_u, each
+  `fp8_dot_general(x, w_t, TN, out_dtype)`: (h, amax, gate_q, up_q).
+
+  x: per-tensor FP8 (..., K); w_gate_t, w_up_t: per-tensor FP8 (F, K), the weights' transposed
+  codes (the TN layout's right operand). Kernel (the "gemm" family's mosaic, on one device:
+  pallas_kernels/fp8_gemm_swiglu.py, bf16 out, G = 16, the shapes its `problem` takes): one
+  GEMM over the interleaved weight codes writes h, its 1 x 64 maxima and gate's and up's codes
+  from the float32 accumulators; the codes then differ from the reference's, which quantizes
+  gate and up rounded to out_dtype first, by at most one code step where that rounding moves a
+  value across a rounding boundary. Else the reference: the two GEMMs, then `swiglu_quantize`.
+  """
+  f = formats.get_format(fmt)
+  tn = (((x.data.ndim - 1,), (1,)), ((), ()))
+  lead, k, n = x.data.shape[:-1], x.data.shape[-1], w_gate_t.data.shape[0]
+  # One device (no per-shard wrapper yet); in interpret mode (CPU tests) XLA partitions the
+  # interpreted ops like any others, as for fp8_dot_general.
+  if use_pallas("gemm") and (interpret_mode() or not per_shard()):
+    from pallas_kernels import fp8_gemm_swiglu as pg, fp8_matmul as pk
+    m = x.data.size // k
+    if (pg.problem(m, n, k, out_dtype) is None and group_size == pg.GROUP
+        and f.dtype in formats.fp8_dtypes() and x.per_tensor
+        and w_up_t.data.shape == (n, k) and w_gate_t.per_tensor and w_up_t.per_tensor):
+      interp = pk.interpret_params(interpret_mode())
+      scales = jnp.stack([x.scale * w_gate_t.scale, x.scale * w_up_t.scale]).astype(jnp.float32)
+      h, hmax, gd, gs, ud, us = _launch(
+          pg.fp8_gemm_swiglu, x.data.reshape(m, k), pg.interleave_gate_up(w_gate_t.data,
+                                                                          w_up_t.data),
+          scales, code_dtype=f.dtype, fmax=f.max, floor=floor,
+          scale_dtype=formats.ACTIVATION_SCALE_DTYPE, interpret=interp,
+          num_ctas=None if interp is not None else pk.num_sms())
+      meta = (*lead, n // group_size)
+      return (h.reshape(*lead, n), jnp.max(hmax),
+              QuantizedArray(gd.reshape(*lead, n), gs.reshape(meta), f.name, group_size),
+              QuantizedArray(ud.reshape(*lead, n), us.reshape(meta), f.name, group_size))
+  gate = fp8_dot_general(x, w_gate_t, tn, out_dtype)
+  up = fp8_dot_general(x, w_up_t, tn, out_dtype)
+  return swiglu_quantize(gate, up, group_size, fmt, floor=floor)
 
 
 def dequantize(q: QuantizedArray, dtype):

@@ -386,3 +386,25 @@ def test_attention_fp8_reference_and_its_error_off_the_gpu(rng, capsys):
   assert "needs a GPU" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     bench.main(["--shapes", "8x2048"])
+
+
+def test_gemm_swiglu_bench_runs_every_path_and_prints_the_saving(capsys, monkeypatch):
+  """bench_gemm_swiglu on the CPU (interpret mode, a small shape): every timed path runs once
+  (the timer replaced by one call) and the table and saving line print; unknown shapes exit."""
+  bench = _load("bench_gemm_swiglu")
+  calls = []
+
+  def once(fn, *args, iters=1):
+    out = jax.block_until_ready(fn(*args))
+    assert all(np.all(np.isfinite(np.asarray(a, np.float32))) for a in jax.tree.leaves(out))
+    calls.append(fn)
+    return 1.0 + len(calls)
+
+  monkeypatch.setattr(bench, "median_ms_back_to_back", once)
+  rows = bench.run_shape("small", 256, 128, 128, iters=1, interpret=True)
+  assert [r[0] for r in rows] == ["fused s2", "fused s3", "unfused", "GEMMs", "weights: default",
+                                  "weights: interleaved"] and len(calls) == 6
+  assert "saved by the fused kernel: 2.000 ms per layer (50.0%)" in capsys.readouterr().out   # 4 - 2
+  monkeypatch.setattr(sys, "argv", ["bench_gemm_swiglu", "--shapes", "olmo,9b"])
+  with pytest.raises(SystemExit, match="unknown shape '9b'"):
+    bench.main()

@@ -132,7 +132,7 @@ def test_linear_options_reject_unknown_values():
       pass
   assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused",
                                      weight_quantize="forward_kernel", activation_quantize="kernel", gradient_quantize="kernel",
-                                     swiglu_quantize="fused", weight_transpose="codes")
+                                     swiglu_quantize="gemm_epilogue", weight_transpose="codes")
 
 
 def test_linear_options_from_the_environment():

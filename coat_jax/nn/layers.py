@@ -42,13 +42,18 @@ class Linear(nnx.Module):
     return ops.linear(x.astype(self.dtype), self.kernel[...], mode=self.mode, x_q=x_q)
 
 
-def _linears(x: jax.Array, x_q, projs) -> tuple[jax.Array, ...]:
-  """The outputs of `Linear`s of one mode sharing the input x (and its FP8 copy x_q):
-  `ops.linears`, which keeps x_q once for all of them."""
-  first = projs[0]
+def _check_input(x: jax.Array, projs) -> "Linear":
+  """Raises unless x's last axis is every projection's in_features; returns the first."""
   for p in projs:
     if x.shape[-1] != p.in_features:
       raise ValueError(f"Linear: input last axis {x.shape[-1]} != in_features {p.in_features}")
+  return projs[0]
+
+
+def _linears(x: jax.Array, x_q, projs) -> tuple[jax.Array, ...]:
+  """The outputs of `Linear`s of one mode sharing the input x (and its FP8 copy x_q):
+  `ops.linears`, which keeps x_q once for all of them."""
+  first = _check_input(x, projs)
   return ops.linears(x.astype(first.dtype), [p.kernel[...] for p in projs], mode=first.mode,
                      x_q=x_q)
 
@@ -173,8 +178,11 @@ class MLP(nnx.Module):
     self.down_proj = Linear(intermediate_size, hidden_size, **kw)
 
   def __call__(self, x: jax.Array, x_q=None) -> jax.Array:
-    """x: (B, S, D) normalized input, x_q its FP8 copy or None -> (B, S, D)."""
-    h, h_q = ops.swiglu(*_linears(x, x_q, (self.gate_proj, self.up_proj)), mode=self.mode)
+    """x: (B, S, D) normalized input, x_q its FP8 copy or None -> (B, S, D). Gate, up and
+    SwiGLU are one op (`ops.swiglu_linears`: in "coat" one GEMM with SwiGLU in its epilogue)."""
+    _check_input(x, (self.gate_proj, self.up_proj))
+    h, h_q = ops.swiglu_linears(x.astype(self.gate_proj.dtype), self.gate_proj.kernel[...],
+                                self.up_proj.kernel[...], mode=self.mode, x_q=x_q)
     return self.down_proj(h, x_q=h_q)
 
 

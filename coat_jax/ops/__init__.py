@@ -9,4 +9,4 @@ from coat_jax.ops.lm_head_loss import lm_head_loss
 from coat_jax.ops.norm import rmsnorm
 from coat_jax.ops.residual import residual_add
 from coat_jax.ops.rope import LLAMA3_ROPE_KEYS, apply_rope, rope_frequencies
-from coat_jax.ops.swiglu import swiglu
+from coat_jax.ops.swiglu import swiglu, swiglu_linears

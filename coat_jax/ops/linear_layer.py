@@ -62,7 +62,7 @@ WEIGHT_QUANT = ("per_use", "once")
 AMAX = ("kernel", "fused")
 WEIGHT_QUANTIZE = ("kernel", "xla", "forward_kernel")
 ACTIVATION_QUANTIZE = ("kernel", "xla")
-SWIGLU_QUANTIZE = ("fused", "separate")
+SWIGLU_QUANTIZE = ("fused", "separate", "gemm_epilogue")
 WEIGHT_TRANSPOSE = ("codes", "cast")
 # Each option's choices; DEFAULT_OPTIONS are the options in effect outside any `with` (one place).
 CHOICES = {"weight_quant": WEIGHT_QUANT, "amax": AMAX, "weight_quantize": WEIGHT_QUANTIZE,
@@ -70,7 +70,7 @@ CHOICES = {"weight_quant": WEIGHT_QUANT, "amax": AMAX, "weight_quantize": WEIGHT
            "swiglu_quantize": SWIGLU_QUANTIZE, "weight_transpose": WEIGHT_TRANSPOSE}
 DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "forward_kernel",
                    "activation_quantize": "kernel", "gradient_quantize": "kernel",
-                   "swiglu_quantize": "fused", "weight_transpose": "codes"}
+                   "swiglu_quantize": "gemm_epilogue", "weight_transpose": "codes"}
 OPTIONS_ENV = "COAT_JAX_LINEAR_OPTIONS"
 
 
@@ -140,10 +140,18 @@ def linear_options(**options: str):
   or as XLA ops ("xla"), which XLA can fuse into the op producing x, so that a bf16 x read only
   by the quantize is never written. gradient_quantize: the same for the E5M2 quantize of each
   linear's dY in the backward. Same values either way.
-  swiglu_quantize: "fused" (default) makes SwiGLU's h, its amax and gate's and up's 1 x 16
-  codes from one read of gate and up (`kernels.swiglu_quantize`; one kernel on Hopper);
-  "separate": h and its amax by XLA, then a per-group quantize of each of gate and up (two
-  more reads). Same values either way.
+  swiglu_quantize: "gemm_epilogue" (default): `ops.swiglu_linears` makes gate and up with one
+  FP8 GEMM whose epilogue writes SwiGLU's h, its maxima and gate's and up's 1 x 16 codes
+  (`kernels.gemm_swiglu_quantize`; gate and up are never written in bf16; their codes are
+  quantized from the float32 products, so they may differ from the others' by one code step,
+  no less accurate); the gate/up weights' codes are made by XLA, interleaved, in one fusion
+  from the parameters (weight_quant="per_use" always for these two). "fused" makes h, its amax
+  and the codes from one read of gate and up written by two GEMMs (`kernels.swiglu_quantize`;
+  one kernel on Hopper); "separate": h and its amax by XLA, then a per-group quantize of each
+  of gate and up (two more reads); these two give the same values. H100, OLMo-1B batch 8,
+  layers unrolled (docs/benchmarks.md, sixteenth session, two calls): 184.5 / 184.4 ms a step
+  with "gemm_epilogue" vs 188.5 / 187.6 with "fused", same peak; per layer's gate/up half
+  (bench_gemm_swiglu.py) 1.217 vs 1.360 ms (OLMo-1B), 2.698 vs 3.004 ms (Llama-2-7B).
   weight_transpose: how the forward gets W^T (N, K) for the TN GEMM under weight_quant=
   "per_use". "codes" (default) quantizes W as it lies and transposes its FP8 codes (the kernel's
   transposed copy under weight_quantize="kernel", XLA's swapaxes of the codes under "xla");
@@ -177,7 +185,7 @@ def linear_options(**options: str):
       jax.clear_caches()
 
 
-def _weight_amax(w):
+def weight_amax(w):
   """max|w| of a weight for its per-tensor quantize, as an XLA reduction (fusable into the cast
   that makes w): the quantize then skips its stage-1 kernel. The same value as the kernel's
   two-stage max (NaN propagates), and weights are small, so it costs no time; it saves a Mosaic
@@ -186,7 +194,7 @@ def _weight_amax(w):
 
 
 def _quantize_weight(wc, amax, *, with_transpose=False, backward=False) -> QuantizedArray:
-  """Per-tensor E4M3 of a (cast) weight with the given amax (`_weight_amax`): the dispatch's
+  """Per-tensor E4M3 of a (cast) weight with the given amax (`weight_amax`): the dispatch's
   kernel (`weight_quantize="kernel"`; "forward_kernel", default, in the forward only), else XLA's
   ops, fused with the cast and any transpose of wc (see `linear_options`)."""
   choice = _OPTIONS["weight_quantize"]
@@ -203,7 +211,7 @@ def _fwd_gemm(xq, w, out_dtype):
   `linear_options(weight_quant="once")`, the FP8 (K, N) codes and their scale (else None, None).
   """
   wc = w.astype(out_dtype)
-  amax = _weight_amax(wc)
+  amax = weight_amax(wc)
   once = _OPTIONS["weight_quant"] == "once"
   if once or _OPTIONS["weight_transpose"] == "codes":
     q = _quantize_weight(wc, amax, with_transpose=True)   # W read as it lies; its codes transposed
@@ -215,7 +223,7 @@ def _fwd_gemm(xq, w, out_dtype):
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype), name_residuals((amax, codes, scale))
 
 
-def _bwd_gemms(x_t, x_scale, w, g, kept):
+def backward_gemms(x_t, x_scale, w, g, kept):
   """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N)
   and the forward's `kept` (w's amax; its (K, N) codes and scale under weight_quant="once").
 
@@ -243,6 +251,13 @@ def _bwd_gemms(x_t, x_scale, w, g, kept):
   return dx, dw.astype(w.dtype)
 
 
+def zero_input_cotangent(dx, x_t, x_scale) -> QuantizedArray:
+  """The cotangent of an op's x_q argument: zero (x_q carries no gradient; it flows through x),
+  built from shapes so that nothing but x^T is kept for the backward."""
+  return QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
+                        data_t=jnp.zeros_like(x_t))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear_fp8(x, w, save_bf16):
   return _fwd_gemm(_quantize_x(x), w, x.dtype)[0]
@@ -261,8 +276,8 @@ def _linear_fp8_bwd(save_bf16, res, g):
   saved, x_scale, w, kept = res  # saved: the bf16 x ("fp8_linear") or the FP8 x^T ("coat")
   if save_bf16:
     xq = quantize_input(saved)
-    return _bwd_gemms(xq.data_t, xq.scale, w, g, kept)
-  return _bwd_gemms(saved, x_scale, w, g, kept)
+    return backward_gemms(xq.data_t, xq.scale, w, g, kept)
+  return backward_gemms(saved, x_scale, w, g, kept)
 
 
 _linear_fp8.defvjp(_linear_fp8_fwd, _linear_fp8_bwd)
@@ -280,12 +295,8 @@ def _linear_coat_q_fwd(x, w, x_q):
 
 def _linear_coat_q_bwd(res, g):
   x_t, x_scale, w, kept = res
-  dx, dw = _bwd_gemms(x_t, x_scale, w, g, kept)
-  # x_q carries no gradient (it flows through x); its zero cotangent is built from shapes so
-  # that nothing but x^T is kept.
-  zero_q = QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
-                          data_t=jnp.zeros_like(x_t))
-  return dx, dw, zero_q
+  dx, dw = backward_gemms(x_t, x_scale, w, g, kept)
+  return dx, dw, zero_input_cotangent(dx, x_t, x_scale)
 
 
 _linear_coat_q.defvjp(_linear_coat_q_fwd, _linear_coat_q_bwd)
@@ -304,23 +315,21 @@ def _linears_coat_q_fwd(x, ws, x_q):
 
 def _linears_coat_q_bwd(res, gs):
   x_t, x_scale, ws, kepts = res
-  grads = [_bwd_gemms(x_t, x_scale, w, g, k) for w, g, k in zip(ws, gs, kepts)]
+  grads = [backward_gemms(x_t, x_scale, w, g, k) for w, g, k in zip(ws, gs, kepts)]
   dx = functools.reduce(jnp.add, [dx for dx, _ in grads])
-  zero_q = QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
-                          data_t=jnp.zeros_like(x_t))
-  return dx, tuple(dw for _, dw in grads), zero_q
+  return dx, tuple(dw for _, dw in grads), zero_input_cotangent(dx, x_t, x_scale)
 
 
 _linears_coat_q.defvjp(_linears_coat_q_fwd, _linears_coat_q_bwd)
 
 
-def _check_w(x, w):
+def check_weight(x, w):
   if w.ndim != 2 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"linear: x shape {x.shape} does not match w shape {w.shape} "
                      "(need x[..., K] and w[K, N])")
 
 
-def _check_x_q(x, x_q):
+def check_input_q(x, x_q):
   if x_q.shape != x.shape or not x_q.per_tensor or x_q.data_t is None:
     raise ValueError(f"linear: x_q must be `quantize_input(x)` (per-tensor, with data_t) for x "
                      f"of shape {x.shape}, got shape {x_q.shape}")
@@ -344,9 +353,9 @@ def linears(x: jax.Array, ws, *, mode: str, x_q=None) -> tuple[jax.Array, ...]:
   check_precision(mode, "linears: mode")
   ws = tuple(ws)
   for w in ws:
-    _check_w(x, w)
+    check_weight(x, w)
   if mode == "coat" and x_q is not None and len(ws) > 1:
-    _check_x_q(x, x_q)
+    check_input_q(x, x_q)
     return _linears_coat_q(x, ws, x_q)
   return tuple(linear(x, w, mode=mode, x_q=x_q) for w in ws)
 
@@ -364,11 +373,11 @@ def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None) -> jax.Array:
     (..., N) in x.dtype.
   """
   check_precision(mode, "linear: mode")
-  _check_w(x, w)
+  check_weight(x, w)
   if mode == "bf16":
     return _matmul_keep_param(x, w) if w.dtype != x.dtype else jnp.matmul(x, w)
   if x_q is not None:
-    _check_x_q(x, x_q)
+    check_input_q(x, x_q)
     if mode == "coat":
       return _linear_coat_q(x, w, x_q)
   return _linear_fp8(x, w, mode == "fp8_linear")

@@ -1,10 +1,15 @@
-"""SwiGLU product h = silu(gate) * up.
+"""SwiGLU product h = silu(gate) * up, and the MLP's first half h = silu(x W_g) * (x W_u).
 
 "coat": a custom_vjp saving gate and up per 1x16 group (E4M3) only; silu is recomputed in the
 backward (2 saved tensors instead of COAT's 3). Returns h_q, per-tensor E4M3 of h, for the down
-projection's `x_q`. The forward makes h, max|h| and the two residuals from one read of gate and
-up (`kernels.swiglu_quantize`; `linear_options(swiglu_quantize="separate")` for the unfused
-ablation).
+projection's `x_q`. `swiglu_linears` (the MLP's gate, up and SwiGLU) makes h, max|h| and the
+two residuals in the gate/up GEMM's epilogue (`kernels.gemm_swiglu_quantize`; the default,
+`linear_options(swiglu_quantize="gemm_epilogue")`); `swiglu` of gate and up already made, and
+`swiglu_linears` under "fused", make them from one read of gate and up
+(`kernels.swiglu_quantize`); "separate" is the unfused ablation.
+
+Backward (both ops), with a = gate, u = up, s = sigmoid(a) from the dequantized residuals:
+  d_gate = dh * u * s * (1 + a (1 - s)),   d_up = dh * a * s.
 """
 from __future__ import annotations
 
@@ -14,8 +19,21 @@ import jax.numpy as jnp
 from coat_jax import kernels
 from coat_jax.activations import silu_product as _plain
 from coat_jax.formats import ACTIVATION_GROUP_SIZE
-from coat_jax.ops.linear_layer import name_residuals, option, quantize_input
+from coat_jax.ops.linear_layer import (backward_gemms, check_input_q, check_weight, linears,
+                                       name_residuals, option, quantize_input, weight_amax,
+                                       zero_input_cotangent)
 from coat_jax.precision import check_precision
+
+
+def _swiglu_grads(gate_q, up_q, dh):
+  """(d_gate, d_up) in dh's dtype from gate's and up's per-group codes (module docstring)."""
+  a = kernels.dequantize(gate_q, jnp.float32)
+  u = kernels.dequantize(up_q, jnp.float32)
+  d = dh.astype(jnp.float32)
+  sig = jax.nn.sigmoid(a)
+  dgate = d * u * sig * (1.0 + a * (1.0 - sig))
+  dup = d * a * sig
+  return dgate.astype(dh.dtype), dup.astype(dh.dtype)
 
 
 @jax.custom_vjp
@@ -25,7 +43,7 @@ def _swiglu_coat(gate, up):
 
 
 def _coat_fwd(gate, up):
-  if option("swiglu_quantize") == "fused":
+  if option("swiglu_quantize") != "separate":
     h, h_amax, gq, uq = kernels.swiglu_quantize(gate, up, ACTIVATION_GROUP_SIZE, "e4m3")
     return (h, quantize_input(h, amax=h_amax)), name_residuals((gq, uq))
   h = _plain(gate, up)
@@ -36,15 +54,7 @@ def _coat_fwd(gate, up):
 
 def _coat_bwd(res, cts):
   gq, uq = res
-  dh, _ = cts
-  a = kernels.dequantize(gq, jnp.float32)
-  u = kernels.dequantize(uq, jnp.float32)
-  d = dh.astype(jnp.float32)
-  sig = jax.nn.sigmoid(a)
-  silu = a * sig
-  dgate = d * u * sig * (1.0 + a * (1.0 - sig))
-  dup = d * silu
-  return dgate.astype(dh.dtype), dup.astype(dh.dtype)
+  return _swiglu_grads(gq, uq, cts[0])
 
 
 _swiglu_coat.defvjp(_coat_fwd, _coat_bwd)
@@ -60,3 +70,55 @@ def swiglu(gate: jax.Array, up: jax.Array, *, mode: str):
   # Only gate and up are saved; the float32 silu and product are recomputed in the backward
   # (see ops/norm.py: inside the scan over layers JAX would save the float32 intermediates).
   return jax.checkpoint(_plain)(gate, up), None
+
+
+def weight_codes_t(w, dtype):
+  """W (K, F) -> (its amax, W^T's per-tensor E4M3 codes (F, K)) by XLA's ops: one fusion from
+  the parameter with the cast, the transpose and the dispatch's interleave of gate and up."""
+  wc = w.astype(dtype)
+  amax = weight_amax(wc)
+  return amax, kernels.quantize_per_tensor(jnp.swapaxes(wc, 0, 1), "e4m3", amax=amax,
+                                           producer_fusion=True)
+
+
+@jax.custom_vjp
+def _swiglu_linears_coat(x, w_gate, w_up, x_q):
+  return _swiglu_linears_fwd(x, w_gate, w_up, x_q)[0]
+
+
+def _swiglu_linears_fwd(x, w_gate, w_up, x_q):
+  (ag, wgq), (au, wuq) = weight_codes_t(w_gate, x.dtype), weight_codes_t(w_up, x.dtype)
+  h, h_amax, gq, uq = kernels.gemm_swiglu_quantize(x_q, wgq, wuq, x.dtype,
+                                                   ACTIVATION_GROUP_SIZE, "e4m3")
+  res = (*name_residuals((x_q.data_t, x_q.scale, gq, uq, ag, au)), w_gate, w_up)
+  return (h, quantize_input(h, amax=h_amax)), res
+
+
+def _swiglu_linears_bwd(res, cts):
+  x_t, x_scale, gq, uq, ag, au, w_gate, w_up = res
+  dgate, dup = _swiglu_grads(gq, uq, cts[0])
+  dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, dgate, (ag, None, None))
+  dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, dup, (au, None, None))
+  dx = dx_gate + dx_up
+  return dx, dw_gate, dw_up, zero_input_cotangent(dx, x_t, x_scale)
+
+
+_swiglu_linears_coat.defvjp(_swiglu_linears_fwd, _swiglu_linears_bwd)
+
+
+def swiglu_linears(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, mode: str, x_q=None):
+  """(h, h_q) of h = silu(x @ w_gate) * (x @ w_up): `swiglu(*linears(x, (w_gate, w_up)))`.
+
+  x (..., K) in the compute dtype; w_gate, w_up (K, F) parameters; x_q as for `linears`. In
+  "coat" with x_q and `linear_options(swiglu_quantize="gemm_epilogue")`, one op whose forward is
+  the gate/up GEMM with SwiGLU in its epilogue and whose backward runs SwiGLU's backward, then
+  both linears' (the same GEMMs as `linears`' backward); otherwise exactly `swiglu(*linears(...))`.
+  """
+  check_precision(mode, "swiglu_linears: mode")
+  if w_gate.shape != w_up.shape:
+    raise ValueError(f"swiglu_linears: gate weight {w_gate.shape} != up weight {w_up.shape}")
+  if mode == "coat" and x_q is not None and option("swiglu_quantize") == "gemm_epilogue":
+    check_weight(x, w_gate)
+    check_input_q(x, x_q)
+    return _swiglu_linears_coat(x, w_gate, w_up, x_q)
+  return swiglu(*linears(x, (w_gate, w_up), mode=mode, x_q=x_q), mode=mode)

@@ -1,0 +1,195 @@
+"""The gate/up FP8 GEMM with SwiGLU and gate's and up's 1 x G quantize in its epilogue (Pallas
+Mosaic GPU, Hopper), so that gate and up are never written in bf16.
+
+From x (M, K) FP8 codes and the gate and up weights' codes W_g^T, W_u^T (F, K), interleaved in
+blocks of 64 rows (`interleave_gate_up`: 64 gate rows, the same 64 up rows, the next 64, ...):
+
+  g = s_g * (x . W_g^T),  u = s_u * (x . W_u^T)        (float32 accumulators, s_* per tensor)
+  h    = h_dtype(silu(g) * u),   silu(g) = g / (1 + exp(-g))
+  hmax = max|h| per 1 x 64 block of columns (float32; the per-tensor amax of h is their max)
+  gq, gs = g's per-group quantize, uq, us = u's (G = 16): quantize_mgpu's per-group rule
+           (scale = max(amax * f32(1/fmax), floor) rounded to the scale dtype, NaN for a NaN/inf
+           group; q = cast(clamp(g / scale, -fmax, fmax)))
+
+which COAT's MLP needs in its forward: h for the down projection, gate's and up's 1 x 16 codes as
+SwiGLU's residuals. Unfused: two GEMMs write g and u in bf16, and `swiglu_mgpu` reads them again.
+Here the codes are quantized from the float32 accumulators (no bf16 rounding of g and u first).
+
+Kernel layout: fp8_matmul's (one CTA per SM, persistent; warpgroup 2 streams A's (256, 128) and
+B's (128, 128) tiles through a ring of `stages` slots; warpgroups 0 and 1 each own a 128 x 128
+float32 accumulator, the CTA's two halves along M). Interleaving puts 64 columns of gate and the
+same 64 of up in one accumulator, so SwiGLU is elementwise within it. The epilogue takes the
+accumulator 16 columns at a time for the group maxima (one group = one row of 16), stores h and
+the codes through swizzled shared memory with TMA and each group's scale straight to global
+memory (scales laid out (F / G, M): one row per group column, contiguous across rows).
+Imports jax only.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8_matmul import _swizzled, num_sms
+from pallas_kernels.quantize_mgpu import _div, _saturate, _scale_from_amax
+
+KERNEL_NAME = "coat_fp8_gemm_swiglu_mgpu"
+HALF = 64                 # gate (and up) columns per warpgroup tile; the interleave block
+GROUP = 16                # the 1 x G quantize group
+TILE_M, TILE_K = 128, 128
+CTA_M = 2 * TILE_M        # two consumer warpgroups along M
+H_DTYPES = (jnp.dtype(jnp.bfloat16),)
+SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def problem(m: int, f: int, k: int, h_dtype) -> str | None:
+  """Why the kernel does not take x (m, k) and gate/up (f, k) with h in h_dtype, or None."""
+  if jnp.dtype(h_dtype) not in H_DTYPES:
+    return f"h dtype {jnp.dtype(h_dtype)} (bfloat16 only)"
+  if m % CTA_M or f % HALF or k % TILE_K:
+    return f"(M, F, K) = {(m, f, k)}: M % {CTA_M}, F % {HALF} and K % {TILE_K} must be 0"
+  return None
+
+
+def interleave_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+  """(F, K) gate rows and (F, K) up rows -> (2F, K): 64 gate rows, the same 64 up rows, ..."""
+  f, k = w_gate.shape
+  if w_up.shape != (f, k) or f % HALF:
+    raise ValueError(f"interleave_gate_up: gate {w_gate.shape} and up {w_up.shape} must be equal "
+                     f"(F, K) with F % {HALF} == 0")
+  return jnp.stack([w_gate.reshape(f // HALF, HALF, k), w_up.reshape(f // HALF, HALF, k)],
+                   axis=1).reshape(2 * f, k)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fmax, floor):
+  tile_n = 2 * HALF
+  m_iters, n_iters, k_iters = m // CTA_M, (2 * f) // tile_n, k // TILE_K
+  in_t = _swizzled(TILE_K, jnp.float8_e4m3fn)
+  h_t = _swizzled(HALF, jnp.bfloat16)
+  q_t = _swizzled(HALF, code_dtype)
+  groups = HALF // GROUP
+  exact_div = interpret is not None
+
+  def body(a_gmem, b_gmem, scale_gmem, h_gmem, hmax_gmem, gq_gmem, gs_gmem, uq_gmem, us_gmem,
+           h_smem, gq_smem, uq_smem):
+    def make_pipeline(step_fn, context_fn):
+      return plgpu.emit_pipeline_warp_specialized(
+          step_fn, grid=(k_iters,), memory_registers=40,
+          in_specs=[plgpu.BlockSpec((CTA_M, TILE_K), lambda ki: (0, ki), transforms=in_t,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((tile_n, TILE_K), lambda ki: (0, ki), transforms=in_t,
+                                    memory_space=plgpu.SMEM)],
+          wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+          compute_context=context_fn)
+
+    unused = lambda *_, **__: None
+
+    @functools.partial(pl.run_scoped,
+                       allocs=make_pipeline(unused, unused).get_allocations(a_gmem, b_gmem),
+                       collective_axes="wg")
+    def _scope(allocs):
+      wg = lax.axis_index("wg")
+      scale_g, scale_u = scale_gmem[0], scale_gmem[1]
+
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _tile_loop(info):
+        (lin,) = info.index
+        mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, 8)
+        rows = pl.ds(mi * CTA_M + wg * TILE_M, TILE_M)
+        cols = pl.ds(ni * HALF, HALF)
+
+        def quantize(x, s_gmem):
+          """(TILE_M, HALF) float32 -> codes; each 1 x GROUP group's scale to s_gmem."""
+          codes = []
+          for q in range(groups):
+            part = x[:, q * GROUP:(q + 1) * GROUP]
+            stored = _scale_from_amax(jnp.max(jnp.abs(part), axis=1), fmax, floor).astype(
+                scale_dtype)
+            s = jnp.broadcast_to(stored.astype(jnp.float32)[:, None], part.shape)
+            codes.append(_saturate(_div(part, s, exact_div), fmax).astype(code_dtype))
+            s_gmem[ni * groups + q, rows] = stored
+          return jnp.concatenate(codes, axis=1)
+
+        def context(run_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_M, tile_n), jnp.float32))
+          def _acc_scope(acc_ref):
+            run_pipeline(acc_ref)
+            acc = acc_ref[...]
+            g, u = acc[:, :HALF] * scale_g, acc[:, HALF:] * scale_u
+            h = (g / (1.0 + jnp.exp(-g)) * u).astype(jnp.bfloat16)
+            hmax_gmem[ni, rows] = jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1)
+            gq, uq = quantize(g, gs_gmem), quantize(u, us_gmem)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores read out
+            h_smem[wg] = h
+            gq_smem[wg] = gq
+            uq_smem[wg] = uq
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(h_smem.at[wg], h_gmem.at[rows, cols])
+            plgpu.copy_smem_to_gmem(gq_smem.at[wg], gq_gmem.at[rows, cols])
+            plgpu.copy_smem_to_gmem(uq_smem.at[wg], uq_gmem.at[rows, cols])
+
+        def step(_, a_smem, b_smem, acc_ref):
+          plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * TILE_M, TILE_M)], b_smem.transpose((1, 0)))
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        make_pipeline(step, context)(a_gmem.at[pl.ds(mi * CTA_M, CTA_M), :],
+                                     b_gmem.at[pl.ds(ni * tile_n, tile_n), :], allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  codes = jax.ShapeDtypeStruct((m, f), code_dtype)
+  scales = jax.ShapeDtypeStruct((f // GROUP, m), scale_dtype)
+  return jax.jit(plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((m, f), jnp.bfloat16),
+                jax.ShapeDtypeStruct((f // HALF, m), jnp.float32), codes, scales, codes, scales),
+      scratch_types=dict(h_smem=plgpu.SMEM((2, TILE_M, HALF), jnp.bfloat16, transforms=h_t),
+                         gq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t),
+                         uq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t)),
+      grid=(num_ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
+      kernel_name=KERNEL_NAME,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret))
+
+
+def fp8_gemm_swiglu(x: jax.Array, w_interleaved: jax.Array, scales: jax.Array, *,
+                    code_dtype=jnp.float8_e4m3fn, fmax: float = 448.0, floor: float = 1e-10,
+                    scale_dtype=jnp.bfloat16, stages: int = 3, num_ctas: int | None = None,
+                    interpret=None):
+  """SwiGLU of the gate/up product with gate's and up's 1 x 16 quantize (module docstring).
+
+  Args:
+    x: float8 (M, K). w_interleaved: float8 (2F, K), `interleave_gate_up(W_g^T, W_u^T)` codes.
+    scales: float32 (2,): (x.scale * W_g.scale, x.scale * W_u.scale).
+    code_dtype, fmax: the codes' FP8 dtype and its largest finite value; floor: the scales'
+      floor; scale_dtype: bfloat16 or float32.
+    stages: ring depth (3: 144 KiB of operand tiles beside 64 KiB of epilogue buffers).
+    num_ctas: persistent CTAs (default: the SM count). interpret: None on the GPU,
+      `plgpu.InterpretGPUParams()` on the CPU.
+  Returns:
+    (h bf16 (M, F), hmax float32 (M, F / 64), gq code_dtype (M, F), gs scale_dtype (M, F / 16),
+    uq, us likewise).
+  """
+  (m, k), f = x.shape, w_interleaved.shape[0] // 2
+  if w_interleaved.shape != (2 * f, k) or jnp.dtype(x.dtype) not in FP8_DTYPES or (
+      jnp.dtype(w_interleaved.dtype) not in FP8_DTYPES):
+    raise ValueError(f"fp8_gemm_swiglu: x {x.shape} {x.dtype} and w {w_interleaved.shape} "
+                     f"{w_interleaved.dtype} must be float8 (M, K) and (2F, K)")
+  if (why := problem(m, f, k, jnp.bfloat16)) is not None:
+    raise ValueError(f"fp8_gemm_swiglu: {why}")
+  if jnp.dtype(scale_dtype) not in SCALE_DTYPES or jnp.dtype(code_dtype) not in FP8_DTYPES:
+    raise ValueError(f"fp8_gemm_swiglu: scale dtype {scale_dtype} / code dtype {code_dtype}")
+  tiles = (m // CTA_M) * (f // HALF)
+  if num_ctas is None:
+    num_ctas = 2 if interpret is not None else num_sms()
+  fn = _kernel_fn(m, f, k, min(num_ctas, tiles), stages, interpret, jnp.dtype(code_dtype),
+                  jnp.dtype(scale_dtype), float(fmax), float(floor))
+  h, hmax, gq, gs, uq, us = fn(x, w_interleaved, jnp.asarray(scales, jnp.float32).reshape(2))
+  return h, hmax.T, gq, gs.T, uq, us.T
