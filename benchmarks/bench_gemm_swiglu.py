@@ -7,9 +7,9 @@ Rows (one layer's forward MLP input half, batch 8 x 2048 tokens; ms, median of b
   unfused    the default path: two FP8 GEMMs writing gate and up in bf16, then
              `kernels.swiglu_quantize` (one kernel reading both)
   GEMMs      the two FP8 GEMMs alone (what the unfused path spends before its SwiGLU pass)
-  weights    the weights' codes for the forward: the default's Mosaic GPU quantize with the
-             transposed copy, twice, vs XLA's one fusion from the float32 parameters writing the
-             interleaved W^T codes (ops/swiglu.py `weight_codes_t` + the dispatch's interleave)
+  weights    the weights' codes for the forward: the "fused" path's Mosaic GPU quantize with
+             the transposed copy, twice, vs the epilogue path's (ops/swiglu.py `weight_codes_t`,
+             XLA: each weight quantized as it lies, then its codes transposed and interleaved)
 Floors: the GEMM's FLOPs at the FP8 dense peak (1979 TFLOP/s); the SwiGLU pass's bytes (gate and
 up read in bf16, h written in bf16, codes in FP8 and bf16 scales written) at 3.35 TB/s.
 On the CPU: a small shape in interpret mode, to check that the script runs.

@@ -144,14 +144,16 @@ def linear_options(**options: str):
   FP8 GEMM whose epilogue writes SwiGLU's h, its maxima and gate's and up's 1 x 16 codes
   (`kernels.gemm_swiglu_quantize`; gate and up are never written in bf16; their codes are
   quantized from the float32 products, so they may differ from the others' by one code step,
-  no less accurate); the gate/up weights' codes are made by XLA, interleaved, in one fusion
-  from the parameters (weight_quant="per_use" always for these two). "fused" makes h, its amax
+  no less accurate); the gate/up weights' codes are made by XLA in two passes, quantized as
+  they lie, then transposed and interleaved as FP8 codes (`ops.swiglu.weight_codes_t`;
+  weight_quant="per_use" always for these two). "fused" makes h, its amax
   and the codes from one read of gate and up written by two GEMMs (`kernels.swiglu_quantize`;
   one kernel on Hopper); "separate": h and its amax by XLA, then a per-group quantize of each
-  of gate and up (two more reads); these two give the same values. H100, OLMo-1B batch 8,
-  layers unrolled (docs/benchmarks.md, sixteenth session, two calls): 184.5 / 184.4 ms a step
-  with "gemm_epilogue" vs 188.5 / 187.6 with "fused", same peak; per layer's gate/up half
-  (bench_gemm_swiglu.py) 1.217 vs 1.360 ms (OLMo-1B), 2.698 vs 3.004 ms (Llama-2-7B).
+  of gate and up (two more reads); these two give the same values. H100, OLMo-1B batch 8
+  (docs/benchmarks.md, sixteenth session, each pair from one call): layers unrolled 180.8 ms a
+  step with "gemm_epilogue" vs 184.7 with "fused" (calls 1-2: 184.5 / 184.4 vs 188.5 / 187.6),
+  scanned 190.7 vs 191.3, same peaks; per layer's gate/up half (bench_gemm_swiglu.py) 1.206 vs
+  1.369 ms (OLMo-1B), 2.698 vs 3.004 ms (Llama-2-7B).
   weight_transpose: how the forward gets W^T (N, K) for the TN GEMM under weight_quant=
   "per_use". "codes" (default) quantizes W as it lies and transposes its FP8 codes (the kernel's
   transposed copy under weight_quantize="kernel", XLA's swapaxes of the codes under "xla");

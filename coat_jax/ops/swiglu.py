@@ -23,6 +23,7 @@ from coat_jax.ops.linear_layer import (backward_gemms, check_input_q, check_weig
                                        name_residuals, option, quantize_input, weight_amax,
                                        zero_input_cotangent)
 from coat_jax.precision import check_precision
+from coat_jax.quantize import QuantizedArray
 
 
 def _swiglu_grads(gate_q, up_q, dh):
@@ -73,12 +74,18 @@ def swiglu(gate: jax.Array, up: jax.Array, *, mode: str):
 
 
 def weight_codes_t(w, dtype):
-  """W (K, F) -> (its amax, W^T's per-tensor E4M3 codes (F, K)) by XLA's ops: one fusion from
-  the parameter with the cast, the transpose and the dispatch's interleave of gate and up."""
+  """W (K, F) -> (its amax, W^T's per-tensor E4M3 codes (F, K)) by XLA's ops in two passes: the
+  quantize of W as it lies (fused with the cast), then the transpose of its FP8 codes (fused with
+  the dispatch's interleave of gate and up); the barrier keeps them apart. One fusion quantizing
+  W^T from the float32 parameter was as fast with the layers unrolled but gained nothing with
+  them scanned (H100, docs/benchmarks.md sixteenth session, item 7), likely XLA's relayout of the
+  stacked weights for a transposed read (linear_options' `weight_transpose` note); the Mosaic
+  GPU quantize's transposed codes plus a copy to interleave them cost 0.07 ms a layer more."""
   wc = w.astype(dtype)
   amax = weight_amax(wc)
-  return amax, kernels.quantize_per_tensor(jnp.swapaxes(wc, 0, 1), "e4m3", amax=amax,
-                                           producer_fusion=True)
+  q = kernels.quantize_per_tensor(wc, "e4m3", amax=amax, producer_fusion=True)
+  return amax, QuantizedArray(jnp.swapaxes(jax.lax.optimization_barrier(q.data), 0, 1), q.scale,
+                              q.fmt)
 
 
 @jax.custom_vjp
