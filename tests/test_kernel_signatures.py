@@ -93,6 +93,31 @@ def test_variant_linear_options_parse():
     cb.parse_variant("coat:coat_adamw/linear=amax")
 
 
+OPTIONS_SEED = 20261124
+
+
+def _block_values(options: dict):
+  """_block's forward values and gradients on fixed inputs (seed OPTIONS_SEED) under `options`,
+  the Mosaic GPU kernels in interpret mode."""
+  rng = np.random.default_rng(OPTIONS_SEED)
+  args = _args(rng)
+  ct = jnp.asarray(rng.standard_normal((2, M // 2, K)), jnp.bfloat16)
+
+  def f(*a):   # a fresh jit: the options are read while tracing (eager interpret-mode kernels
+    y, pb = jax.vjp(_block, *a)   # can deadlock on their callbacks)
+    return y, pb(ct)
+
+  with ops.linear_options(**options), kernels.backend("quantize=pallas,gemm=pallas"):
+    return jax.jit(f)(*args)
+
+
+@pytest.fixture(scope="module")
+def default_values():
+  """The defaults' run, once for every option below (each run compiles ~10 s in interpret mode)."""
+  print(f"seed {OPTIONS_SEED}")
+  return _block_values({})
+
+
 @pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="xla"),
                                      dict(weight_quantize="kernel"),
                                      dict(weight_transpose="cast"),
@@ -101,22 +126,11 @@ def test_variant_linear_options_parse():
                                      dict(weight_quant="once"),
                                      dict(weight_quant="once", weight_quantize="xla"),
                                      dict(activation_quantize="xla", gradient_quantize="xla")])
-def test_kernel_options_give_the_defaults_values_in_interpret_mode(rng, options):
+def test_kernel_options_give_the_defaults_values_in_interpret_mode(default_values, options):
   """Every option against the defaults (the Mosaic GPU kernels in interpret mode, XLA's amax,
   the weight's codes transposed): the same forward values and gradients, bit for bit."""
-  args = _args(rng)
-  ct = jnp.asarray(rng.standard_normal((2, M // 2, K)), jnp.bfloat16)
-
-  def run():   # a fresh jit: the options are read while tracing (eager interpret-mode kernels
-    def f(*a):  # can deadlock on their callbacks)
-      y, pb = jax.vjp(_block, *a)
-      return y, pb(ct)
-    with kernels.backend("quantize=pallas,gemm=pallas"):
-      return jax.jit(f)(*args)
-
-  y0, g0 = run()
-  with ops.linear_options(**options):
-    y1, g1 = run()
+  y0, g0 = default_values
+  y1, g1 = _block_values(options)
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
   for a, b in zip(g1, g0):
     assert np.isfinite(np.asarray(a, np.float32)).all()
