@@ -421,19 +421,17 @@ def gemm_swiglu_quantize(x: QuantizedArray, w_gate_t: QuantizedArray, w_up_t: Qu
   # One device (no per-shard wrapper yet); in interpret mode (CPU tests) XLA partitions the
   # interpreted ops like any others, as for fp8_dot_general.
   if use_pallas("gemm") and (interpret_mode() or not per_shard()):
-    from pallas_kernels import fp8_gemm_swiglu as pg, fp8_matmul as pk
+    from pallas_kernels import fp8_gemm_swiglu as pg
     m = x.data.size // k
     if (pg.problem(m, n, k, out_dtype) is None and group_size == pg.GROUP
         and f.dtype in formats.fp8_dtypes() and x.per_tensor
         and w_up_t.data.shape == (n, k) and w_gate_t.per_tensor and w_up_t.per_tensor):
-      interp = pk.interpret_params(interpret_mode())
       scales = jnp.stack([x.scale * w_gate_t.scale, x.scale * w_up_t.scale]).astype(jnp.float32)
       h, hmax, gd, gs, ud, us = _launch(
           pg.fp8_gemm_swiglu, x.data.reshape(m, k), pg.interleave_gate_up(w_gate_t.data,
                                                                           w_up_t.data),
           scales, code_dtype=f.dtype, fmax=f.max, floor=floor,
-          scale_dtype=formats.ACTIVATION_SCALE_DTYPE, interpret=interp,
-          num_ctas=None if interp is not None else pk.num_sms())
+          scale_dtype=formats.ACTIVATION_SCALE_DTYPE, **_gemm_kernel_kw())
       meta = (*lead, n // group_size)
       return (h.reshape(*lead, n), jnp.max(hmax),
               QuantizedArray(gd.reshape(*lead, n), gs.reshape(meta), f.name, group_size),
@@ -464,6 +462,15 @@ def dequantize(q: QuantizedArray, dtype):
   return quantize.dequantize(q, dtype)
 
 
+def _gemm_kernel_kw() -> dict:
+  """interpret and num_ctas for the Mosaic GPU GEMM kernels: interpret mode's parameters on the
+  CPU, else None and this device's SM count (passed, so that a worker lowering the kernel
+  without a GPU uses it too)."""
+  from pallas_kernels import fp8_matmul as pk
+  interp = pk.interpret_params(interpret_mode())
+  return dict(interpret=interp, num_ctas=None if interp is not None else pk.num_sms())
+
+
 def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out_dtype):
   """See `coat_jax.gemm.fp8_dot_general_reference`.
 
@@ -482,14 +489,12 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
     a2, b2, out_shape, _ = pk.tn_operands(a.data, a.data_t, b.data, b.data_t, dimension_numbers)
     if a2 is not None and jnp.dtype(out_dtype) in pk.OUT_DTYPES:
       scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
-      interp = pk.interpret_params(interpret_mode())
-      ctas = None if interp is not None else pk.num_sms()   # this device's, also for a worker
-      kernel = lambda x, y, s: _launch(pk.fp8_matmul_tn, x, y, s, out_dtype, interpret=interp,
-                                       num_ctas=ctas)
+      kw = _gemm_kernel_kw()
+      kernel = lambda x, y, s: _launch(pk.fp8_matmul_tn, x, y, s, out_dtype, **kw)
       if not wrap:
         out = kernel(a2, b2, scale)
       else:
-        partial = lambda x, y, s: pk.fp8_matmul_tn(x, y, s, jnp.float32, interpret=interp)
+        partial = lambda x, y, s: pk.fp8_matmul_tn(x, y, s, jnp.float32, interpret=kw["interpret"])
         out = sharded.matmul_tn(kernel, a2, b2, scale, partial_kernel=partial)
       return out.reshape(out_shape)
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)

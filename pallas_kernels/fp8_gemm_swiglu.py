@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8_matmul import _swizzled, num_sms
+from pallas_kernels.fp8_matmul import FP8_DTYPES, _swizzled, num_sms
 from pallas_kernels.quantize_mgpu import _div, _saturate, _scale_from_amax
 
 KERNEL_NAME = "coat_fp8_gemm_swiglu_mgpu"
@@ -44,7 +44,6 @@ TILE_M, TILE_K = 128, 128
 CTA_M = 2 * TILE_M        # two consumer warpgroups along M
 H_DTYPES = (jnp.dtype(jnp.bfloat16),)
 SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def problem(m: int, f: int, k: int, h_dtype) -> str | None:
