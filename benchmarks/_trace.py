@@ -93,7 +93,8 @@ def gap_report(data, top: int = 12, min_us: float = 2.0) -> dict:
   if not planes:
     return {}
   kernels = planes[sorted(planes)[0]]
-  busy, span, gaps = idle_gaps(kernels, host_events(data), min_us=0.0, explain=top)
+  busy_us, span_us, gaps = idle_gaps(kernels, host_events(data), min_us=0.0, explain=top)
+  busy, span = busy_us / 1e3, span_us / 1e3
   buckets = collections.Counter()
   for g in gaps:
     key = ("< 5 us" if g.us < 5 else "5-20 us" if g.us < 20 else "20-100 us" if g.us < 100

@@ -22,13 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import median_ms_back_to_back
+from _common import H100, median_ms_back_to_back
 from coat_jax import kernels
 from coat_jax.ops.swiglu import weight_codes_t
 from pallas_kernels import fp8_gemm_swiglu as fs, fp8_matmul as fm
 
-PEAK_FP8 = 1979e12
-HBM = 3.35e12
+PEAK_FP8, HBM = H100["fp8_flops"], H100["hbm_bytes_per_s"]
 T = 16384
 SHAPES = {"olmo": (T, 8192, 2048), "7b": (T, 11008, 4096)}   # (M, F, K)
 

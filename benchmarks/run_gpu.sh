@@ -7,7 +7,8 @@
 # optimizer kernels' tests, tree kernel included: carry .whl), kernels (quantize bandwidth,
 # fused Adam step, FP8 GEMM), quant_sweep (the Mosaic GPU quantize kernels' tunables), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params),
 # train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e (benchmarks/bench_e2e.py),
-# peak (what the coat step holds at its memory peak, lax.scan vs vjp_loop),
+# peak (what the coat step holds at its memory peak, lax.scan vs vjp_loop), floor (the olmo-1b
+# step of both modes per kernel category, against benchmarks/step_floor.py's floors),
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +62,9 @@ for s in "$@"; do
     peak) section peak 300 $PY benchmarks/profile_step.py --variants coat:scan+lax,coat:scan+vjploop \
             --iters 1 --steps 1 --warmup 1 --top 25 --gaps 0 --buffers /tmp/peak_dumps --hlo-dir "$OUT/hlo" \
             --json "$OUT/peak.json" ;;
+    floor) section floor 500 $PY benchmarks/profile_step.py --variants bf16:loop,coat:loop --steps 8 \
+             --warmup 3 --iters 3 --top 40 --json "$OUT/profile16_loop.json"
+           section floor 120 env JAX_PLATFORMS=cpu $PY benchmarks/step_floor.py --profile "$OUT/profile16_loop.json" ;;
     multi_gpu) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
           section multi_gpu 200 $PY benchmarks/resume_across_meshes.py --devices-a 2 --devices-b 1 --reference \
             --set precision=coat --set optimizer.name=coat_adamw --out-dir /tmp/resume \

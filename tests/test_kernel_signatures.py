@@ -118,13 +118,19 @@ def default_values():
   return _block_values({})
 
 
+_PAIR = pytest.mark.slow   # CI time: pairs of options that CI checks one by one (--slow runs them)
+
+
 @pytest.mark.parametrize("options", [dict(amax="kernel"), dict(weight_quantize="xla"),
                                      dict(weight_quantize="kernel"),
                                      dict(weight_transpose="cast"),
-                                     dict(weight_transpose="cast", weight_quantize="xla"),
-                                     dict(amax="kernel", weight_quantize="xla"),
+                                     pytest.param(dict(weight_transpose="cast", weight_quantize="xla"),
+                                                  marks=_PAIR),
+                                     pytest.param(dict(amax="kernel", weight_quantize="xla"),
+                                                  marks=_PAIR),
                                      dict(weight_quant="once"),
-                                     dict(weight_quant="once", weight_quantize="xla"),
+                                     pytest.param(dict(weight_quant="once", weight_quantize="xla"),
+                                                  marks=_PAIR),
                                      dict(activation_quantize="xla", gradient_quantize="xla")])
 def test_kernel_options_give_the_defaults_values_in_interpret_mode(default_values, options):
   """Every option against the defaults (the Mosaic GPU kernels in interpret mode, XLA's amax,

@@ -10,6 +10,7 @@ from tests.test_train import mini
 COAT = ["run.log_every=1", "data.eval_batches=1", "run.steps=6", "precision=coat",
         "optimizer.name=coat_adamw", "optimizer.min_quantized_size=256", "optimizer.group_size=32"]
 QUIET = lambda _: None
+pytestmark = pytest.mark.usefixtures("compile_cache")   # the same small steps, compiled once
 
 
 @pytest.fixture(scope="module")
