@@ -103,10 +103,10 @@ def _run_cfg(preset, precision, seq_len, batch, sets, layers=None):
   from coat_jax.training import schema
   opt = "coat_adamw" if precision == "coat" else "adamw"
   depth = [f"model.num_layers={layers}"] if layers else []
-  return schema.load(None, [f"model.preset={preset}", "model.dtype=bfloat16", f"precision={precision}",
-                            f"optimizer.name={opt}", f"data.seq_len={seq_len}",
-                            f"data.batch_size={batch}", "model.scan_layers=false", "run.steps=10",
-                            *sets, *depth])
+  return schema.load(None, [f"model.preset={preset}", "model.dtype=bfloat16",   # the GPU's auto
+                            f"precision={precision}", f"optimizer.name={opt}",
+                            f"data.seq_len={seq_len}", f"data.batch_size={batch}",
+                            "model.scan_layers=false", "run.steps=10", *sets, *depth])
 
 
 def trace_counts(preset, precision, layers, seq_len, batch, sets) -> collections.Counter:
@@ -176,7 +176,8 @@ def back_to_back_ms(row) -> float:
 def report(fl, a, profile) -> str:
   lines = [f"{a.preset}, batch {a.batch} x {a.seq_len}, {fl['layers']} layers; floors at "
            f"H100 SXM peaks (FP8 {H100['fp8_flops'] / 1e12:.0f}, bf16 "
-           f"{H100['bf16_flops'] / 1e12:.0f} TFLOP/s, HBM {H100['hbm_bytes_per_s'] / 1e12:.2f} TB/s)"]
+           f"{H100['bf16_flops'] / 1e12:.0f} TFLOP/s, "
+           f"HBM {H100['hbm_bytes_per_s'] / 1e12:.2f} TB/s)"]
   meas = {p: measured(profile, p) if profile else None for p in ("bf16", "coat")}
   head = f"{'ms per step':<22}{'bf16 floor':>11}{'measured':>10}{'coat floor':>12}{'measured':>10}"
   lines += ["", head, "-" * len(head)]
@@ -188,11 +189,13 @@ def report(fl, a, profile) -> str:
       m = meas[p]["category_ms"].get(cat) if meas[p] else None
       totals[p, "floor"] += f
       totals[p, "meas"] += m or 0.0
-      row += f"{f:>{11 if p == 'bf16' else 12}.2f}" + (f"{m:>10.2f}" if m is not None else f"{'':>10}")
+      row += f"{f:>{11 if p == 'bf16' else 12}.2f}"
+      row += f"{m:>10.2f}" if m is not None else f"{'':>10}"
     lines.append(row)
   if all(meas.values()):
     rest = {p: meas[p]["kernel_ms"] - totals[p, "meas"] for p in ("bf16", "coat")}
-    lines.append(f"{'everything else':<22}{'':>11}{rest['bf16']:>10.2f}{'':>12}{rest['coat']:>10.2f}")
+    lines.append(f"{'everything else':<22}{'':>11}{rest['bf16']:>10.2f}{'':>12}"
+                 f"{rest['coat']:>10.2f}")
     lines.append(f"{'kernel total':<22}{totals['bf16', 'floor']:>11.2f}"
                  f"{meas['bf16']['kernel_ms']:>10.2f}{totals['coat', 'floor']:>12.2f}"
                  f"{meas['coat']['kernel_ms']:>10.2f}")
@@ -215,7 +218,8 @@ def report(fl, a, profile) -> str:
               f"{a.ratio}x needs coat <= {target:.1f} ms. With everything but the FP8 GEMMs and "
               f"the quantize kernels as measured ({coat - own_ms:.1f} ms), those two get "
               f"{budget:.1f} ms; they take {own_ms:.1f} ms now, and their floor is "
-              f"{own_floor:.1f} ms: they would have to run at {own_floor / budget:.0%} of the peaks "
+              f"{own_floor:.1f} ms: they would have to run at {own_floor / budget:.0%} of the "
+              f"peaks "
               f"(now {own_floor / own_ms:.0%})." if budget > 0 else
               f"{a.ratio}x needs coat <= {target:.1f} ms: less than the categories bf16 shares."]
   return "\n".join(lines)

@@ -9,7 +9,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as a script: it imports _common
-_spec = importlib.util.spec_from_file_location("bench_step_floor", REPO / "benchmarks" / "step_floor.py")
+_spec = importlib.util.spec_from_file_location("bench_step_floor",
+                                               REPO / "benchmarks" / "step_floor.py")
 sf = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = sf
 _spec.loader.exec_module(sf)
