@@ -148,20 +148,28 @@ def scan_residuals(fn, *args) -> list[tuple[int, int, list]]:
   return out
 
 
+def step_config(preset, precision, layout, seq_len, batch, sets):
+  """The RunConfig of one variant's train step: precision "bf16" | "fp8_linear" (with adamw) or
+  "coat" (coat_adamw), layout "scan" | "loop", then `sets` (KEY=VALUE, last wins)."""
+  from coat_jax.training import schema
+
+  opt = "coat_adamw" if precision == "coat" else "adamw"
+  return schema.load(None, [f"model.preset={preset}", "model.dtype=auto", f"precision={precision}",
+                            f"optimizer.name={opt}", f"data.seq_len={seq_len}",
+                            f"data.batch_size={batch}", f"model.scan_layers={layout == 'scan'}",
+                            "run.steps=10", *sets])
+
+
 def build_step(preset, precision, layout, seq_len, batch, sets):
-  """(compiled train step, jitted step, abstract args, `build`'s result) of one variant:
-  precision "bf16" | "fp8_linear" (with adamw) or "coat" (coat_adamw), layout "scan" | "loop"."""
+  """(compiled train step, jitted step, abstract args, `build`'s result) of one variant
+  (`step_config`)."""
   import jax
   import numpy as np
 
-  from coat_jax.training import mesh as mesh_lib, schema
+  from coat_jax.training import mesh as mesh_lib
   from coat_jax.training.build import build
 
-  opt = "coat_adamw" if precision == "coat" else "adamw"
-  overrides = [f"model.preset={preset}", "model.dtype=auto", f"precision={precision}",
-               f"optimizer.name={opt}", f"data.seq_len={seq_len}", f"data.batch_size={batch}",
-               f"model.scan_layers={layout == 'scan'}", "run.steps=10", *sets]
-  cfg = schema.load(None, overrides)
+  cfg = step_config(preset, precision, layout, seq_len, batch, sets)
   built = build(cfg, mesh_lib.make_mesh(cfg.mesh), seed=0)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), np.int32, sharding=built.batch_sharding)
   args = (*built.abstract_state(), tokens)

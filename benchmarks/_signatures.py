@@ -48,12 +48,14 @@ def signature_backend(spec: str | None) -> str:
   return ",".join(fams + ["adam=reference", "adam_tree=reference"])
 
 
-def _kernel_name(params) -> str:
+def kernel_name(params) -> str:
+  """The kernel name of a kernel equation's params (a Pallas call's or a Mosaic GPU kernel's)."""
   named = params.get("name_and_src_info")
   return str(getattr(named, "name", None) or params.get("name"))
 
 
-def _is_kernel(eqn) -> bool:
+def is_kernel(eqn) -> bool:
+  """Whether a jaxpr equation launches a Pallas kernel (Triton's pallas_call, Mosaic GPU's)."""
   return eqn.primitive.name in ("pallas_call", "mpmd_map")
 
 
@@ -103,13 +105,13 @@ def kernel_signatures(closed_jaxpr, site_dirs=_SITE_DIRS) -> list[dict]:
 
   def walk(jaxpr, chain):
     for eqn in jaxpr.eqns:
-      if _is_kernel(eqn):
+      if is_kernel(eqn):
         p = eqn.params
         bodies = p.get("jaxprs", (p.get("jaxpr"),))
         bodies = bodies if isinstance(bodies, (tuple, list)) else (bodies,)
         grid = tuple(tuple(getattr(m, "grid", ())) for m in p.get("meshes", ())) or \
             tuple(getattr(p.get("grid_mapping"), "grid", ()))
-        name = _kernel_name(p)
+        name = kernel_name(p)
         avals_in = [v.aval for v in eqn.invars]
         avals_out = [v.aval for v in eqn.outvars]
         text = "".join(str(b) for b in bodies)

@@ -1,8 +1,8 @@
 """The floor of one train step, per kernel category, against a measured profile (issue 13).
 
 Counted on the CPU from the traced train step (`jax.make_jaxpr` of train.py's step on abstract
-arrays; no GPU, nothing computed), with the kernel families forced on (`kernels.backend`), so that
-the jaxpr holds the same kernel calls as the GPU step:
+arrays, bf16 compute; no GPU, nothing computed), with the kernel dispatch binding the kernels as
+on one Hopper GPU (`_signatures.as_if_on_hopper`), so that the jaxpr holds the GPU step's calls:
 
   FP8 GEMM   2 M N K of every Mosaic GPU GEMM call, its operands as padded to its tiles (the
              plain TN GEMM and the gate/up GEMM with SwiGLU in its epilogue; or of the FP8
@@ -38,8 +38,9 @@ import sys
 from pathlib import Path
 
 from _common import H100
+from _hlo import step_config
+from _signatures import as_if_on_hopper, is_kernel, kernel_name, signature_backend
 
-KINDS = "quantize=pallas,gemm=pallas"       # the kernel families the GPU step runs by default
 GEMM_KERNELS = ("coat_fp8_gemm",)           # prefix of the Mosaic GPU GEMM kernels' names
 QUANTIZE_KERNELS = ("quantiz", "swiglu", "amax")
 CATEGORIES = ("FP8 GEMM", "bf16 GEMM", "attention", "quantize", "optimizer")
@@ -57,25 +58,17 @@ def _dot_flops(eqn) -> int:
   return 2 * math.prod(out.shape) * math.prod(a.shape[d] for d in lc)
 
 
-def _subjaxprs(eqn):
-  for p in eqn.params.values():
-    for q in (p if isinstance(p, (list, tuple)) else [p]):
-      if hasattr(q, "eqns"):
-        yield q
-      elif hasattr(getattr(q, "jaxpr", None), "eqns"):
-        yield q.jaxpr
-
-
 def count(jaxpr, out=None, times=1) -> collections.Counter:
   """{"FP8 GEMM flops", "bf16 GEMM flops", "quantize bytes", "kernels"} of a jaxpr run `times`
   times, recursively (a scan's body `length` times; a kernel's own body is not entered;
   dot_generals with batch dimensions, the attention's reference on the CPU, are left out: the
   attention is counted from the shapes). A while loop (trip count unknown) is an error."""
+  from jax.extend.core import jaxprs_in_params
+
   out = collections.Counter() if out is None else out
   for eqn in jaxpr.eqns:
-    name = str(eqn.params.get("name", "")) if eqn.primitive.name in ("mpmd_map", "pallas_call") \
-        else None
-    if name is not None:
+    if is_kernel(eqn):
+      name = kernel_name(eqn.params)
       out["kernels"] += times
       if name.startswith(GEMM_KERNELS):
         a, b = (v.aval for v in eqn.invars[:2])      # (M, K) and (N, K) codes
@@ -90,23 +83,21 @@ def count(jaxpr, out=None, times=1) -> collections.Counter:
       if fp8 or not lb:
         out["FP8 GEMM flops" if fp8 else "bf16 GEMM flops"] += times * _dot_flops(eqn)
       continue
-    if eqn.primitive.name == "while" and any(True for _ in _subjaxprs(eqn)):
+    if eqn.primitive.name == "while":
       raise ValueError("step_floor: a while loop in the step (its trip count is unknown); trace "
                        "with the layers unrolled")
     inner = times * eqn.params["length"] if eqn.primitive.name == "scan" else times
-    for sub in _subjaxprs(eqn):
+    for sub in jaxprs_in_params(eqn.params):
       count(sub, out, inner)
   return out
 
 
-def _run_cfg(preset, precision, seq_len, batch, sets, layers=None):
-  from coat_jax.training import schema
-  opt = "coat_adamw" if precision == "coat" else "adamw"
+def _config(preset, precision, seq_len, batch, sets, layers=None):
+  """The benchmarks' step config (`_hlo.step_config`), layers unrolled, bf16 compute (what
+  `model.dtype=auto` picks on the GPU), cut to `layers` layers if given."""
   depth = [f"model.num_layers={layers}"] if layers else []
-  return schema.load(None, [f"model.preset={preset}", "model.dtype=bfloat16",   # the GPU's auto
-                            f"precision={precision}", f"optimizer.name={opt}",
-                            f"data.seq_len={seq_len}", f"data.batch_size={batch}",
-                            "model.scan_layers=false", "run.steps=10", *sets, *depth])
+  return step_config(preset, precision, "loop", seq_len, batch,
+                     ["model.dtype=bfloat16", *sets, *depth])
 
 
 def trace_counts(preset, precision, layers, seq_len, batch, sets) -> collections.Counter:
@@ -118,17 +109,17 @@ def trace_counts(preset, precision, layers, seq_len, batch, sets) -> collections
   from coat_jax.training import mesh as mesh_lib
   from coat_jax.training.build import build
 
-  cfg = _run_cfg(preset, precision, seq_len, batch, sets, layers)
+  cfg = _config(preset, precision, seq_len, batch, sets, layers)
   built = build(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]), seed=0)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), np.int32)
-  with kernels.backend(KINDS if precision == "coat" else "reference"):
+  with as_if_on_hopper(), kernels.backend(signature_backend(None)):
     jaxpr = jax.make_jaxpr(built.train_step)(*built.abstract_state(), tokens)
   return count(jaxpr.jaxpr)
 
 
 def llama_config(preset, seq_len, batch, sets):
   from coat_jax.training.build import model_config
-  return model_config(_run_cfg(preset, "bf16", seq_len, batch, sets), None)
+  return model_config(_config(preset, "bf16", seq_len, batch, sets), None)
 
 
 def floors(preset, seq_len, batch, sets) -> dict:
@@ -158,12 +149,12 @@ def optimizer_floor_ms(llama_cfg, precision) -> float:
   return num_params(llama_cfg) * (2 * (4 + moments) + 4) / H100["hbm_bytes_per_s"] * 1e3
 
 
-def measured(profile_path, precision) -> dict | None:
-  rows = json.loads(Path(profile_path).read_text())
-  for row in rows:
-    if row["variant"].split(":")[0] == precision:
-      return row
-  return None
+def measured(profile_path) -> dict:
+  """{precision: its first variant's row} of a profile_step.py --json file."""
+  out = {}
+  for row in json.loads(Path(profile_path).read_text()):
+    out.setdefault(row["variant"].split(":")[0], row)
+  return out
 
 
 def back_to_back_ms(row) -> float:
@@ -178,7 +169,8 @@ def report(fl, a, profile) -> str:
            f"H100 SXM peaks (FP8 {H100['fp8_flops'] / 1e12:.0f}, bf16 "
            f"{H100['bf16_flops'] / 1e12:.0f} TFLOP/s, "
            f"HBM {H100['hbm_bytes_per_s'] / 1e12:.2f} TB/s)"]
-  meas = {p: measured(profile, p) if profile else None for p in ("bf16", "coat")}
+  rows = measured(profile) if profile else {}
+  meas = {p: rows.get(p) for p in ("bf16", "coat")}
   head = f"{'ms per step':<22}{'bf16 floor':>11}{'measured':>10}{'coat floor':>12}{'measured':>10}"
   lines += ["", head, "-" * len(head)]
   totals = collections.Counter()
