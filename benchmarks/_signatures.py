@@ -25,16 +25,16 @@ def as_if_on_hopper():
   not in interpret mode, no per-shard wrapping), so tracing binds the kernels as one GPU would
   (the GEMM's grid: the H100's 132 SMs where the device reports none). Only tracing works so:
   nothing may be lowered."""
-  from coat_jax import kernels
-  from pallas_kernels import lower_ahead
-  saved = kernels._on_hopper, kernels.interpret_mode, kernels.per_shard, lower_ahead.MODE
-  kernels._on_hopper, kernels.interpret_mode, kernels.per_shard = (
+  from coat_jax.kernels import backends
+  from pallas_kernels.compile_ahead import lower_ahead
+  saved = backends.on_hopper, backends.interpret_mode, backends.per_shard, lower_ahead.MODE
+  backends.on_hopper, backends.interpret_mode, backends.per_shard = (
       (lambda: True), (lambda: False), (lambda: False))
   lower_ahead.MODE = "inline"    # the kernels' own equations in the jaxpr, no worker processes
   try:
     yield
   finally:
-    (kernels._on_hopper, kernels.interpret_mode, kernels.per_shard,
+    (backends.on_hopper, backends.interpret_mode, backends.per_shard,
      lower_ahead.MODE) = saved
 
 
@@ -45,7 +45,7 @@ def signature_backend(spec: str | None) -> str:
   if spec in ("reference", "pallas"):
     return spec
   fams = [] if spec in (None, "", "auto") else [spec]
-  return ",".join(fams + ["adam=reference", "adam_tree=reference"])
+  return ",".join(fams + ["adam=reference"])
 
 
 def kernel_name(params) -> str:

@@ -116,11 +116,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "mesh.* (default: data-parallel over all of them), e.g. --set mesh.data=1 "
                       "--set mesh.fsdp=-1 for FSDP")
   p.add_argument("--partitioning", default=None, choices=("auto", "always"),
-                 help="kernel partitioning for the children (COAT_JAX_PARTITIONING): 'always' "
+                 help="kernel partitioning (short for --set kernels.partitioning=...): 'always' "
                       "takes the mesh (custom_partitioning) path on one device too")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: measure one mode
   p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args.partitioning:
+    args.overrides.append(f"kernels.partitioning={args.partitioning}")
   args.modes = parse_modes(p, args.modes, MODES, [args.one] if args.one else [])
   if args.devices is not None and args.devices <= 0:
     p.error("--devices must be > 0")
@@ -327,8 +329,6 @@ def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget,
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   env.setdefault("PYTHONUNBUFFERED", "1")
-  if args.partitioning:
-    env["COAT_JAX_PARTITIONING"] = args.partitioning
   if args.devices:
     env.update(device_env(args.devices, env))
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

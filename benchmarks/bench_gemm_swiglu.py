@@ -25,7 +25,7 @@ import numpy as np
 from _common import H100, median_ms_back_to_back
 from coat_jax import kernels
 from coat_jax.ops.swiglu import weight_codes_t
-from pallas_kernels import fp8_gemm_swiglu as fs, fp8_matmul as fm
+from pallas_kernels.gemm import fp8_gemm_swiglu as fs, fp8_matmul as fm
 
 PEAK_FP8, HBM = H100["fp8_flops"], H100["hbm_bytes_per_s"]
 T = 16384

@@ -1,12 +1,13 @@
 """All kernel benchmarks in one run (GPU): quantize bandwidth, FP8 GEMM, fused Adam step.
 
 Runs, one after another, each printing its table:
-  1. benchmarks/bench_kernels_mgpu.py     Mosaic GPU quantize / dequantize kernels and the Adam
-                                          steps vs baselines and a measured device copy
-  2. benchmarks/bench_kernels_gemm.py     Pallas FP8 GEMM vs XLA FP8 (cuBLASLt) and XLA bf16,
-                                          M=N=K in {4096, 8192} and the 7B layer's GEMM shapes
-  3. benchmarks/sweep_adam_kernel.py      fused COAT Adam step vs optax.adamw on 1.21e9 params
-                                          (--quick: the shipped setting and its ablations)
+  memory  bench_kernels_mgpu.py --only per_group,...  Mosaic GPU quantize / dequantize kernels
+                                                      vs XLA's references and a device copy
+  gemm    bench_kernels_gemm.py --shapes all          Pallas FP8 GEMM vs XLA FP8 (cuBLASLt) and
+                                                      XLA bf16, M=N=K in {4096, 8192} and the
+                                                      7B layer's GEMM shapes
+  adam    bench_kernels_mgpu.py --only adam           the jax-triton Adam step vs XLA's
+                                                      reference step and a device copy
 
   python3 benchmarks/bench_kernels.py                 # all three
   python3 benchmarks/bench_kernels.py --only gemm,adam
@@ -20,9 +21,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PARTS = {
-    "memory": ["bench_kernels_mgpu.py"],
+    "memory": ["bench_kernels_mgpu.py", "--only",
+               "per_group,tile_amax,dequantize,per_tensor,per_tensor_t"],
     "gemm": ["bench_kernels_gemm.py", "--shapes", "all"],
-    "adam": ["sweep_adam_kernel.py", "--quick"],
+    "adam": ["bench_kernels_mgpu.py", "--only", "adam"],
 }
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from _common import median_ms_back_to_back
 from coat_jax.training.metrics import PEAK_BF16_FLOPS
-from pallas_kernels import fp8_matmul as fm
+from pallas_kernels.gemm import fp8_matmul as fm
 
 PEAK_BF16 = dict(PEAK_BF16_FLOPS)["H100"]
 PEAK_FP8 = 2 * PEAK_BF16  # Hopper's dense FP8 tensor-core rate is twice its BF16 rate

@@ -1,10 +1,9 @@
-"""Mosaic GPU quantize kernels and the jax-triton / Mosaic Adam steps vs baselines vs a device copy.
+"""Mosaic GPU quantize kernels and the jax-triton Adam step vs XLA's references vs a device copy.
 
-Prints one table: per kernel, GB/s (bytes the kernel must move / median time) of the new kernel
-(Mosaic GPU, pallas_kernels/quantize_mgpu.py; for "adam" adam_step_mgpu.py, for "adam_jaxtriton"
-the jax-triton kernel, pallas_kernels/adam_step_triton.py, when triton and jax-triton import) and
-of a baseline (the quantize kernels: XLA's jitted jnp reference; the Adam steps: the deprecated
-Pallas Triton kernel, pallas_kernels/adam_step.py), each also as % of a copy's GB/s (a jitted
+Prints one table: per kernel, GB/s (bytes the kernel must move / median time) of the kernel
+(Mosaic GPU, pallas_kernels/quantize/quantize_mgpu.py; for "adam" the jax-triton kernel,
+pallas_kernels/adam/adam_step_triton.py, when triton and jax-triton import) and of a baseline
+(XLA's jitted jnp reference), each also as % of a copy's GB/s (a jitted
 x + 1 over the same number of bytes read + written). With --check, the new kernels' outputs are
 also compared with the jnp references on the device (FP8 codes / scales: count of differences).
 With --sweep, the Mosaic GPU quantize kernels' tunables (rows per block, CTA cap, pipeline
@@ -23,8 +22,7 @@ import sys
 
 from _common import median_ms_back_to_back
 
-KERNELS = ("per_group", "tile_amax", "dequantize", "per_tensor", "per_tensor_t", "adam",
-           "adam_jaxtriton")
+KERNELS = ("per_group", "tile_amax", "dequantize", "per_tensor", "per_tensor_t", "adam")
 
 
 def _median_seconds(fn, reps: int) -> float:
@@ -46,10 +44,9 @@ def _cases(n: int, adam_rows: int, check: bool):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from coat_jax import expansion, formats, optim, quantize as Q
-  from pallas_kernels import adam_step as adam_triton
-  from pallas_kernels import adam_step_mgpu as adam_mgpu
-  from pallas_kernels import quantize_mgpu as q_mgpu
+  from coat_jax import adam_math, expansion, formats, quantize as Q
+  from pallas_kernels.adam import adam_step_triton
+  from pallas_kernels.quantize import quantize_mgpu as q_mgpu
 
   e4 = jnp.float8_e4m3fn
   x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
@@ -103,9 +100,6 @@ def _cases(n: int, adam_rows: int, check: bool):
   mk = dict(m_fmax=448.0, v_fmax=448.0, m_log2_range=log2r, v_log2_range=log2r, group_size=g,
             expand=True, expand_min=16, **hyper)
   fmt = dict(m_format="e4m3", v_format="e4m3", group_size=g, expand=True, expand_min=16, **hyper)
-  from coat_jax.kernels_adam import adam_kernel_limits
-  old_kw = dict(group_size=g, expand=True, expand_min=16, **adam_kernel_limits("e4m3", "e4m3"),
-                **hyper)   # the Pallas Triton kernel takes the format limits as arguments
   size = math.prod(shape)
   moved = size * (4 + 4 + 4 + 2 * 2) + 2 * 2 * (size // g) * 5   # p, g, new p, 2 moments r+w
 
@@ -116,22 +110,19 @@ def _cases(n: int, adam_rows: int, check: bool):
       return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)
     return np.abs(mono(a) - mono(b))
 
-  def adam_check(_kernel=adam_mgpu.adam_step):
-    out = _kernel(p, gr, *m, *v, **mk)
-    ref = optim.adam_step_reference(p, gr, m, v, **fmt)
+  reference = jax.jit(lambda p, gr, m, v: adam_math.adam_step_reference(p, gr, m, v, **fmt))
+
+  def adam_check():
+    out = adam_step_triton.adam_step(p, gr, *m, *v, **mk)
+    ref = reference(p, gr, m, v)
     dp = float(jnp.linalg.norm(out[0] - ref[0]) / jnp.linalg.norm(ref[0] - p))
     dm, dv = code_steps(out[1], ref[1].data), code_steps(out[4], ref[2].data)
     dk = int(np.sum(codes(out[3]) != codes(ref[1].k_code)))
     return (f"param rel L2 {dp:.2e}; m codes off {int(np.sum(dm > 0))} (max {dm.max()}), "
             f"v codes off {int(np.sum(dv > 0))} (max {dv.max()}), m k diffs {dk}")
-  yield ("adam", moved, lambda: adam_mgpu.adam_step(p, gr, *m, *v, **mk),
-         lambda: adam_triton.adam_step(p, gr, m, v, **old_kw), adam_check if check else None)
-  from pallas_kernels import adam_step_triton
   if adam_step_triton.available():
-    def triton_check():
-      return adam_check(_kernel=adam_step_triton.adam_step)
-    yield ("adam_jaxtriton", moved, lambda: adam_step_triton.adam_step(p, gr, *m, *v, **mk),
-           lambda: adam_triton.adam_step(p, gr, m, v, **old_kw), triton_check if check else None)
+    yield ("adam", moved, lambda: adam_step_triton.adam_step(p, gr, *m, *v, **mk),
+           lambda: reference(p, gr, m, v), adam_check if check else None)
 
 
 # The sweep's grid per kernel: (tunable name, values), all combinations; the defaults are in it.
@@ -153,7 +144,7 @@ def _sweep(n: int, names, reps: int) -> None:
   import jax
   import jax.numpy as jnp
   from coat_jax import formats, quantize as Q
-  from pallas_kernels import quantize_mgpu as q_mgpu
+  from pallas_kernels.quantize import quantize_mgpu as q_mgpu
 
   x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   ref_g = Q.quantize_per_group(x, 16, "e4m3")
@@ -217,7 +208,7 @@ def main(argv=None) -> int:
     _sweep(args.n, names, args.reps)
     return 0
   header = f"{'kernel':<14}{'MB moved':>10}{'copy GB/s':>11}{'new GB/s':>11}{'% copy':>8}" \
-           f"{'base GB/s':>13}{'% copy':>8}  check   (base: XLA reference; adam*: Pallas Triton)"
+           f"{'base GB/s':>13}{'% copy':>8}  check   (base: XLA's jnp reference)"
   print(header)
   for name, nbytes, new, old, check in _cases(args.n, args.adam_rows, args.check):
     if name not in names:

@@ -61,7 +61,7 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--backends", default="auto,reference,quantize=reference,gemm=reference,dequantize=pallas",
-                 help="kernel backends for FP8 modes (coat_jax.kernels.set_backend forms)")
+                 help="kernel backends for FP8 modes (coat_jax.kernels.backend forms)")
   a = p.parse_args(argv)
   backends = [b for b in a.backends.split(",") if b]
   print(f"device {jax.devices()[0].device_kind}; tokens {a.tokens}, hidden {a.hidden}, ffn {a.ffn}")

@@ -11,9 +11,7 @@ back-to-back calls of the same step without donated gradients (the gradients are
 copies; one block at the end), as a training loop that does not wait for each step sees it: the
 host's dispatch of a call overlaps the previous call's GPU work. --profile also prints each
 optimizer's top GPU kernels (device time per step) and counts the copies in its compiled HLO.
-Each row also prints the ms until a blocked-timed call returns to Python (the host's share);
---triton-calls legacy,ffi repeats the coat rows once per custom call of the jax-triton kernels
-(pallas_kernels/call_triton.py).
+Each row also prints the ms until a blocked-timed call returns to Python (the host's share).
 
 Rows (--rows picks some; the default leaves out the per-leaf chains and the jnp reference):
 optax.adamw; coat_adamw (writes the update, optax.apply_updates adds it); optax.adamw and
@@ -21,15 +19,13 @@ coat_adamw after clip_by_global_norm in an optax chain (the chain form of the RE
 example); coat_clip / apply_clip: coat_adamw / coat_adamw_apply with max_grad_norm=1.0, the same
 clipping fused into the step (the README's first example: the global norm reads the gradient,
 the kernel scales it as it loads it, no clipped gradient is written); coat_adamw_apply (one pass
-writing the params). "per leaf": one kernel launch per parameter
-(kernel family adam_tree=reference); "tree": the tree kernel (pallas_kernels/adam_tree_triton.py,
-a few launches for all leaves; GPU with jax-triton only, else it is the per-leaf path again);
+writing the params). "per leaf": one kernel launch per parameter;
 "packed state": coat_adamw(state_layout="packed"), the moments of all leaves in flat buffers (5
 per moment, coat_jax/packed_state.py) instead of 6 arrays per leaf, one launch per leaf at its slot.
 Group axis: the coat rows group along each matrix's last axis (group_axis="last"), except
 coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an (in, out)
 kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
-pallas_kernels/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
+pallas_kernels/adam/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
 coat_cols with coat_leaf and apply_cols with apply_leaf. --cols-tiles repeats the column rows once
 per tile of the column kernel: BLOCKxWARPS (G rows x BLOCK columns at once, WARPS warps) or
 BLOCKxCHUNKxWARPS (the same tile streamed in chunks of CHUNK rows, two passes); default
@@ -153,11 +149,6 @@ def bench_optimizer(name, opt, params_fn, grads, steps, profile=False, group_axi
   return ms, piped, state_bytes / n, device_ms
 
 
-def _uses_triton(key: str) -> bool:
-  """Whether a --rows key steps COAT's moments (the jax-triton kernels on a GPU)."""
-  return key.startswith(("coat", "apply", "chain_"))
-
-
 def _chain(tx):
   return optax.chain(optax.clip_by_global_norm(1.0), tx)
 
@@ -175,44 +166,38 @@ CONFIGS = {
     "optax_chain": ("chain(clip, optax.adamw)",
                     lambda: _chain(optax.adamw(1e-3, weight_decay=1e-4)), "reference", 4),
     "coat_leaf": ("coat_adamw + apply_updates, per leaf", lambda: coat_adamw(1e-3, **LAST),
-                  "adam=pallas,adam_tree=reference", 12),
-    "coat_tree": ("coat_adamw + apply_updates, tree", lambda: coat_adamw(1e-3, **LAST),
                   "adam=pallas", 12),
     "coat_cols": ("coat_adamw + apply_updates, per leaf, groups along axis -2 (column kernel)",
                   lambda: coat_adamw(1e-3, group_axis=_columns),
-                  "adam=pallas,adam_tree=reference", 12),
+                  "adam=pallas", 12),
     "chain_leaf": ("chain(clip, coat_adamw), per leaf", lambda: _chain(coat_adamw(1e-3, **LAST)),
-                   "adam=pallas,adam_tree=reference", 4 + 8 + 12),
-    "chain_tree": ("chain(clip, coat_adamw), tree", lambda: _chain(coat_adamw(1e-3, **LAST)),
                    "adam=pallas", 4 + 8 + 12),
     "coat_clip": ("coat_adamw(max_grad_norm=1) + apply_updates, per leaf",
                   lambda: coat_adamw(1e-3, max_grad_norm=1.0, **LAST),
-                  "adam=pallas,adam_tree=reference", 4 + 12),
+                  "adam=pallas", 4 + 12),
     "apply_leaf": ("coat_adamw_apply, per leaf", lambda: coat_adamw_apply(1e-3, **LAST),
-                   "adam=pallas,adam_tree=reference", 0),
+                   "adam=pallas", 0),
     "apply_clip": ("coat_adamw_apply(max_grad_norm=1), per leaf",
                    lambda: coat_adamw_apply(1e-3, max_grad_norm=1.0, **LAST),
-                   "adam=pallas,adam_tree=reference", 4),
+                   "adam=pallas", 4),
     "apply_cols": ("coat_adamw_apply, per leaf, groups along axis -2 (column kernel)",
                    lambda: coat_adamw_apply(1e-3, group_axis=_columns),
-                   "adam=pallas,adam_tree=reference", 0),
+                   "adam=pallas", 0),
     "coat_packed": ("coat_adamw + apply_updates, packed state",
-                    lambda: coat_adamw(1e-3, **LAST, **PACKED), "adam=pallas,adam_tree=reference",
+                    lambda: coat_adamw(1e-3, **LAST, **PACKED), "adam=pallas",
                     12),
     "apply_packed": ("coat_adamw_apply, packed state",
                      lambda: coat_adamw_apply(1e-3, **LAST, **PACKED),
-                     "adam=pallas,adam_tree=reference", 0),
+                     "adam=pallas", 0),
     "apply_cols_packed": ("coat_adamw_apply, packed state, groups along axis -2 (column kernel)",
                           lambda: coat_adamw_apply(1e-3, group_axis=_columns, **PACKED),
-                          "adam=pallas,adam_tree=reference", 0),
-    "apply_tree": ("coat_adamw_apply, tree", lambda: coat_adamw_apply(1e-3, **LAST),
-                   "adam=pallas", 0),
+                          "adam=pallas", 0),
     "apply_jnp": ("coat_adamw_apply, jnp reference", lambda: coat_adamw_apply(1e-3, **LAST),
                   "reference", 0),
 }
 COLUMN_ROWS = ("coat_cols", "apply_cols", "apply_cols_packed")
 PACKED_ROWS = ("coat_packed", "apply_packed", "apply_cols_packed")
-DEFAULT_ROWS = ["optax", "optax_chain", "coat_tree", "chain_tree", "apply_leaf", "apply_tree"]
+DEFAULT_ROWS = ["optax", "optax_chain", "coat_leaf", "chain_leaf", "apply_leaf"]
 
 
 def main():
@@ -228,31 +213,21 @@ def main():
                       help="column kernel tiles BLOCKxWARPS or BLOCKxCHUNKxWARPS,... for the "
                            "column rows (default: the kernel's COLS_BLOCK / COLS_CHUNK / "
                            "COLS_WARPS)")
-  parser.add_argument("--triton-calls", default=None,
-                      help="comma-separated custom calls for the jax-triton kernels, of "
-                           "legacy (jax-triton 0.3.1's own) and ffi (typed FFI, CUDA-graph "
-                           "capturable); the coat rows repeat once per call (default: "
-                           "pallas_kernels.call_triton.CUSTOM_CALL, from $COAT_JAX_TRITON_CALL)")
   args = parser.parse_args()
-  from pallas_kernels import call_triton
-  calls = [c.strip() for c in (args.triton_calls or call_triton.CUSTOM_CALL).split(",") if c.strip()]
-  if not calls or [c for c in calls if c not in call_triton.CUSTOM_CALLS]:
-    parser.error(f"--triton-calls {args.triton_calls!r}: choose from {call_triton.CUSTOM_CALLS}")
   names = [r.strip() for r in args.rows.split(",") if r.strip()]
   bad = [r for r in names if r not in CONFIGS]
   if bad:
     parser.error(f"unknown --rows {bad}; choose from {list(CONFIGS)}")
-  from pallas_kernels import adam_step_triton
+  from pallas_kernels.adam import adam_step_triton
   try:
     tiles = adam_step_triton.parse_cols_tiles(args.cols_tiles)
   except ValueError as e:
     parser.error(f"--cols-tiles: {e}")
   default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_CHUNK,
                   adam_step_triton.COLS_WARPS)
-  runs = []   # (row key, column tile or None, custom call)
+  runs = []   # (row key, column tile or None)
   for key in names:
-    for call in (calls if _uses_triton(key) else calls[:1]):
-      runs += [(key, t, call) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None, call)]
+    runs += [(key, t) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None)]
 
   rows = lambda r: max(1, round(r * args.scale))
   shapes = [(rows(r), c) for r, c in SHAPES]
@@ -260,8 +235,7 @@ def main():
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind} ({dev.platform}); params: {n:.4g} float32 "
         f"({len(shapes)} matrices); steps: {args.steps}", flush=True)
-  from pallas_kernels import adam_tree_triton
-  print(f"tree kernel (jax-triton) available: {adam_tree_triton.available()}", flush=True)
+  print(f"jax-triton kernel available: {adam_step_triton.available()}", flush=True)
   key_p, key_g = jax.random.split(jax.random.key(0))
   params_fn = lambda: make_tree(shapes, key_p, 0.02)
   grads = make_tree(shapes, key_g, 1e-3)
@@ -270,13 +244,8 @@ def main():
   print(f"copy bandwidth (x + 1, read + write): {bw / 1e12:.3f} TB/s", flush=True)
 
   rows_out = []
-  for key, tile, call in runs:
+  for key, tile in runs:
     name, make, backend, extra = CONFIGS[key]
-    if call != call_triton.CUSTOM_CALL:   # read when the kernels are traced
-      call_triton.CUSTOM_CALL = call
-      jax.clear_caches()
-    if len(calls) > 1 and _uses_triton(key):
-      name = f"{name}, {call} custom call"
     if key in COLUMN_ROWS:
       tile = tile or default_tile
       # the tile is read when the kernel is traced: clear the traces of the previous one

@@ -10,13 +10,13 @@ compiles it on abstract arguments (no parameters are allocated). Measured per va
                                  lowered to Mosaic GPU MLIR, jax-triton kernels compiled by
                                  Triton, here or in worker processes) and XLA's .compile()
   pallas                         Pallas kernel lowerings (pallas_call / mpmd_map, or waits for
-                                 pallas_kernels/lower_ahead.py's workers), their distinct
+                                 pallas_kernels/compile_ahead/lower_ahead.py's workers), their distinct
                                  signatures and seconds
   mosaic                         Mosaic GPU kernel modules made by the lowering or a worker: the
                                  Mosaic GPU runtime compiles each distinct one (by hash) inside
                                  XLA's compile
   triton                         jax-triton kernel requests, Triton compiles (cache misses, or
-                                 kernels from pallas_kernels/compile_triton.py's workers) and the
+                                 kernels from pallas_kernels/compile_ahead/compile_triton.py's workers) and the
                                  lowering's seconds in them: compiling, or waiting for a worker
                                  (jax_triton.triton_lib.get_or_create_triton_kernel)
   custom calls                   in the optimized HLO by target: mosaic_gpu, jax-triton, Pallas
@@ -32,17 +32,18 @@ compiles it on abstract arguments (no parameters are allocated). Measured per va
                                  so the step's compile finds them in the Mosaic GPU cache: its
                                  compile s then leaves them out
 
-Variants: PRECISION:OPTIMIZER[/option...], options `kernels=SPEC` (COAT_JAX_KERNELS, e.g.
-kernels=gemm=reference), `remat=POLICY`, `set=KEY=VALUE` (a config override), `xla=FLAG` (added
-to XLA_FLAGS), `linear=KEY=VALUE` (an `ops.linear_options` value while tracing, e.g.
-linear=amax=kernel), `prewarm`, `triton_compile=MODE` (COAT_JAX_TRITON_COMPILE: `process`, the
-default, compiles the Triton kernels in worker processes while the rest lowers; `inline`, in the
-lowering), `kernel_lowering=MODE` (COAT_JAX_KERNEL_LOWERING: `process`, the default, lowers the
-Mosaic GPU kernels in worker processes while the step is traced; `inline`, in the lowering).
+Variants: PRECISION:OPTIMIZER[/option...], options `kernels=SPEC` (the run config's
+kernels.backend, e.g. kernels=gemm=reference), `remat=POLICY`, `set=KEY=VALUE` (a config
+override), `xla=FLAG` (added to XLA_FLAGS), `linear=KEY=VALUE` (a linear layer variant while
+tracing, `coat_jax.ops.linear_layer._variants`, e.g. linear=amax=kernel), `prewarm`,
+`triton_compile=MODE` (compile_triton.MODE: `process`, the default, compiles the Triton kernels
+in worker processes while the rest lowers; `inline`, in the lowering), `kernel_lowering=MODE`
+(lower_ahead.MODE: `process`, the default, lowers the Mosaic GPU kernels in worker processes while
+the step is traced; `inline`, in the lowering).
 
 --signatures (no GPU needed): every distinct Mosaic GPU kernel the step would compile on one H100,
 with its call sites, from the traced step alone (nothing is lowered or compiled): the kernel
-dispatch is told it runs on Hopper (`kernels._on_hopper`, `kernels.interpret_mode`), the jaxpr of
+dispatch is told it runs on Hopper (`kernels.backends.on_hopper`, `interpret_mode`), the jaxpr of
 `train_step.trace` is walked for Pallas kernel equations (scan bodies, custom_vjp, jit included)
 and each is keyed by (kernel, operand and result types, grid, body): one key is one Mosaic GPU
 module. The optimizer's kernels (jax-triton, not Mosaic GPU) are left to the reference there.
@@ -172,7 +173,7 @@ def _kernel_primitives() -> list:
   lower_ahead's (a kernel lowered in a worker process: its lowering here waits for it)."""
   from jax._src.pallas import pallas_call as pc
 
-  from pallas_kernels import lower_ahead
+  from pallas_kernels.compile_ahead import lower_ahead
   prims = [pc.pallas_call_p, lower_ahead.lowered_ahead_p]
   try:
     from jax._src.pallas import mpmd
@@ -190,7 +191,7 @@ def instrument():
   `prewarm` re-binds)."""
   from jax._src.interpreters import mlir
 
-  from pallas_kernels import lower_ahead
+  from pallas_kernels.compile_ahead import lower_ahead
   stats = dict(pallas_lowerings=0, pallas_lower_s=0.0, kernels={}, mosaic_kernels=0,
                triton_requests=0, triton_compiles=0, triton_compile_s=0.0)
   try:
@@ -236,7 +237,7 @@ def instrument():
     triton_lib = None
   if triton_lib is not None:
     # compile_triton's stand-in first, so that this timer also sees the waits for its workers
-    from pallas_kernels import call_triton, compile_triton  # noqa: F401 - installs it
+    from pallas_kernels.compile_ahead import call_triton, compile_triton  # noqa: F401 - installs it
     original = triton_lib.get_or_create_triton_kernel
     made = lambda: len(triton_lib._COMPILED_KERNEL_CACHE) + compile_triton.stats["from_worker"]
 
@@ -325,8 +326,9 @@ def measure_one(args: argparse.Namespace) -> dict:
   return out
 
 
-def _build_variant(args, v, dtype: str = "auto"):
-  """(built, abstract state, abstract tokens) of a variant's train step (nothing allocated)."""
+def _build_variant(args, v, dtype: str = "auto", backend: str | None = None):
+  """(built, abstract state, abstract tokens) of a variant's train step (nothing allocated);
+  backend: the run config's kernels.backend (default the variant's `kernels=`)."""
   import jax
   import numpy as np
 
@@ -337,6 +339,9 @@ def _build_variant(args, v, dtype: str = "auto"):
                f"model.remat={v['remat'] or args.remat}", f"precision={v['precision']}",
                f"optimizer.name={v['optimizer']}", f"data.seq_len={args.seq_len}",
                f"data.batch_size={args.batch}", "run.steps=1000", *args.overrides, *v["sets"]]
+  backend = backend or v["kernels"]
+  if backend:
+    overrides.append(f"kernels.backend={backend}")
   cfg = schema.load(None, overrides)
   built = build(cfg, mesh_lib.make_mesh(cfg.mesh), seed=0)
   tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), np.int32,
@@ -348,13 +353,16 @@ def _measure(args, v, out) -> None:
   import jax
 
   from coat_jax import kernels, ops
+  from pallas_kernels.compile_ahead import compile_triton, lower_ahead
 
   jax.config.update("jax_enable_compilation_cache", False)
+  compile_triton.MODE = v["triton_compile"] or compile_triton.MODE
+  lower_ahead.MODE = v["kernel_lowering"] or lower_ahead.MODE
   t0 = time.perf_counter()
   built, state, tokens = _build_variant(args, v)
   dev = jax.devices()[0]
   out.update(device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
-             backend=kernels.current_backend(), build_s=time.perf_counter() - t0,
+             backend=v["kernels"] or "auto", build_s=time.perf_counter() - t0,
              layers=built.llama_cfg.num_layers, scan=built.llama_cfg.scan_layers,
              linear_options=v["linear"])
   with instrument() as st, ops.linear_options(**v["linear"]):
@@ -395,10 +403,10 @@ def _measure(args, v, out) -> None:
 def step_signatures(args, v) -> list[dict]:
   """`kernel_signatures` of a variant's traced train step as on one Hopper GPU (bf16 compute,
   as `model.dtype=auto` picks there)."""
-  from coat_jax import kernels, ops
-  with as_if_on_hopper(), kernels.backend(signature_backend(v["kernels"])), \
-      ops.linear_options(**v["linear"]):
-    built, state, tokens = _build_variant(args, v, dtype="bfloat16")
+  from coat_jax import ops
+  with as_if_on_hopper(), ops.linear_options(**v["linear"]):
+    built, state, tokens = _build_variant(args, v, dtype="bfloat16",
+                                          backend=signature_backend(v["kernels"]))
     traced = built.train_step.trace(*state, tokens)
     return kernel_signatures(traced.jaxpr)
 
@@ -505,12 +513,6 @@ def run_child(args, variant: dict, budget: Budget) -> dict:
   env.update(JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="0")
   if args.vmodule:
     env["TF_CPP_VMODULE"] = args.vmodule
-  if variant["kernels"]:
-    env["COAT_JAX_KERNELS"] = variant["kernels"]
-  if variant["triton_compile"]:
-    env["COAT_JAX_TRITON_COMPILE"] = variant["triton_compile"]
-  if variant["kernel_lowering"]:
-    env["COAT_JAX_KERNEL_LOWERING"] = variant["kernel_lowering"]
   if variant["xla"]:
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *variant["xla"]]).strip()
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -162,7 +162,7 @@ def block_hlo(mode: str, mesh, args) -> str:
 def _use_xla_gemm_standin() -> None:
   """Routes kernels.fp8_dot_general to its compiled-kernel path (wrapped by sharded.matmul_tn)
   with the Mosaic kernel replaced by its contract in XLA: (s * a @ b.T).astype(out_dtype)."""
-  from pallas_kernels import fp8_matmul
+  from pallas_kernels.gemm import fp8_matmul
 
   def tn(a, b, s, out_dtype=jnp.bfloat16, **_):
     out = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

@@ -33,7 +33,7 @@ section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/N
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-$PY -c "from pallas_kernels import adam_step_triton as t; print('jax-triton available:', t.available())" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+$PY -c "from pallas_kernels.adam import adam_step_triton as t; print('jax-triton available:', t.available())" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 for s in "$@"; do
   case $s in
     tests) section tests 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -v -rf --tb=short -p no:cacheprovider -m gpu --durations=10 tests ;;

@@ -42,9 +42,8 @@ expansion: q = sign(x) fmt.max (|x|/mx)^k, k the largest multiple of 1/expand_mi
 the new param, or with output="update" optax's update): the jnp reference for the fused kernel.
 All leaves go through `kernels_adam.coat_adam_tree_step` in one call: ExpandedMoment leaves take
 `kernels_adam.coat_adam_step` (the fused kernel where `kernels.use_pallas("adam")` and the group axis
-divides by G, the reference otherwise; with `adam_tree=triton` the last-axis leaves share a few
-launches, pallas_kernels/adam_tree_triton.py) and float32 moments the reference; the choice is
-made at trace time.
+divides by G, the reference otherwise) and float32 moments the reference; the choice is made at
+trace time.
 `coat_adamw_apply` is the same step writing the new params directly (one pass over memory).
 
 Hyperparameters are plain arguments, so `optax.inject_hyperparams(coat_adamw)` works for the
@@ -60,7 +59,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from coat_jax import expansion, formats, kernels, kernels_adam, packed_state
+from coat_jax import expansion, formats, kernels, packed_state
+from coat_jax.kernels import adam as kernels_adam
 from coat_jax.adam_math import adam_step_reference, clip_scale
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.formats import get_format

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from coat_jax import formats, kernels
 from coat_jax.expansion import ExpandedMoment
+from coat_jax.kernels.sharded import axis_size, whole_groups
 from coat_jax.packed_state import PackedMoments
 
 __all__ = ["CoatAdamWState", "DEFAULT_GROUP_AXIS", "GROUP_AXES", "STATE_LAYOUTS",
@@ -77,14 +78,6 @@ def group_axes(group_axis: str | Callable[[Any], Any], params) -> Any:
   return treedef.unflatten(out)
 
 
-def _axis_size(mesh, entry) -> int:
-  names = entry if isinstance(entry, tuple) else (entry,)
-  size = 1
-  for name in names:
-    size *= mesh.shape[name]
-  return size
-
-
 def _metadata_sharding(sharding: NamedSharding, shape) -> NamedSharding:
   """The param's spec on the metadata shape; an axis whose size the mesh axes don't divide -> None."""
   spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
@@ -93,7 +86,7 @@ def _metadata_sharding(sharding: NamedSharding, shape) -> NamedSharding:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
       out.append(None)
     else:
-      out.append(entry if size % _axis_size(sharding.mesh, entry) == 0 else None)
+      out.append(entry if size % axis_size(sharding.mesh, entry) == 0 else None)
   return NamedSharding(sharding.mesh, PartitionSpec(*out))
 
 
@@ -102,7 +95,7 @@ def check_group_split(path: str, shape, num_groups: int, sharding: NamedSharding
   """ValueError naming the parameter and split when its split along the group axis `axis`
   (negative) cuts quantization groups.
 
-  The fused Adam kernel runs per shard (coat_jax.sharded) and needs each shard to hold whole
+  The fused Adam kernel runs per shard (coat_jax.kernels.sharded) and needs each shard to hold whole
   groups of G = N / num_groups along the group axis. Shapes the kernel does not take (N not a
   multiple of G: a short final group) use the reference step, which takes any split.
   """
@@ -114,10 +107,8 @@ def check_group_split(path: str, shape, num_groups: int, sharding: NamedSharding
   group = n // num_groups
   spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
   entry = spec[axis]
-  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-    return
-  shards = _axis_size(sharding.mesh, entry)
-  if n % shards or (n // shards) % group:
+  shards = axis_size(sharding.mesh, entry)
+  if not whole_groups(n, shards, group):
     which = "last axis" if axis == -1 else f"axis {len(shape) + axis} (its group axis)"
     raise ValueError(
         f"state_shardings: parameter {path} of shape {tuple(shape)} has its {which} split "

@@ -1,4 +1,4 @@
-"""pallas_kernels/compile_triton.py on the CPU: a Triton call's compile found by a dry lowering at
+"""pallas_kernels/compile_ahead/compile_triton.py on the CPU: a Triton call's compile found by a dry lowering at
 trace time, run in a worker process, and handed to the real lowering; its failures fall back to
 compiling in the lowering.
 
@@ -17,7 +17,7 @@ import pytest
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pallas_kernels import compile_triton as ct, workers
+from pallas_kernels.compile_ahead import compile_triton as ct, workers
 
 SEED = 11
 METAPARAMS = {"BLOCK": 16, "FAST": True}
@@ -154,7 +154,7 @@ def test_inline_mode_and_unimportable_kernels_compile_in_the_lowering(monkeypatc
   jax.jit(step).trace(_x((256, 128))).lower(lowering_platforms=("cuda",))
   assert ct.stats["started"] == 0 and _inline.calls == 2
   monkeypatch.setattr(ct, "MODE", "threads")
-  with pytest.raises(ValueError, match="COAT_JAX_TRITON_COMPILE.*'threads'"):
+  with pytest.raises(ValueError, match="MODE must be one of.*'threads'"):
     jax.jit(lambda a: _traced_call(a, 2)).trace(_x((256, 128)))
 
 

@@ -1,7 +1,7 @@
-"""Fused COAT AdamW step kernel vs `coat_jax.adam_math.adam_step_reference` and the dispatch vs a
-numpy float64 step written here from the spec (CPU interpret mode)."""
+"""The Adam dispatch (coat_jax.kernels.adam): its step against a float64 numpy step written here
+from the spec (on the CPU the reference; on a GPU the jax-triton kernel), and coat_adamw on the
+kernel against the reference backend (GPU)."""
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -10,16 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-from coat_jax import adam_math, expansion, kernels, kernels_adam, optim
-from pallas_kernels import adam_step as pk
+from coat_jax import adam_math, expansion, kernels, optim
+from coat_jax.kernels import adam as kernels_adam
 from tests.jaxpr_walk import equations
 
-INTERPRET = jax.default_backend() != "gpu"
-# pallas_kernels/adam_step.py runs on the deprecated Pallas Triton backend: its direct tests run in
-# interpret mode (CPU) only; on a GPU the dispatch tests below run the kernel `implementation`
-# picks (the jax-triton one, with `pip install coat-jax[gpu]`).
-old_backend_cpu_only = pytest.mark.skipif(
-    not INTERPRET, reason="the Pallas Triton backend is deprecated: CPU interpret mode only")
 # A kernel in a jaxpr: a pallas_call (Pallas, Mosaic GPU) or a jax-triton call.
 KERNEL_PRIMITIVES = ("pallas_call", "triton_kernel_call")
 
@@ -30,16 +24,6 @@ def n_kernels(jaxpr) -> int:
 HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 NP_DTYPE = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
-
-
-def kernel_step(p, g, m, v, *, m_format, v_format, **args):
-  """The kernel on plain arrays, its moments wrapped as ExpandedMoment (format limits passed as
-  the dispatch passes them: log2 of the spec's range fmax^2 / 2, floor 1e-30, k_code <= 255)."""
-  out, m3, v3 = pk.adam_step(
-      p, g, tuple(m), tuple(v), **args, floor=1e-30, max_code=255, grad_clamp=2.0**63,
-      m_log2_range=math.log2(FMAX[m_format] ** 2 / 2),
-      v_log2_range=math.log2(FMAX[v_format] ** 2 / 2))
-  return out, expansion.ExpandedMoment(*m3), expansion.ExpandedMoment(*v3)
 
 
 def np_dequantize(mom, fmt, g=128, expand_min=16):
@@ -142,47 +126,7 @@ def _compare(got, want, p0, min_equal=0.999):
     assert np.abs(qa - qb).max() <= 1   # off by one code at most (same sign)
 
 
-@old_backend_cpu_only
-@pytest.mark.parametrize("shape,m_format,v_format,expand", [
-    ((3, 256), "e4m3", "e4m3", True),
-    ((37, 128), "e4m3", "e5m2", True),    # 37 groups: one group per program
-    ((2, 5, 384), "e4m3", "e4m3", False),
-])
-def test_adam_step_matches_reference(rng, shape, m_format, v_format, expand):
-  p, g, m, v = _state(rng, shape, m_format, v_format, expand)
-  args = dict(HYPER, count=jnp.int32(7), m_format=m_format, v_format=v_format, group_size=128,
-              expand=expand, expand_min=16)
-  want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(p, g, m, v)
-  got = kernel_step(p, g, m, v, interpret=INTERPRET, block=16, **args)
-  _compare(got, want, p)
-  if expand:
-    assert_step_matches_spec(got, p, g, m, v, dict(HYPER, **args))
-  assert not np.allclose(np.asarray(got[0]), np.asarray(p))   # the step moved the params
-
-
-@old_backend_cpu_only
-@pytest.mark.parametrize("output", ["param", "update"])
-def test_adam_step_aliased_equals_unaliased(rng, output):
-  """Writing over the donated inputs (alias=True) gives the same results as fresh outputs."""
-  p, g, m, v = _state(rng, (24, 256), "e4m3", "e5m2", True)
-  args = dict(HYPER, count=jnp.int32(3), m_format="e4m3", v_format="e5m2", group_size=128,
-              expand=True, expand_min=16, output=output, interpret=INTERPRET, block=4)
-  # The step scalars are arguments of both calls: as jit constants XLA would fold them on the host,
-  # which on the GPU rounds 1 - b2^t differently from the device.
-  hyper = {k: args.pop(k) for k in ("lr", "count")}
-  copy = lambda t: jax.tree.map(jnp.copy, t)
-  donate = (0, 2, 3) if output == "param" else (2, 3)   # the aliased inputs
-  step = lambda alias: jax.jit(
-      lambda p, g, m, v, lr, count: kernel_step(p, g, m, v, lr=lr, count=count, alias=alias,
-                                                   **args),
-      donate_argnums=donate if alias else ())
-  want = step(False)(p, g, m, v, **hyper)
-  got = step(True)(*copy((p, g, m, v)), **hyper)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert not np.allclose(np.asarray(want[0]), np.asarray(p if output == "param" else 0 * p))
-
-
+@pytest.mark.gpu
 def test_adam_step_zero_group_and_dispatch(rng):
   p, g, m, v = _state(rng, (4, 128), "e4m3", "e4m3", True)
   g = g.at[1].set(0.0)
@@ -200,17 +144,10 @@ def test_adam_step_zero_group_and_dispatch(rng):
   assert int(got[1].k_code[1, 0]) == 16 and np.isfinite(np.asarray(got[1].amax)).all()
 
 
-def test_unsupported_shape_raises_and_dispatch_matches_spec(rng):
+def test_dispatch_matches_the_float64_spec_and_odd_shapes_take_the_reference(rng):
   p, g, m, v = _state(rng, (3, 200), "e4m3", "e4m3", True)   # 200 % 128 != 0
   args = dict(HYPER, count=jnp.int32(3), m_format="e4m3", v_format="e4m3", group_size=128,
               expand=True, expand_min=16)
-  with pytest.raises(ValueError, match="divisible by 128"):
-    kernel_step(p, g, m, v, interpret=True, **args)
-  with pytest.raises(ValueError, match="storage dtype"):
-    cut = lambda mom, dtype: expansion.ExpandedMoment(mom.data[:, :128].astype(dtype),
-                                                      mom.amax[:, :1], mom.k_code[:, :1])
-    kernel_step(p[:, :128], g[:, :128], cut(m, jnp.float32), cut(v, v.data.dtype),
-                interpret=True, **args)
   p2, g2, m2, v2 = _state(rng, (3, 256), "e4m3", "e4m3", True)
   for backend in ("pallas", "reference"):
     with kernels.backend(backend):
@@ -224,20 +161,6 @@ def test_unsupported_shape_raises_and_dispatch_matches_spec(rng):
                                              mom.k_code[:, :1])
   assert_step_matches_spec((got[0][:, :128], cut(got[1]), cut(got[2])), p[:, :128], g[:, :128],
                            cut(m), cut(v), args)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(kernels._triton_available(),
-                    reason="with jax-triton the deprecated Pallas Triton kernel is not used")
-@pytest.mark.parametrize("fast_math,alias", [(False, False), (True, False), (True, True)])
-def test_gpu_adam_step_compiled(rng, fast_math, alias):
-  for fmts in (("e4m3", "e4m3"), ("e4m3", "e5m2")):
-    p, g, m, v = _state(rng, (512, 1024), *fmts, True)
-    args = dict(HYPER, count=jnp.int32(11), m_format=fmts[0], v_format=fmts[1], group_size=128,
-                expand=True, expand_min=16)
-    want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(p, g, m, v)
-    got = kernel_step(p, g, m, v, fast_math=fast_math, alias=alias, **args)
-    _compare(got, want, p)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,6 +205,7 @@ def _assert_moments_close(got, want, fmt):
   np.testing.assert_allclose(da[qa == qb], db[qa == qb], rtol=1e-4, atol=0)
 
 
+@pytest.mark.gpu
 def test_coat_adamw_pallas_matches_reference_backend(rng):
   """3 steps with a schedule, masked decay, E4M3/E5M2 moments; small odd shapes: two leaves take
   the kernel, one falls back (200 % 128 != 0), one keeps float32 moments. Each step starts both
@@ -300,8 +224,8 @@ def test_coat_adamw_pallas_matches_reference_backend(rng):
   ref, n_ref = _compiled("reference", opt.update, g, state, params)
   pal, n_pal = _compiled("pallas", optim.coat_adamw(sched, **kw).update, g, state, params)
   apply, n_apply = _compiled("pallas", optim.coat_adamw_apply(sched, **kw), g, state, params)
-  # The kernel for "w" and "u": one launch each, or one for both (the tree kernel on a GPU).
-  assert (n_ref, n_pal, n_apply) in ((0, 2, 2), (0, 1, 1))
+  # The kernel for "w" and "u": one launch each.
+  assert (n_ref, n_pal, n_apply) == (0, 2, 2)
   with pytest.raises(ValueError, match="params are required"):
     optim.coat_adamw_apply(sched, **kw)(g, state)
   for step in range(3):
@@ -322,26 +246,7 @@ def test_coat_adamw_pallas_matches_reference_backend(rng):
     params, state, g = want_p, want_s, grads()
 
 
-@old_backend_cpu_only
-def test_adam_step_update_output(rng):
-  """output="update" without a param (no decay term) writes optax's update in grad.dtype (bf16)
-  (with a param, through coat_adamw: test_coat_adamw_pallas_matches_reference_backend)."""
-  p, g, m, v = _state(rng, (5, 128), "e4m3", "e4m3", True)   # 5 groups: one per program
-  g = g.astype(jnp.bfloat16)
-  args = dict(HYPER, weight_decay=0.0, count=jnp.int32(4), m_format="e4m3", v_format="e4m3",
-              group_size=128, expand=True, expand_min=16, output="update")
-  want = jax.jit(functools.partial(adam_math.adam_step_reference, **args))(None, g, m, v)
-  got = kernel_step(None, g, m, v, interpret=INTERPRET, **args)
-  assert got[0].dtype == jnp.bfloat16 and got[0].shape == p.shape
-  _assert_updates_close(got[0], want[0])
-  for i in (1, 2):   # m, v
-    _assert_moments_close(got[i], want[i], "e4m3")
-  with pytest.raises(ValueError, match="needs param"):
-    kernel_step(None, g, m, v, interpret=True, **dict(args, output="param"))
-  with pytest.raises(ValueError, match="output"):
-    kernel_step(p, g, m, v, interpret=True, **dict(args, output="delta"))
-
-
+@pytest.mark.gpu
 def test_coat_adamw_pallas_under_apply_if_finite_without_params(rng):
   """weight_decay=0 and no params passed (the kernel's param-free form) inside apply_if_finite:
   same step as the reference backend; a non-finite gradient keeps the FP8 state bit-identical

@@ -1,5 +1,5 @@
-"""The jax-triton Adam step (pallas_kernels/adam_step_triton.py): GPU only (Triton cannot run on
-CPU), checked against the float64 numpy reference of tests/test_kernels_adam_mgpu.py, in both
+"""The jax-triton Adam step (pallas_kernels/adam/adam_step_triton.py): GPU only (Triton cannot run on
+CPU), checked against the float64 numpy reference of tests/adam_numpy.py, in both
 group layouts: group_axis -1 (rows of G) and -2 (G rows of each column, COAT's layout; the numpy
 reference runs on the transposed arrays). The column layout's jnp reference
 (adam_math.adam_step_reference(group_axis=-2)) is checked on CPU against the same float64 step."""
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 
 from coat_jax.adam_math import adam_step_reference
 from coat_jax.expansion import ExpandedMoment
-from pallas_kernels import adam_step_triton as at
-from tests.test_kernels_adam_mgpu import EM, G, HYPER, _code_steps, _log2_range, _np_quantize, \
-    _np_step, _state
+from pallas_kernels.adam import adam_step_triton as at
+from tests.adam_numpy import (EM, G, HYPER, code_steps as _code_steps, log2_range as _log2_range,
+                              np_quantize as _np_quantize, np_step as _np_step, state as _state)
 
 
 def test_cpu_without_triton_refuses_clearly():
@@ -237,14 +237,14 @@ def _launch_interpreted(ins, outs, shape, group_axis, block, chunk=0, size_arg="
 
 def _use_tl_math():
   """The interpreter leaves libdevice's stubs unimplemented (they return None): tl.math's."""
-  from pallas_kernels import adam_tile_triton as tile
+  from pallas_kernels.adam import adam_tile_triton as tile
   for name in ("exp2", "log2"):
     setattr(tile.libdevice, name, lambda x, name=name: getattr(tile.tl.math, name)(x))
 
 
 def _interpreter_check(grad_scale=None, size_arg="runtime", shape=(7, 256), block=4):
   """Runs in a process started with TRITON_INTERPRET=1 (read when @triton.jit decorates, so it
-  must be set before pallas_kernels.adam_step_triton is imported). libdevice calls are mapped to
+  must be set before pallas_kernels.adam.adam_step_triton is imported). libdevice calls are mapped to
   tl.math (`_use_tl_math`). e5m2
   moments: the interpreter's float32 -> e4m3 cast also rounds ties away from zero and flushes
   subnormals (seen with triton 3.6.0), so its e4m3 codes would differ more. grad_scale: the
@@ -511,32 +511,11 @@ def _one_leaf_case(group_axis: int, seed: int, **extra):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group_axis", [-1, -2])
-def test_gpu_ffi_call_equals_legacy_call(group_axis, monkeypatch):
-  """The typed-FFI custom call (call_triton's option) runs the same kernel as jax-triton's
-  legacy call (the default): bit-identical results, and the lowered step names each target."""
-  from pallas_kernels import call_triton
-  args, kw = _one_leaf_case(group_axis, seed=61)
-  results, texts = {}, {}
-  for mode in ("legacy", "ffi"):
-    monkeypatch.setattr(call_triton, "CUSTOM_CALL", mode)
-    jax.clear_caches()
-    step = jax.jit(lambda *a: at.adam_step(*a, **kw))
-    texts[mode] = step.lower(*args).as_text()
-    results[mode] = [np.asarray(a) for a in step(*args)]
-  assert "@triton_kernel_call_ffi" in texts["ffi"]
-  assert "@triton_kernel_call(" in texts["legacy"] and "triton_kernel_call_ffi" not in texts["legacy"]
-  assert np.isfinite(results["ffi"][0]).all()
-  for a, b in zip(results["ffi"], results["legacy"]):
-    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("group_axis", [-1, -2])
 def test_gpu_kernel_compiled_in_a_worker_process_equals_the_one_compiled_in_the_lowering(
     group_axis, monkeypatch):
   """compile_triton's worker builds the kernel jax-triton builds in the lowering: bit-identical
   results, and the worker's kernel is the one the step ran."""
-  from pallas_kernels import compile_triton
+  from pallas_kernels.compile_ahead import compile_triton
   args, kw = _one_leaf_case(group_axis, seed=67, num_warps=2)   # a compile no other test makes
   results = {}
   for mode in ("inline", "process"):

@@ -1,7 +1,10 @@
-"""The dispatch (coat_jax/kernels.py): which implementation each family picks for which device and
-shape (simulated: `_on_hopper`, `interpret_mode`, `_triton_available` monkeypatched; nothing runs),
+"""The dispatch (coat_jax.kernels): which implementation each family picks for which device and
+shape (simulated: `backends.on_hopper`, `interpret_mode`, `triton_available` monkeypatched;
+nothing runs), the KernelConfig and COAT_JAX_KERNELS forms of the choice,
 and, in interpret mode on CPU, that the picked Mosaic GPU quantize kernels give the jitted jnp
 references' results bit for bit while the shapes they do not take go to the reference."""
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -9,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax import expansion, kernels, kernels_adam, quantize
+from coat_jax import expansion, kernels, quantize
+from coat_jax.kernels import adam as kernels_adam
+from coat_jax.kernels import backends
 
 ref_per_group = jax.jit(quantize.quantize_per_group, static_argnums=(1, 2))
 ref_per_tensor = jax.jit(quantize.quantize_per_tensor, static_argnums=(1,),
@@ -45,46 +50,48 @@ def _uses_kernel(fn, *args):
 def gpu(monkeypatch):
   """A simulated Hopper GPU (compiled kernels, no interpret mode); returns a setter for whether
   jax-triton imports. Resets the one-time warnings."""
-  monkeypatch.setattr(kernels, "_on_hopper", lambda: True)
-  monkeypatch.setattr(kernels, "interpret_mode", lambda: False)
-  monkeypatch.setattr(kernels, "_warned", set())
-  return lambda ok: monkeypatch.setattr(kernels, "_triton_available", lambda: ok)
+  monkeypatch.setattr(backends, "on_hopper", lambda: True)
+  monkeypatch.setattr(backends, "interpret_mode", lambda: False)
+  monkeypatch.setattr(backends, "_warned", set())
+  monkeypatch.delenv(kernels.ENV, raising=False)
+  return lambda ok: monkeypatch.setattr(backends, "triton_available", lambda: ok)
 
 
-def test_auto_on_hopper_with_jax_triton_uses_no_deprecated_kernel(gpu):
+def test_auto_on_hopper_with_jax_triton_uses_every_kernel_but_dequantize(gpu):
   gpu(True)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     got = {fam: kernels.implementation(fam) for fam in kernels.FAMILIES}
   # the GEMM too, on meshes as on one device (8 simulated devices on CPU); dequantize stays XLA's.
-  assert got == {"gemm": "mosaic", "quantize": "mosaic", "dequantize": None, "adam": "triton",
-                 "adam_tree": None}   # measured slower than per leaf: kernels.AUTO_ON_HOPPER
+  assert got == {"gemm": "mosaic", "quantize": "mosaic", "dequantize": None, "adam": "triton"}
   with kernels.backend("pallas"):
     assert kernels.implementation("dequantize") == "mosaic"
     assert kernels.implementation("gemm") == "mosaic"
 
 
-def test_auto_without_jax_triton_falls_back_and_warns_once(gpu):
+def test_without_jax_triton_the_optimizer_takes_the_reference_and_warns_once(gpu):
   gpu(False)
-  with pytest.warns(RuntimeWarning, match=r"pip install coat-jax\[gpu\]") as rec:
-    assert kernels.implementation("adam") == "pallas_triton"
+  with pytest.warns(RuntimeWarning, match=r"jnp reference.*pip install coat-jax\[gpu\]") as rec:
+    assert kernels.implementation("adam") is None
   assert len(rec) == 1 and "\n" not in str(rec[0].message)
   with warnings.catch_warnings():
     warnings.simplefilter("error")   # once: the second call is silent
-    assert kernels.implementation("adam") == "pallas_triton"
+    assert kernels.implementation("adam") is None
+    assert not kernels.use_pallas("adam")
     assert kernels.implementation("quantize") == "mosaic"
 
 
 def test_off_hopper_auto_is_the_reference_and_pallas_interprets(monkeypatch):
-  monkeypatch.setattr(kernels, "_on_hopper", lambda: False)
-  monkeypatch.setattr(kernels, "interpret_mode", lambda: True)
-  monkeypatch.setattr(kernels, "_triton_available", lambda: True)
+  monkeypatch.setattr(backends, "on_hopper", lambda: False)
+  monkeypatch.setattr(backends, "interpret_mode", lambda: True)
+  monkeypatch.setattr(backends, "triton_available", lambda: True)
+  monkeypatch.delenv(kernels.ENV, raising=False)
   assert all(kernels.implementation(f) is None for f in kernels.FAMILIES)
   assert not kernels.use_pallas("quantize")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    with kernels.backend("pallas"):   # CPU: interpret mode, where Triton cannot run
-      assert kernels.implementation("adam") == "pallas_triton"
+    with kernels.backend("pallas"):   # CPU: interpret mode, where Triton cannot run: no warning
+      assert kernels.implementation("adam") is None
       assert kernels.implementation("quantize") == "mosaic" and kernels.use_pallas("quantize")
 
 
@@ -94,27 +101,67 @@ def test_named_implementations_and_bad_names(gpu):
     assert kernels.implementation("adam") == "triton"
     assert kernels.current_backend()["quantize"] == "mosaic"
     assert kernels.implementation("dequantize") == "mosaic"
-  with kernels.backend("adam=pallas_triton"):
-    assert kernels.implementation("adam") == "pallas_triton"
   with kernels.backend("quantize=reference"):
     assert kernels.implementation("quantize") is None
-  for bad in ("quantize=triton", "adam=mosaic", "quantize=fast", "mosaic"):
+  for bad in ("quantize=triton", "adam=mosaic", "adam=pallas_triton", "adam_tree=triton",
+              "quantize=fast", "mosaic"):
     with pytest.raises(ValueError, match="unknown kernel backend"):
       kernels.backend(bad)
   with pytest.raises(ValueError, match="unknown kernel family"):
     kernels.implementation("gemv")
 
 
+def test_kernel_config_is_checked_and_hashable():
+  cfg = kernels.KernelConfig(backend="gemm=pallas", partitioning="always")
+  assert hash(cfg) == hash(kernels.KernelConfig(backend="gemm=pallas", partitioning="always"))
+  with pytest.raises(ValueError, match="kernels.backend: unknown kernel backend 'fast'"):
+    kernels.KernelConfig(backend="fast")
+  with pytest.raises(ValueError, match="kernels.partitioning must be one of"):
+    kernels.KernelConfig(partitioning="never")
+  with pytest.raises(TypeError, match="KernelConfig"):
+    with kernels.use("reference"):
+      pass
+  with kernels.backend("pallas"), kernels.partitioning("always"):   # None: keeps the context's
+    with kernels.use(kernels.KernelConfig()):
+      assert set(kernels.current_backend().values()) == {"pallas"}
+      assert kernels.current_partitioning() == "always"
+    with kernels.use(kernels.KernelConfig(backend="quantize=reference")):
+      assert kernels.current_backend()["quantize"] == "reference"
+      assert kernels.current_backend()["gemm"] == "auto"
+      assert kernels.current_partitioning() == "always"
+
+
+def test_the_environment_overrides_the_backend_with_a_one_line_error(monkeypatch):
+  monkeypatch.setenv(kernels.ENV, "quantize=reference")
+  with kernels.backend("pallas"):
+    assert kernels.current_backend()["quantize"] == "reference"
+    assert kernels.current_backend()["gemm"] == "auto"
+  monkeypatch.setenv(kernels.ENV, "turbo")
+  with pytest.raises(ValueError) as e:
+    kernels.implementation("gemm")
+  assert str(e.value).startswith("COAT_JAX_KERNELS: unknown kernel backend 'turbo'")
+  assert "\n" not in str(e.value)
+
+
+def test_a_bad_environment_value_does_not_break_the_import():
+  """Read when a family is first asked, not at import: importing the library never fails on it."""
+  env = {"COAT_JAX_KERNELS": "turbo", "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+  code = "import coat_jax.kernels, coat_jax.training.build; print('imported')"
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0 and "imported" in out.stdout, out.stderr[-2000:]
+
+
 def test_adam_triton_without_triton_names_the_install():
-  if kernels._triton_available():
+  if backends.triton_available():
     pytest.skip("triton and jax-triton are installed here")
   shape = (4, 128)
   p = jnp.ones(shape)
   m = expansion.quantize_expanded(jnp.full(shape, 1e-3), "e4m3", 128, 16)
   with kernels.backend("adam=triton"), pytest.raises(ValueError, match=r"coat-jax\[gpu\]"):
     kernels_adam.coat_adam_step(p, p, m, m, lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0,
-                           count=jnp.int32(1), m_format="e4m3", v_format="e4m3", group_size=128,
-                           expand=True, expand_min=16)
+                                count=jnp.int32(1), m_format="e4m3", v_format="e4m3",
+                                group_size=128, expand=True, expand_min=16)
 
 
 @pytest.mark.parametrize("shape,dtype,g", [((64, 64), jnp.bfloat16, 16),
@@ -176,21 +223,15 @@ def test_backend_context_keys_jit_cache(rng):
   with kernels.backend("quantize=mosaic"):
     f(x)
   assert traces == ["pallas", "reference", "mosaic"]
-  before = kernels.current_backend()
-  try:   # the process-wide form keys the cache too
-    g_traces = []
+  g_traces = []
 
-    @jax.jit
-    def g(a):
-      g_traces.append(kernels.current_backend()["quantize"])
-      return kernels.quantize_per_group(a, 16).data
+  @jax.jit
+  def g(a):
+    g_traces.append(kernels.current_backend()["quantize"])
+    return kernels.quantize_per_group(a, 16).data
 
-    kernels.set_backend("reference")
-    g(x)
-    kernels.set_backend("pallas")
-    g(x)
-    g(x)
-    assert g_traces == ["reference", "pallas"]
-  finally:
-    kernels.set_backend(",".join(f"{k}={v}" for k, v in before.items()))
-  assert kernels.current_backend() == before
+  # a KernelConfig, as the run config's `kernels:` section gives it, keys the cache too
+  for spec in ("reference", "pallas", "pallas"):
+    with kernels.use(kernels.KernelConfig(backend=spec)):
+      g(x)
+  assert g_traces == ["reference", "pallas"]

@@ -1,4 +1,4 @@
-"""FP8 TN GEMM kernel (pallas_kernels/fp8_matmul.py) vs the XLA reference and float64.
+"""FP8 TN GEMM kernel (pallas_kernels/gemm/fp8_matmul.py) vs the XLA reference and float64.
 
 CPU: the Mosaic GPU kernel runs in interpret mode (plgpu.InterpretGPUParams) on small, odd shapes
 with small tiles; the dispatch (TN planning, data_t, fallbacks) and argument checks.
@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from coat_jax import gemm, kernels
 from coat_jax.quantize import (QuantizedArray, group_amax, quantize_per_group,
                                quantize_per_tensor)
-from pallas_kernels import fp8_matmul as fm
+from pallas_kernels.gemm import fp8_matmul as fm
 from tests.jaxpr_walk import equations
 
 SMALL = fm.GemmConfig(tile_m=64, tile_n=64, epi_m=64, epi_n=32, stages=2)

@@ -1,4 +1,4 @@
-"""Mosaic GPU quantize kernels (pallas_kernels/quantize_mgpu.py) in GPU interpret mode on CPU,
+"""Mosaic GPU quantize kernels (pallas_kernels/quantize/quantize_mgpu.py) in GPU interpret mode on CPU,
 against an independent numpy reference written from the spec (float32 arithmetic where the
 kernels promise bit equality, float64 for the error bounds).
 
@@ -12,7 +12,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import quantize_mgpu as qm
+from pallas_kernels.quantize import quantize_mgpu as qm
 from tests.jaxpr_walk import equations
 
 E4M3 = (jnp.float8_e4m3fn, 448.0)

@@ -1,4 +1,4 @@
-"""pallas_kernels/lower_ahead.py on the CPU: a kernel call exported in a worker process while the
+"""pallas_kernels/compile_ahead/lower_ahead.py on the CPU: a kernel call exported in a worker process while the
 step is traced and called from the step's lowering, equal to the call itself; its fallbacks.
 
 The numerics run on the CPU platform (the workers export for it here: `PLATFORM` patched); the
@@ -15,7 +15,8 @@ import pytest
 from jax.interpreters import mlir
 
 from coat_jax import kernels
-from pallas_kernels import lower_ahead as la
+from coat_jax.kernels import backends
+from pallas_kernels.compile_ahead import lower_ahead as la
 
 SEED = 23
 
@@ -116,12 +117,12 @@ def test_inline_mode_local_functions_and_unhashable_arguments_call_the_function(
         lambda x, y: la.call(scaled_mix, x, y, scale, power=2), x, y)
   assert la.stats["started"] == 0
   monkeypatch.setattr(la, "MODE", "later")
-  with pytest.raises(ValueError, match="COAT_JAX_KERNEL_LOWERING.*'later'"):
+  with pytest.raises(ValueError, match="MODE must be one of.*'later'"):
     la.call(scaled_mix, x, y, scale, power=2)
 
 
 def test_the_mosaic_gpu_gemm_exported_in_a_worker_lowers_to_the_same_custom_call(monkeypatch):
-  from pallas_kernels import fp8_matmul as fm
+  from pallas_kernels.gemm import fp8_matmul as fm
   monkeypatch.setattr(la, "stats", dict.fromkeys(la.stats, 0))
   la._calls.clear()
   a = jax.ShapeDtypeStruct((256, 512), jnp.float8_e4m3fn)
@@ -143,16 +144,16 @@ def test_the_mosaic_gpu_gemm_exported_in_a_worker_lowers_to_the_same_custom_call
 
 
 def test_the_dispatch_lowers_ahead_on_one_device_and_not_per_shard(monkeypatch):
-  monkeypatch.setattr(kernels, "_on_hopper", lambda: True)
-  monkeypatch.setattr(kernels, "interpret_mode", lambda: False)
+  monkeypatch.setattr(backends, "on_hopper", lambda: True)
+  monkeypatch.setattr(backends, "interpret_mode", lambda: False)
   monkeypatch.setattr(la, "MODE", "process")
   x = jnp.asarray(np.random.default_rng(SEED).standard_normal((256, 512)), jnp.bfloat16)
   quantize = lambda x: kernels.quantize_per_group(x, 128).data
   with kernels.backend("adam=reference"), warnings.catch_warnings():
     warnings.simplefilter("error")
-    monkeypatch.setattr(kernels, "per_shard", lambda: False)
+    monkeypatch.setattr(backends, "per_shard", lambda: False)
     assert "coat_lowered_ahead" in _prims(quantize, x)
-    monkeypatch.setattr(kernels, "per_shard", lambda: True)
+    monkeypatch.setattr(backends, "per_shard", lambda: True)
     assert "coat_lowered_ahead" not in _prims(
         lambda x: kernels.quantize_per_group(x, 128).data, x)
   la._calls.clear()
@@ -164,7 +165,7 @@ def test_gpu_coat_linear_with_kernels_lowered_ahead_equals_kernels_lowered_inlin
   bit-identical results with its Mosaic GPU kernels exported by workers or lowered here. One
   device's path (meshes lower the kernels per shard), also on a host with several GPUs."""
   from coat_jax import ops
-  monkeypatch.setattr(kernels, "per_shard", lambda: False)
+  monkeypatch.setattr(backends, "per_shard", lambda: False)
   rng = np.random.default_rng(SEED)
   x = jnp.asarray(rng.standard_normal((4, 512, 1024)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((1024, 768)) / 32, jnp.bfloat16)

@@ -42,7 +42,7 @@ def test_llama_splits_keep_optimizer_groups_whole(name):
   for mesh_cfg in MESHES:
     mesh = mesh_lib.make_mesh(mesh_cfg)
     sh = mesh_lib.param_shardings(params, mesh, group_size=G)
-    with kernels.backend("pallas"):   # the per-shard fused step: the group check is on
+    with kernels.backend("adam=triton"):   # the per-shard fused step: the group check is on
       s_sh = optim.state_shardings(sh, state)
     flat_p = jax.tree_util.tree_leaves_with_path(params)
     flat_s = jax.tree.leaves(sh, is_leaf=lambda x: isinstance(x, NamedSharding))
@@ -73,7 +73,7 @@ def test_rules_without_group_size_cut_groups_and_the_error_names_them():
   mesh = mesh_lib.make_mesh(MESHES[0])
   plain = mesh_lib.param_shardings(params, mesh)
   assert plain["embed"]["embedding"].spec == P(None, "fsdp")
-  with kernels.backend("pallas"), pytest.raises(
+  with kernels.backend("adam=triton"), pytest.raises(
       ValueError, match=r"\['embed'\]\['embedding'\] of shape \(32000, 768\).*split 8 ways over "
                         r"mesh axes 'fsdp' \(768 / 8 = 96 per shard\).*groups of 128"):
     optim.state_shardings(plain, state)
@@ -90,7 +90,7 @@ def test_bad_shape_is_named_when_no_split_keeps_groups():
   assert mesh_lib.param_shardings(params, mesh, group_size=G)["blocks"]["w_bad"].spec == P()
   state = jax.eval_shape(optim.coat_adamw(1e-3, min_quantized_size=16).init, params)
   forced = {"blocks": {"w_bad": NamedSharding(mesh, P(None, "tensor"))}}
-  with kernels.backend("pallas"), pytest.raises(
+  with kernels.backend("adam=triton"), pytest.raises(
       ValueError, match=r"\['blocks'\]\['w_bad'\] of shape \(3, 640\).*split 2 ways over mesh "
                         r"axes 'tensor' \(640 / 2 = 320 per shard\)"):
     optim.state_shardings(forced, state)

@@ -1,4 +1,5 @@
-"""A small coat Llama trained 2 steps with coat_adamw, the kernels in interpret mode, on the
+"""A small coat Llama trained 2 steps with coat_adamw, the kernels in interpret mode (the Adam
+kernel's jnp stand-in, tests/adam_standin.py: Triton cannot run on the CPU), on the
 8-device meshes (data 8, fsdp 8, fsdp 4 x tensor 2, data 2 x fsdp 2 x tensor 2) through
 coat_jax.training.build (the train.py path: parameter rules, state_shardings, the fused optimizer
 apply) equals the one-device run, and each device holds 1/(fsdp * tensor) of the FP8 optimizer
@@ -10,8 +11,9 @@ import pytest
 from coat_jax import kernels, optim
 from coat_jax.training import mesh as mesh_lib, schema
 from coat_jax.training.build import build
+from tests import adam_standin
 
-# The smallest Llama on which the kernel families run (the shape rules in coat_jax/kernels.py):
+# The smallest Llama on which the kernel families run (the shape rules in coat_jax.kernels):
 # 128 tokens (batch 8 x seq 16) and hidden = intermediate = vocab = 128 give the FP8 GEMM (M, N,
 # K >= 128: q, o, gate, up, down, lm_head; k / v, N = 64, take the reference), the per-group
 # quantize and dequantize (whole 64-row quanta) and the fused Adam step (the 7 matrices of
@@ -34,10 +36,13 @@ MESHES = [dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=8, tensor=1),
 # the same build path and mesh rules; the reference ops on meshes run in every mesh step here
 # (k / v GEMMs, the per-tensor quantize, small leaves' float32 moments) and in
 # tests/test_training_mesh_resume.py (a coat run on an FSDP mesh, reference kernels).
-KERNELS = {"gemm": ("pallas_kernels.fp8_matmul", "fp8_matmul_tn"),
-           "quantize_per_group": ("pallas_kernels.quantize_mgpu", "quantize_per_group"),
-           "dequantize": ("pallas_kernels.quantize_mgpu", "dequantize_per_group"),
-           "adam": ("pallas_kernels.adam_step", "adam_step")}
+KERNELS = {"gemm": ("pallas_kernels.gemm.fp8_matmul", "fp8_matmul_tn"),
+           "quantize_per_group": ("pallas_kernels.quantize.quantize_mgpu", "quantize_per_group"),
+           "dequantize": ("pallas_kernels.quantize.quantize_mgpu", "dequantize_per_group"),
+           "adam": ("tests.adam_standin", "adam_step")}
+# "pallas": every kernel family, the Adam step on its stand-in (installed in the test).
+BACKENDS = {"pallas": "gemm=pallas,quantize=pallas,dequantize=pallas,adam=triton",
+            "reference": "reference"}
 
 
 def _train(mesh_sizes, devices, init, tokens):
@@ -96,7 +101,8 @@ CASES = ([(m, "pallas") if m in IN_CI else pytest.param(m, "pallas", marks=pytes
     [(c.values[0], c.values[1]) if hasattr(c, "values") else c for c in CASES]])
 def test_llama_coat_training_on_mesh_equals_one_device(setup, sizes, backend, monkeypatch):
   init, tokens, one, _ = setup
-  with kernels.backend(backend):
+  with pytest.MonkeyPatch.context() as patch, kernels.backend(BACKENDS[backend]):
+    adam_standin.install(patch)
     want_losses, want_steps, _ = _one_device(setup, backend, monkeypatch)
     losses, steps, opt_state = _train(sizes, jax.devices(), init, tokens)
   print(sizes, backend, "losses", losses, "one device", want_losses)

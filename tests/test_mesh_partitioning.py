@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from coat_jax import formats, kernels, ops, optim, quantize, sharded
+from coat_jax import formats, kernels, ops, optim, quantize
+from coat_jax.kernels import backends
+from coat_jax.kernels import sharded
+from tests import adam_standin
 
 F32 = jnp.float32
 
@@ -58,8 +61,11 @@ def test_partitioning_switch_is_validated_and_keys_the_jit_cache(monkeypatch):
 
 def test_always_wraps_row_kernels_on_one_device_bit_exactly(rng, monkeypatch):
   """quantize (per group, per tensor + transpose), dequantize and a coat_adamw step with the
-  fused kernel, on one device: `always` (wrapped, inlined) == unwrapped, bit for bit."""
+  fused kernel (on the CPU its jnp stand-in, tests/adam_standin.py), on one device: `always`
+  (wrapped, inlined) == unwrapped, bit for bit."""
   monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+  if kernels.interpret_mode():
+    adam_standin.install(monkeypatch)
   dev = jax.devices()[0]
   x = jax.device_put(jnp.asarray(rng.standard_normal((16, 128)) *
                                  np.exp2(rng.integers(-5, 5, (16, 128))), F32), dev)
@@ -81,13 +87,15 @@ def test_always_wraps_row_kernels_on_one_device_bit_exactly(rng, monkeypatch):
     real = getattr(sharded, name)
     monkeypatch.setattr(sharded, name, lambda *a, real=real: calls.append(1) or real(*a))
   results = {}
-  with kernels.backend("pallas"):
+  pallas = "pallas" if not kernels.interpret_mode() else (
+      "gemm=pallas,quantize=pallas,dequantize=pallas,adam=triton")
+  with kernels.backend(pallas):
     for mode in ("auto", "always"):
       with kernels.partitioning(mode):
         results[mode] = (jax.jit(quant)(x), jax.jit(adam)(params))
       # wrapped: 2 per-tensor (tile maxima, quantize + transpose), 1 per-group, 1 dequantize,
       # 1 Adam step; in interpret mode (CPU) the Mosaic GPU quantize kernels are not wrapped
-      # (kernels._mosaic): only the Adam step is.
+      # (coat_jax.kernels.quantize): only the Adam step is.
       wrapped = 1 if kernels.interpret_mode() else 5
       assert len(calls) == (wrapped if mode == "always" else 0)
   _assert_same(results["always"], results["auto"])
@@ -119,12 +127,12 @@ def test_per_tensor_quantize_writes_transposed_copy_per_shard(rng, monkeypatch, 
   outside the kernel in the jaxpr), data_t is sharded like data with the last two axes swapped,
   no gather; a shard the kernel does not take is quantized by the reference and transposed
   locally. Codes and scale equal the unwrapped single-device run bit for bit (global amax)."""
-  from pallas_kernels import quantize_mgpu as qm
+  from pallas_kernels.quantize import quantize_mgpu as qm
   calls = []
   monkeypatch.setattr(qm, "quantize_per_tensor",
                       lambda *a, **k: _xla_quantize_per_tensor(calls, *a, **k))
   monkeypatch.setattr(qm, "tile_amax", lambda x, **_: quantize.group_amax(x, qm.STAGE1_TILE))
-  monkeypatch.setattr(kernels, "interpret_mode", lambda: False)
+  monkeypatch.setattr(backends, "interpret_mode", lambda: False)
   x = jnp.asarray(rng.standard_normal(shape) * np.exp2(rng.integers(-5, 5, shape)), jnp.bfloat16)
   quant = lambda a: kernels.quantize_per_tensor(a, "e5m2", with_transpose=True)
   f = jax.jit(quant)
@@ -210,9 +218,9 @@ def test_coat_linear_through_matmul_tn(rng, monkeypatch):
   """ops.linear (coat) forward + both gradients with the dispatch on its compiled-GEMM path
   (`wrap`: matmul_tn), the Mosaic kernel replaced by its XLA contract: a column- then a
   row-parallel linear, partitioning `always`, equals the unwrapped single-device run."""
-  from pallas_kernels import fp8_matmul
+  from pallas_kernels.gemm import fp8_matmul
   monkeypatch.setattr(fp8_matmul, "fp8_matmul_tn", _xla_tn)
-  monkeypatch.setattr(kernels, "interpret_mode", lambda: False)
+  monkeypatch.setattr(backends, "interpret_mode", lambda: False)
   calls = []
   real = sharded.matmul_tn
   monkeypatch.setattr(sharded, "matmul_tn", lambda *a, **k: calls.append(1) or real(*a, **k))

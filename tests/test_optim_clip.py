@@ -15,7 +15,8 @@ import numpy as np
 import optax
 import pytest
 
-from coat_jax import kernels, kernels_adam
+from coat_jax import kernels
+from coat_jax.kernels import adam as kernels_adam
 from coat_jax.adam_math import adam_moments, adam_step_reference, clip_scale, load_moment
 from coat_jax.expansion import ExpandedMoment
 from coat_jax.optim import DEFAULT_GROUP_AXIS, coat_adamw, coat_adamw_apply, group_axes
@@ -122,9 +123,10 @@ def test_apply_max_grad_norm_equals_chain_with_clip(rng):
   _check_close(params, got, want, state, want_state[1])
 
 
+@pytest.mark.gpu
 def test_pallas_dispatch_matches_reference_with_grad_scale(rng):
-  """kernels_adam.coat_adam_step(grad_scale=s) under the Pallas backend (the Pallas Triton kernel in
-  interpret mode here, which takes the gradient scaled beforehand) against the jnp reference."""
+  """kernels_adam.coat_adam_step(grad_scale=s) on the jax-triton kernel (which scales the
+  gradient as it loads it) against the jnp reference."""
   p = jnp.asarray(rng.standard_normal((8, 256)).astype(np.float32))
   g = jnp.asarray(rng.standard_normal((8, 256)).astype(np.float32))
   m0 = coat_adamw(1e-2, min_quantized_size=1, group_axis="last").init({"w": p}).mu["w"]

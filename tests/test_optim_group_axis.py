@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from coat_jax import expansion as ex
-from coat_jax import formats, kernels, kernels_adam, optim
+from coat_jax import formats, kernels, optim
+from coat_jax.kernels import adam as kernels_adam
 from coat_jax.optim import ExpandedMoment, adam_step_reference, coat_adamw, coat_adamw_apply
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import schema
@@ -199,13 +200,13 @@ def test_group_check_uses_the_grouped_axis():
   state = jax.eval_shape(_opt(group_axis="coat").init, params)
   forced = {"q": {"kernel": NamedSharding(mesh, P(("fsdp", "tensor"), None))}}
   for given in (axes, None):   # None: the group axis read from the moments' shapes
-    with kernels.backend("pallas"), pytest.raises(
+    with kernels.backend("adam=triton"), pytest.raises(
         ValueError, match=r"\['q'\]\['kernel'\] of shape \(256, 384\) has its axis 0 .*split 8 ways"):
       optim.state_shardings(forced, state, given)
   fitted = mesh_lib.param_shardings(params, mesh, group_size=128, group_axes=axes)
   spec = fitted["q"]["kernel"].spec
   assert spec[0] != ("fsdp", "tensor") and spec[0] != "fsdp"
-  with kernels.backend("pallas"):
+  with kernels.backend("adam=triton"):
     optim.state_shardings(fitted, state, axes)
 
 
@@ -218,7 +219,7 @@ def test_llama_splits_keep_input_feature_groups_whole(name):
   for mesh_cfg in MESHES:
     mesh = mesh_lib.make_mesh(mesh_cfg)
     sh = mesh_lib.param_shardings(params, mesh, group_size=128, group_axes=axes)
-    with kernels.backend("pallas"):
+    with kernels.backend("adam=triton"):
       optim.state_shardings(sh, state, axes)  # raises if a split cuts a group
     for (path, p), s, a in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(
         sh, is_leaf=lambda x: isinstance(x, NamedSharding)), jax.tree.leaves(axes)):
@@ -247,7 +248,7 @@ def test_per_shard_wrapper_keeps_column_groups_local(rng):
   reference step standing in for the kernel (Triton cannot run on CPU): on fsdp 4 x tensor 2 each
   device steps its own (in / 4, out / 2) block with its (in / 4G, out / 2) scales, and the result
   equals the single-device step."""
-  from coat_jax import sharded
+  from coat_jax.kernels import sharded
   mesh = mesh_lib.make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
   shape = (512, 96)
   p = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
@@ -287,24 +288,6 @@ def test_per_shard_wrapper_keeps_column_groups_local(rng):
     assert np.mean(got[i] == want[i]) > 0.999
 
 
-def test_dispatch_without_column_kernel_is_the_reference(rng):
-  """kernels_adam.coat_adam_step(group_axis=-2) where no column kernel runs (CPU: the Pallas Triton
-  kernel in interpret mode, which has no column variant) is the jnp reference step."""
-  shape = (256, 48)
-  p, g = (jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(2))
-  m = ex.quantize_expanded(g * 1e-2, "e4m3", 128, 16, True, -2)
-  v = ex.quantize_expanded(g * g * 1e-4, "e4m3", 128, 16, True, -2)
-  kw = dict(KW, count=jnp.int32(2), m_format="e4m3", v_format="e4m3", group_size=128,
-            expand=True, expand_min=16, group_axis=-2)
-  with kernels.backend("pallas"):
-    assert kernels.implementation("adam") == "pallas_triton"
-    got = jax.jit(lambda *a: kernels_adam.coat_adam_step(*a, **kw))(p, g, m, v)
-  want = jax.jit(lambda *a: adam_step_reference(*a, **kw))(p, g, m, v)
-  assert got[1].amax.shape == (2, 48)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("partitioning", ["auto", "always"])
 def test_gpu_column_kernel_step_equals_reference(rng, partitioning):
@@ -317,7 +300,7 @@ def test_gpu_column_kernel_step_equals_reference(rng, partitioning):
   apply = coat_adamw_apply(KW["lr"], KW["b1"], KW["b2"], KW["eps"], KW["weight_decay"], group_axis="coat")
   state0 = _opt(group_axis="coat").init(params)
   results = {}
-  for backend in ("adam=triton,adam_tree=reference", "reference"):
+  for backend in ("adam=triton", "reference"):
     with kernels.backend(backend), kernels.partitioning(partitioning):
       step = jax.jit(apply)
       if backend != "reference":

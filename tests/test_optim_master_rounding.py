@@ -169,8 +169,9 @@ def test_kahan_state_shardings_follow_the_params():
   assert placed.comp["w"].sharding == shard["w"]
 
 
+@pytest.mark.gpu
 def test_fused_kernel_takes_bf16_grads_and_kahan_params():
-  """The Pallas step (interpret mode here) on bfloat16 gradients and on Kahan's float32 copy of
+  """The fused kernel's step (jax-triton) on bfloat16 gradients and on Kahan's float32 copy of
   bfloat16 params gives the reference step's result."""
   from coat_jax import kernels
   params, grads = _kahan_setup()

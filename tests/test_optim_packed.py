@@ -260,7 +260,8 @@ def test_gpu_packed_kernel_equals_per_leaf_kernel(rng, monkeypatch, output):
   leaf is 16 groups, so the next slot starts at group 16: seg_arg 1, which jax-triton passes as a
   constant (it failed to compile before tl.cast)."""
   from coat_jax import kernels
-  monkeypatch.setattr(kernels, "per_shard", lambda: False)
+  from coat_jax.kernels import backends
+  monkeypatch.setattr(backends, "per_shard", lambda: False)
   assert kernels.implementation("adam") == "triton"
   shapes = {"a_small": (16, 128), "embed": (512, 256), "mlp": {"kernel": (2, 256, 384)},
             "o": {"kernel": (384, 256)}, "norm": (256,)}

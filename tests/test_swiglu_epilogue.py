@@ -1,4 +1,4 @@
-"""The gate/up GEMM with SwiGLU in its epilogue (pallas_kernels/fp8_gemm_swiglu.py,
+"""The gate/up GEMM with SwiGLU in its epilogue (pallas_kernels/gemm/fp8_gemm_swiglu.py,
 `kernels.gemm_swiglu_quantize`, `ops.swiglu_linears` under `linear_options(swiglu_quantize=
 "gemm_epilogue")`).
 
@@ -20,7 +20,7 @@ from coat_jax.models import Llama, LlamaConfig
 from coat_jax.ops.linear_layer import linear_options
 from coat_jax.quantize import QuantizedArray
 from flax import nnx
-from pallas_kernels import fp8_gemm_swiglu as fs, fp8_matmul as fm
+from pallas_kernels.gemm import fp8_gemm_swiglu as fs, fp8_matmul as fm
 from tests.test_kernels_quantize_mgpu import E4M3, FLOOR, _code_steps, _np_per_group
 
 SCALES = (0.011, 0.0042)   # gate's and up's product scales: distinct, so a swap shows
@@ -110,7 +110,7 @@ def test_interleave_and_errors():
 
 def _uses_epilogue_kernel(jaxpr_text: str) -> bool:
   """The kernel's name (interpret mode: the kernel's own; on the GPU the call lowered ahead,
-  pallas_kernels/lower_ahead.py, is keyed by its module and function) is in the jaxpr."""
+  pallas_kernels/compile_ahead/lower_ahead.py, is keyed by its module and function) is in the jaxpr."""
   return fs.KERNEL_NAME in jaxpr_text or "fp8_gemm_swiglu" in jaxpr_text
 
 

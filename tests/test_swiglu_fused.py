@@ -1,4 +1,4 @@
-"""SwiGLU's fused forward (pallas_kernels/swiglu_mgpu.py, `kernels.swiglu_quantize`) against a
+"""SwiGLU's fused forward (pallas_kernels/quantize/swiglu_mgpu.py, `kernels.swiglu_quantize`) against a
 numpy reference written from the spec (float64 for h, float32 for the per-group codes, as the
 per-group quantize kernel promises), in GPU interpret mode on CPU; through the dispatch and
 `ops.swiglu` against the unfused path (`linear_options(swiglu_quantize="separate")`)."""
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from coat_jax import kernels, ops
 from coat_jax.ops.linear_layer import linear_options
-from pallas_kernels import swiglu_mgpu as sm
+from pallas_kernels.quantize import swiglu_mgpu as sm
 from tests.test_kernels_quantize_mgpu import E4M3, FLOOR, _code_steps, _np_per_group, _same_codes
 
 INTERPRET = dict(interpret=True, block=1024, max_ctas=2)

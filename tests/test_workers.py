@@ -1,4 +1,4 @@
-"""pallas_kernels/workers.py: the worker processes that export and compile kernels off the
+"""pallas_kernels/compile_ahead/workers.py: the worker processes that export and compile kernels off the
 step's critical path: replies, errors, deaths, time-outs, idle exits, and that a worker runs the
 caller's own function or refuses."""
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pallas_kernels import workers
+from pallas_kernels.compile_ahead import workers
 
 
 def pid():
@@ -65,7 +65,7 @@ def test_a_reply_later_than_the_time_limit_kills_the_worker(monkeypatch):
 
 
 def test_an_idle_worker_exits_and_the_next_request_starts_another(monkeypatch):
-  monkeypatch.setenv("COAT_JAX_WORKER_IDLE_S", "0.5")
+  monkeypatch.setattr(workers, "IDLE_S", 0.5)
   _fresh_process()
   first = workers.run({"call": (__name__, "pid"), "args": {}})
   proc = workers._thread.proc

@@ -1,12 +1,12 @@
-"""The optimizer step's half of the kernel dispatch (`coat_jax.kernels`: backend choice, the
-activation kernels): the fused Adam step of one leaf (`coat_adam_step`), of a whole tree
-(`coat_adam_tree_step`), or of a tree whose moments are in the packed layout
-(`coat_adam_packed_step`, coat_jax.packed_state) on a Pallas / Triton kernel or
-`coat_jax.adam_math`'s reference.
+"""The Adam family's dispatch: the fused optimizer step of one leaf (`coat_adam_step`), of a
+list of leaves (`coat_adam_tree_step`), or of leaves whose moments are in the packed layout
+(`coat_adam_packed_step`, coat_jax.packed_state), on the jax-triton kernel
+(pallas_kernels.adam.adam_step_triton) or `coat_jax.adam_math`'s reference.
 
-Which kernel runs is `kernels.implementation("adam")` / `("adam_tree")` (see coat_jax.kernels:
-jax-triton `triton` or the deprecated `pallas_triton` for one leaf; the tree kernel is opt-in);
-on a mesh each shard runs the kernel on its local moments (`kernels._rows`, coat_jax.sharded).
+The kernel runs where `implementation("adam")` is "triton" (a Hopper GPU with jax-triton:
+`pip install coat-jax[gpu]`; without it the reference, with one warning), for FP8 moments, G a
+power of two >= 16 and the group axis' length a multiple of G; on a mesh each shard runs it on
+its local moments (`backends.rows`).
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import math
 
 import jax.numpy as jnp
 
-from coat_jax import adam_math, expansion, formats, kernels, packed_state
+from coat_jax import adam_math, expansion, formats, packed_state
 from coat_jax.expansion import ExpandedMoment
+from coat_jax.kernels import backends
 
 __all__ = ["adam_kernel_limits", "coat_adam_packed_step", "coat_adam_step", "coat_adam_tree_step"]
 
@@ -44,11 +45,11 @@ def _triton_static(m_format, v_format, *, group_size, expand, expand_min, output
 
 
 def _triton_kernels():
-  """pallas_kernels.adam_step_triton, or ValueError naming the install when jax-triton is
-  missing (only asked for where `kernels.implementation("adam")` is "triton")."""
-  from pallas_kernels import adam_step_triton
+  """pallas_kernels.adam.adam_step_triton, or ValueError naming the install when jax-triton is
+  missing (only asked for where `implementation("adam")` is "triton")."""
+  from pallas_kernels.adam import adam_step_triton
   if not adam_step_triton.available():
-    raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({kernels.INSTALL_HINT})")
+    raise ValueError(f"adam=triton needs triton and jax-triton on a GPU ({backends.INSTALL_HINT})")
   return adam_step_triton
 
 
@@ -70,88 +71,48 @@ def coat_adam_step(param, grad, m, v, *, lr, b1, b2, eps, weight_decay, count, m
   grad.dtype; param may then be None: no decay term). group_axis: the moments' group axis
   (-1, or -2: COAT's layout, metadata (..., in / G, out)). grad_scale: None or a float32 scalar
   the step multiplies the gradient by (fused global-norm clipping, `adam_math.clip_scale`).
-  Kernel (`kernels.implementation("adam")`, both moments ExpandedMoment): triton (jax-triton, FP8
-  moments, G a power of two >= 16; group_axis -1 or -2, that axis' length % G == 0; applies
-  grad_scale as it loads the gradient) or pallas_triton (adam_step.py; group_axis -1 only,
-  N % G == 0; takes the gradient scaled beforehand, grad * grad_scale in grad's dtype: correct,
-  not fused). Shapes or axes the chosen kernel does not take: the reference.
+  Kernel (`implementation("adam")` "triton", both moments ExpandedMoment: FP8 moments, G a power
+  of two >= 16; group_axis -1 or -2, that axis' length % G == 0; applies grad_scale as it loads
+  the gradient). Shapes the kernel does not take: the reference.
   """
   kwargs = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=count,
                 group_size=group_size, expand=expand, expand_min=expand_min, output=output,
                 group_axis=group_axis, grad_scale=grad_scale)
   like = grad if param is None else param
-  impl = (kernels.implementation("adam") if isinstance(m, ExpandedMoment)
-          and isinstance(v, ExpandedMoment) else None)
-  if impl == "triton":
+  if (isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
+      and backends.implementation("adam") == "triton"):
     pk = _triton_kernels()
-    ok = pk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size, group_axis)
-  elif impl == "pallas_triton" and group_axis != -1:
-    ok = False
-    if not kernels.interpret_mode():
-      kernels._warn_once("adam_cols", "coat_jax: the Pallas Triton Adam kernel groups along the last "
-                 "axis only, so leaves grouped along another axis (group_axis='coat') take the "
-                 f"jnp reference step; install jax-triton for the fused kernel: {kernels.INSTALL_HINT}")
-  elif impl == "pallas_triton":
-    from pallas_kernels import adam_step as pk
-    ok = pk.supported(like, group_size)
-  if impl is not None and ok:
-    # alias: new param and moments written over the old ones, in place when the caller donates
-    # them (a jitted train step with donated state does).
-    if impl == "triton":
-      static = _triton_static(m_format, v_format, group_size=group_size, expand=expand,
-                              expand_min=expand_min, output=output, group_axis=group_axis)
-      step = lambda p, g, m3, v3, **h: pk.adam_step(p, g, *m3, *v3, **static, **h)
-    else:
-      limits = adam_kernel_limits(m_format, v_format)
-      # fast_math: MUFU approximations (errors ~2^-22, far below FP8 rounding). On the H100
-      # (one 1.21e9 leaf) fast_math + alias took the step from 17.4 to 7.1 ms
-      # (benchmarks/sweep_adam_kernel.py).
-      static = dict(group_size=group_size, expand=expand, expand_min=expand_min, output=output,
-                    interpret=kernels.interpret_mode(), fast_math=True, alias=True, **limits)
-
-      def step(p, g, m3, v3, grad_scale=None, **h):
-        if grad_scale is not None:   # no scale operand in this kernel: scaled beforehand
-          g = (g.astype(jnp.float32) * grad_scale).astype(g.dtype)
-        out, m3, v3 = pk.adam_step(p, g, m3, v3, **static, **h)
-        return (out, *m3, *v3)
-    # arrays (schedules, inject_hyperparams, count) are replicated scalar operands on a mesh
-    hyper = _hyper(lr, b1, b2, eps, weight_decay, count, grad_scale)
-    traced = [k for k, x in hyper.items() if not isinstance(x, (int, float))]
-    fixed = {k: x for k, x in hyper.items() if k not in traced}
-    p_in = [] if param is None else [param]
-
-    def kernel(*a):
-      p = a[0] if param is not None else None
-      g, md, ma, mk, vd, va, vk, *hv = a[len(p_in):]
-      return tuple(step(p, g, (md, ma, mk), (vd, va, vk), **fixed, **dict(zip(traced, hv))))
-
-    args = p_in + [grad, *m, *v] + [jnp.asarray(hyper[k]) for k in traced]
-    kinds = ["data"] * (len(p_in) + 1) + ["data", "meta", "meta"] * 2 + ["scalar"] * len(traced)
-    out, *mv = kernels._rows(kernel, args, kinds, ["data"] + ["data", "meta", "meta"] * 2, group_size,
-                     group_axis)
-    return out, ExpandedMoment(*mv[:3]), ExpandedMoment(*mv[3:])
+    if pk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size, group_axis):
+      return _kernel_step(pk, param, grad, m, v, m_format, v_format, kwargs)
   return adam_math.adam_step_reference(param, grad, m, v, m_format=m_format, v_format=v_format,
                                        **kwargs)
 
 
-def _tree_kernel_leaves(params, grads, ms, vs, group_size, group_axes=None) -> list[int]:
-  """Indices of the leaves the tree kernel takes now (empty when it is not in use): last-axis
-  groups only (group_axes: per leaf, None: all -1)."""
-  # not on the mesh path (partitioning `always` too): the tree kernel has no per-shard wrapper
-  if not (kernels.use_pallas("adam") and kernels.use_pallas("adam_tree") and not kernels.per_shard()
-          and not kernels.interpret_mode()):
-    return []
-  from pallas_kernels import adam_tree_triton as tk  # GPU only: needs triton + jax-triton
-  if not tk.available():
-    return []
-  out = []
-  group_axes = [-1] * len(grads) if group_axes is None else group_axes
-  for i, (p, g, m, v, a) in enumerate(zip(params, grads, ms, vs, group_axes)):
-    like = g if p is None else p
-    if (a == -1 and isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment)
-        and tk.supported(like.shape, like.dtype, m.data.dtype, v.data.dtype, group_size)):
-      out.append(i)
-  return out
+def _kernel_step(pk, param, grad, m, v, m_format, v_format, kwargs):
+  """The kernel's step of one leaf (per shard on a mesh): new param and moments written over the
+  old ones (alias), in place when the caller donates them (a jitted train step with donated
+  state does)."""
+  static = _triton_static(m_format, v_format, group_size=kwargs["group_size"],
+                          expand=kwargs["expand"], expand_min=kwargs["expand_min"],
+                          output=kwargs["output"], group_axis=kwargs["group_axis"])
+  # arrays (schedules, inject_hyperparams, count) are replicated scalar operands on a mesh
+  hyper = _hyper(*(kwargs[k] for k in ("lr", "b1", "b2", "eps", "weight_decay", "count",
+                                       "grad_scale")))
+  traced = [k for k, x in hyper.items() if not isinstance(x, (int, float))]
+  fixed = {k: x for k, x in hyper.items() if k not in traced}
+  p_in = [] if param is None else [param]
+
+  def kernel(*a):
+    p = a[0] if param is not None else None
+    g, md, ma, mk, vd, va, vk, *hv = a[len(p_in):]
+    return tuple(pk.adam_step(p, g, md, ma, mk, vd, va, vk, **static, **fixed,
+                              **dict(zip(traced, hv))))
+
+  args = p_in + [grad, *m, *v] + [jnp.asarray(hyper[k]) for k in traced]
+  kinds = ["data"] * (len(p_in) + 1) + ["data", "meta", "meta"] * 2 + ["scalar"] * len(traced)
+  out, *mv = backends.rows(kernel, args, kinds, ["data"] + ["data", "meta", "meta"] * 2,
+                           kwargs["group_size"], kwargs["group_axis"])
+  return out, ExpandedMoment(*mv[:3]), ExpandedMoment(*mv[3:])
 
 
 def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight_decay, count,
@@ -162,14 +123,8 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
   take `adam_math.adam_step_reference`.
 
   params, grads, ms, vs: equal-length lists (params entries None only with output="update").
-  group_axes: each leaf's moment group axis (None: all -1); the tree kernel takes -1 leaves only.
-  grad_scale: None or a float32 scalar every leaf's gradient is multiplied by (as
-  `coat_adam_step`; the tree kernel applies it as it loads the gradient).
-  On one Hopper GPU with jax-triton installed, the quantized FP8 leaves whose last axis divides
-  by group_size go through pallas_kernels/adam_tree_triton.py: one launch per up to
-  adam_tree_triton.MAX_LEAVES leaves, fast math and in-place outputs as `coat_adam_step`. The
-  other leaves, and every leaf elsewhere (CPU, meshes: there `coat_adam_step` runs per shard),
-  go leaf by leaf.
+  group_axes: each leaf's moment group axis (None: all -1). grad_scale: None or a float32 scalar
+  every leaf's gradient is multiplied by (as `coat_adam_step`).
   """
   n = len(grads)
   group_axes = [-1] * n if group_axes is None else list(group_axes)
@@ -179,32 +134,13 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
   common = dict(lr=lr, b1=b1, b2=b2, eps=eps, count=count, m_format=m_format,
                 v_format=v_format, group_size=group_size, expand=expand, expand_min=expand_min,
                 output=output, grad_scale=grad_scale)
-  results = [None] * n
-  tree = _tree_kernel_leaves(params, grads, ms, vs, group_size, group_axes)
-  if tree:
-    from pallas_kernels import adam_tree_triton as tk
-    mf, vf = formats.get_format(m_format), formats.get_format(v_format)
-    limits = adam_kernel_limits(m_format, v_format)
-    outs = tk.tree_step(
-        [params[i] for i in tree], [grads[i] for i in tree], [tuple(ms[i]) for i in tree],
-        [tuple(vs[i]) for i in tree], [bool(decay[i]) for i in tree], lr=lr, b1=b1, b2=b2,
-        eps=eps, weight_decay=weight_decay, count=count, m_fmax=float(mf.max),
-        v_fmax=float(vf.max), m_log2_range=limits["m_log2_range"],
-        v_log2_range=limits["v_log2_range"], group_size=group_size, expand=expand,
-        expand_min=expand_min, max_k_code=limits["max_code"], amax_floor=limits["floor"],
-        grad_clamp=limits["grad_clamp"], output=output, fast_math=True, alias=True,
-        grad_scale=grad_scale)
-    for i, (out, m3, v3) in zip(tree, outs):
-      results[i] = (out, ExpandedMoment(*m3), ExpandedMoment(*v3))
-  for i in range(n):
-    if results[i] is None:
-      wd = weight_decay if decay[i] else 0.0
-      if isinstance(ms[i], ExpandedMoment) and isinstance(vs[i], ExpandedMoment):
-        results[i] = coat_adam_step(params[i], grads[i], ms[i], vs[i], weight_decay=wd,
-                                    group_axis=group_axes[i], **common)
-      else:
-        results[i] = adam_math.adam_step_reference(params[i], grads[i], ms[i], vs[i],
-                                                   weight_decay=wd, **common)
+  results = []
+  for p, g, m, v, d, axis in zip(params, grads, ms, vs, decay, group_axes):
+    wd = weight_decay if d else 0.0
+    if isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment):
+      results.append(coat_adam_step(p, g, m, v, weight_decay=wd, group_axis=axis, **common))
+    else:
+      results.append(adam_math.adam_step_reference(p, g, m, v, weight_decay=wd, **common))
   return results
 
 
@@ -215,12 +151,12 @@ def coat_adam_packed_step(params, grads, m: packed_state.PackedMoments,
   """`coat_adam_tree_step` on moments in the packed layout (coat_jax.packed_state): returns
   ([new param or update per leaf], new m, new v). slots: each leaf's `packed_state.Slot`.
 
-  On one device with the jax-triton kernel (`kernels.implementation("adam") == "triton"`), a
+  On one device with the jax-triton kernel (`implementation("adam") == "triton"`), a
   quantized leaf the kernel takes is one launch on the packed buffers (`adam_step(...,
   packed_at=slot.start)`: it writes the leaf's slot in place, the launches chained through the
-  buffers). Every other leaf (float32 moments, shapes the kernel does not take, CPU, meshes,
-  the Pallas Triton kernel) steps on its slice (`packed_state.leaf`) as `coat_adam_tree_step`
-  does, written back with `packed_state.with_leaf`; those go first, so that no slice is read
+  buffers). Every other leaf (float32 moments, shapes the kernel does not take, CPU, meshes)
+  steps on its slice (`packed_state.leaf`) as `coat_adam_tree_step` does, written back with
+  `packed_state.with_leaf`; those go first, so that no slice is read
   after a kernel has written over its buffer.
   """
   n = len(grads)
@@ -231,8 +167,8 @@ def coat_adam_packed_step(params, grads, m: packed_state.PackedMoments,
                 v_format=v_format, group_size=group_size, expand=expand, expand_min=expand_min,
                 output=output, grad_scale=grad_scale)
   pk = None
-  if (kernels.implementation("adam") == "triton" and not kernels.per_shard()
-      and not kernels.interpret_mode()):
+  if (backends.implementation("adam") == "triton" and not backends.per_shard()
+      and not backends.interpret_mode()):
     pk = _triton_kernels()
 
   def on_kernel(p, g, slot) -> bool:

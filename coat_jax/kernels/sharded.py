@@ -11,11 +11,11 @@ on groups of G consecutive elements along the last axis. Their operands are of t
   "scalar" any shape     replicated (step scalars, a per-tensor scale).
 Every "data" and "meta" operand and result gets the first "data" operand's sharding on the
 leading axes; the last axis keeps its sharding when each shard holds whole groups (N / shards
-divisible by G). So per-group results never depend on the mesh: a group never straddles a shard
-boundary. Known limit: an input whose last axis is split so that shards cut groups fails in XLA's
+divisible by G: `whole_groups`). So per-group results never depend on the mesh: a group never
+straddles a shard boundary. Known limit: an input whose last axis is split so that shards cut groups fails in XLA's
 partitioner (Shardy splits the mesh axis across the group factor before `partition` can ask for
-the axis whole); `coat_jax.optim.state_shardings` therefore names any parameter whose split would
-do that, and activation splits (hidden / tensor) are multiples of 16 in practice.
+the axis whole); `coat_jax.optim_state.state_shardings` therefore names any parameter whose split
+would do that, and activation splits (hidden / tensor) are multiples of 16 in practice.
 
 `transposing` does the same for the per-tensor quantize with the transposed copy: each shard's
 kernel writes its codes and their transpose, which is its block of the transposed array (sharded
@@ -38,11 +38,23 @@ from jax.sharding import NamedSharding, PartitionSpec
 KINDS = ("data", "meta", "scalar")
 
 
-def _axis_size(mesh, entry) -> int:
-  if entry is None:
+def axis_size(mesh, entry) -> int:
+  """How many shards a PartitionSpec entry (None, a mesh axis name or a tuple of them) makes."""
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
     return 1
   names = entry if isinstance(entry, tuple) else (entry,)
   return math.prod(mesh.shape[n] for n in names)
+
+
+def whole_groups(length: int, shards: int, group_size: int | None) -> bool:
+  """Whether splitting an axis of `length` into `shards` equal blocks leaves whole groups of
+  `group_size` in each: the one rule for "groups never straddle shards", used by the kernels
+  here, the parameter shardings (coat_jax.training.mesh) and the optimizer state's
+  (coat_jax.optim_state). No group size, or a length that is not a multiple of it (a short last
+  group: no kernel runs on it, the reference takes any split): True."""
+  if not group_size or length % group_size:
+    return True
+  return length % shards == 0 and (length // shards) % group_size == 0
 
 
 def _padded(spec, rank: int) -> tuple:
@@ -56,8 +68,7 @@ def local_spec(mesh, spec, shape, group_size: int, group_axis: int = -1) -> tupl
   shard of it holds whole groups of `group_size`."""
   spec = list(_padded(spec, len(shape)))
   if len(spec) >= -group_axis and spec[group_axis] is not None:
-    shards = _axis_size(mesh, spec[group_axis])
-    if shape[group_axis] % shards or (shape[group_axis] // shards) % group_size:
+    if not whole_groups(shape[group_axis], axis_size(mesh, spec[group_axis]), group_size):
       spec[group_axis] = None
   return tuple(spec)
 
@@ -215,14 +226,14 @@ def matmul_tn(kernel: Callable, a: jax.Array, b: jax.Array, scale: jax.Array, *,
     sb = tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in sb)
     m = sa[0]
     n = _drop_axes(sb[0], _names(m))
-    if m is not None and a.shape[0] % _axis_size(mesh, m):
+    if m is not None and a.shape[0] % axis_size(mesh, m):
       m = None
-    if n is not None and b.shape[0] % _axis_size(mesh, n):
+    if n is not None and b.shape[0] % axis_size(mesh, n):
       n = None
     k = None
     if partial_kernel is not None:
       k = _drop_axes(sa[1] if sa[1] is not None else sb[1], _names(m) + _names(n))
-      if k is not None and a.shape[1] % _axis_size(mesh, k):
+      if k is not None and a.shape[1] % axis_size(mesh, k):
         k = None
     return (NamedSharding(mesh, PartitionSpec(m, k)), NamedSharding(mesh, PartitionSpec(n, k)),
             NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(m, n)), k)

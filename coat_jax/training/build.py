@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from coat_jax import ops
+from coat_jax import kernels, ops
 from coat_jax.precision import resolve_dtype
 from coat_jax.training import corpus, mesh as mesh_lib, token_files
 from coat_jax.training.accumulate import accumulated_value_and_grad
@@ -248,7 +248,8 @@ def model_parts(llama_cfg, seed: int, mesh, group_size: int | None = None,
 
 
 def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, accumulate: int = 1,
-               accumulate_dtype: str = "float32", grad_dtype: str = "param"):
+               accumulate_dtype: str = "float32", grad_dtype: str = "param",
+               kernel_config: kernels.KernelConfig = kernels.KernelConfig()):
   """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
 
   train_step(params, opt_state, rest, tokens) -> (params, opt_state, rest, {"loss", "grad_norm"});
@@ -256,6 +257,8 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
   apply_fn: (grads, opt_state, params) -> (params, opt_state); default `optax_apply(tx)`.
   accumulate: microbatches per step (training/accumulate.py); the loss is their mean.
   grad_dtype: "param" or "bfloat16" (gradients of a bfloat16 copy of the weights; accumulate.py).
+  kernel_config: the kernels both steps trace with (`coat_jax.kernels.use`; the run config's
+  `kernels:` section).
   """
   apply_fn = apply_fn or optax_apply(tx)
   batch_sh, rep = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
@@ -276,6 +279,9 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
   def eval_step(params, rest, tokens):
     return loss_fn(params, rest, tokens)[0]
 
+  kernels.current_backend()   # a bad COAT_JAX_KERNELS: its one-line error now, before any trace
+  train_step = kernels.use(kernel_config)(train_step)
+  eval_step = kernels.use(kernel_config)(eval_step)
   state_sh = (parts.params_shardings, opt_shardings, parts.rest_shardings)
   train = jax.jit(train_step, in_shardings=(*state_sh, batch_sh), out_shardings=(*state_sh, rep),
                   donate_argnums=(0, 1, 2))
@@ -351,7 +357,8 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     apply_fn = optax_apply(tx)
   train_step, eval_step = make_steps(parts, tx, opt_sh, mesh, apply_fn, accumulate=micro,
                                      accumulate_dtype=cfg.optimizer.accumulate_dtype,
-                                     grad_dtype=cfg.optimizer.grad_dtype)
+                                     grad_dtype=cfg.optimizer.grad_dtype,
+                                     kernel_config=cfg.kernels)
   opt_init = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)
 
   def init(seed: int | None = None):

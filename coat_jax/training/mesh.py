@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from coat_jax.kernels.sharded import whole_groups
+
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -80,15 +82,6 @@ def path_str(path) -> str:
   return "/".join(parts)
 
 
-def _cuts_groups(dim: int, shards: int, group_size: int | None) -> bool:
-  """True when splitting a last axis of `dim` into `shards` would cut the optimizer's groups of
-  `group_size` (the fused step needs whole groups per shard; the same condition as
-  coat_jax.optim.check_group_split: a dim that is not a multiple of the group takes any split)."""
-  if not group_size or dim % group_size:
-    return False
-  return dim % shards != 0 or (dim // shards) % group_size != 0
-
-
 def _fit(spec: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
          group_size: int | None = None, group_axis: int = -1) -> P:
   """Right-aligns `spec` to `shape`, dropping axes that are absent, size 1 or do not divide the dim.
@@ -110,8 +103,8 @@ def _fit(spec: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
       out.append(axis)
       used.add(axis)
   gi = len(out) + group_axis
-  if out and 0 <= gi and out[gi] is not None and _cuts_groups(shape[gi], mesh.shape[out[gi]],
-                                                              group_size):
+  if out and 0 <= gi and out[gi] is not None and not whole_groups(
+      shape[gi], mesh.shape[out[gi]], group_size):
     axis, out[gi] = out[gi], None
     for i in [i for i in range(len(out) - 1, len(out) - len(spec) - 1, -1) if i != gi]:
       names = () if out[i] is None else out[i] if isinstance(out[i], tuple) else (out[i],)

@@ -1,6 +1,6 @@
 """The run configuration schema: typed dataclasses, value checks, and `load` (file + `--set`).
 
-A run config has seven sections:
+A run config has eight sections:
 
   model:      preset name (`LlamaConfig.from_name`) plus optional shape overrides
   precision:  "bf16" | "fp8_linear" | "coat" (the model's precision mode; independent of the optimizer)
@@ -9,6 +9,7 @@ A run config has seven sections:
   mesh:       device mesh sizes ("data", "fsdp", "tensor"; -1 = fill with the remaining devices)
   checkpoint: directory, period, how many to keep, async saving
   run:        steps, seed, logging/eval periods, output directory
+  kernels:    which kernels run (`coat_jax.kernels.KernelConfig`: backend, partitioning)
 
 Unknown keys and values of the wrong type are rejected with a ValueError that names the key
 (and suggests close matches) and where it came from (the YAML file or the `--set` override);
@@ -23,7 +24,9 @@ from typing import Any
 
 import yaml
 
+from coat_jax import optim
 from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_AXIS, OPTIMIZER_GROUP_SIZE
+from coat_jax.kernels import KernelConfig
 from coat_jax.ops.attention import ATTENTION_RESIDUALS
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
@@ -140,8 +143,8 @@ class OptimizerConfig:
   v_format: str = "e4m3"
   group_size: int = OPTIMIZER_GROUP_SIZE
   expand: bool = True
-  expand_min: int = 16
-  min_quantized_size: int = 4096
+  expand_min: int = optim.DEFAULT_EXPAND_MIN
+  min_quantized_size: int = optim.DEFAULT_MIN_QUANTIZED_SIZE
   accumulate: int = 1
   accumulate_dtype: str = "float32"
   master_rounding: str = "nearest"
@@ -222,6 +225,7 @@ class RunConfig:
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   run: RunSettings = dataclasses.field(default_factory=RunSettings)
+  kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -1,12 +1,23 @@
 """Fused COAT AdamW step as a Triton kernel called through jax-triton (GPU only).
 
-The same step as pallas_kernels/adam_step_mgpu.py, whose docstring gives the math per group of G
-elements (load, Adam, store), and as the reference, coat_jax.optim adam_step_reference.
+Per group of G elements, the step of the reference (coat_jax.adam_math.adam_step_reference, with
+coat_jax.expansion's compact form of the moments: codes q, group amax mx, k = k_code / expand_min):
+
+  load:   x = sign(q) * mx * (|q| / fmax)^(1/k)      (exactly q * mx / fmax where k = 1)
+  Adam:   g = clamp(g * grad_scale, +-grad_clamp) where finite (NaN and inf pass)
+          m = b1 m + (1-b1) g,  v = b2 v + (1-b2) g^2,  denom = (sqrt(v) / sqrt(bc2) + eps) * bc1
+          out = p - lr (m / denom + wd p)   (output="param")   or   -lr (m / denom + wd p)
+  store:  mx = max|x| + floor,  mn = min non-zero |x| + floor (mx if none),
+          k = clip(floor(log2(R) / log2(mx / mn) * expand_min), 1, max_k) / expand_min,
+          q = cast(clamp(sign(x) * fmax * 2^(k * (log2|x| - log2 mx)), +-fmax))
+with bc1 = 1 - b1^t, bc2 = 1 - b2^t and R the format's expansion range. Not bit-exact with the
+reference: log2(|x| / mx) is log2|x| - log2(mx), 1/sqrt(bc2) multiplies instead of dividing and
+fast_math uses the hardware's approximate log2 / exp2, so a few FP8 codes may move by one.
 
 Written with the official Triton language and called with `jax_triton.triton_call`, so it does
 not use the deprecated Pallas Triton backend. The per-element math and the per-tile body
 (`adam_tile`, built from `new_moments`, `store_param`, `group_meta`, `quantize`) live in
-pallas_kernels/adam_tile_triton.py; this file holds the kernels and their launcher.
+pallas_kernels/adam/adam_tile_triton.py; this file holds the kernels and their launcher.
 
 Two layouts of the groups (`group_axis`):
   -1 (`adam_rows`): G consecutive elements of the last axis; a program takes BLOCK rows of G, the
@@ -35,8 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import call_triton
-from pallas_kernels.adam_operands import OUTPUTS, check_operands, check_packed_operands
+from pallas_kernels.compile_ahead import call_triton
+from pallas_kernels.adam.adam_operands import OUTPUTS, check_operands, check_packed_operands
 
 try:  # the kernels need triton only (they compile without a GPU); calling them needs jax-triton
   import triton
@@ -44,7 +55,7 @@ try:  # the kernels need triton only (they compile without a GPU); calling them 
 except ImportError:  # pragma: no cover - CPU machines
   triton = tl = None
 if triton is not None:
-  from pallas_kernels.adam_tile_triton import (adam_tile, group_meta, load_meta, load_scalars,
+  from pallas_kernels.adam.adam_tile_triton import (adam_tile, group_meta, load_meta, load_scalars,
                                                new_moments, nonzero_or_inf, quantize, store_meta,
                                                store_param)
 try:  # GPU machines only
@@ -115,7 +126,7 @@ if triton is not None:
                 FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr,
                 GCLAMP: tl.constexpr, EVEN: tl.constexpr = False):
     """The step on row block `blk` (BLOCK rows of G) of a leaf of `rows` rows, weight decay `wd`:
-    the body of both the one-leaf kernel and adam_tree_triton's. EVEN: rows % BLOCK == 0 (no
+    the body of the one-leaf kernels. EVEN: rows % BLOCK == 0 (no
     masks; `rows` unused)."""
     rows_idx = blk * BLOCK + tl.arange(0, BLOCK)
     offs = rows_idx[:, None].to(tl.int64) * G + tl.arange(0, G)[None, :]
@@ -416,8 +427,16 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
               fast_math: bool = False, grad_clamp: float = 2.0**63, group_axis: int = -1,
               grad_scale=None, cols_chunk: int | None = None, packed_at: int | None = None,
               segment: int = 16):
-  """One fused step over one parameter; arguments and results as adam_step_mgpu.adam_step.
+  """One fused step over one parameter (plain arrays in, plain arrays out; the math: the module
+  docstring).
 
+  param: float (..., N); None only with output="update" (no decay term). grad: param's shape.
+  m_q, v_q: FP8 moment codes (param's shape); m_amax, v_amax float32 and m_code, v_code uint8 of
+  the metadata shape: the compact expansion form. lr, b1, b2, eps, weight_decay: float scalars
+  (may be traced); count: the step t >= 1. m_fmax, v_fmax: the formats' largest values;
+  m_log2_range, v_log2_range: log2 of each format's expansion range R; max_k_code, amax_floor:
+  the stored form's limits. Returns (new param or update, m_q, m_amax, m_code, v_q, v_amax,
+  v_code).
   group_axis: -1 (groups of G along the last axis, metadata (..., N / G)) or -2 (G consecutive
   rows of each column of a (..., in, out) param, metadata (..., in / G, out): COAT's layout).
   block, num_warps: per program, rows of G (group_axis -1, default ROWS_BLOCK) or columns of a

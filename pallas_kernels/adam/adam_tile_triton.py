@@ -1,9 +1,8 @@
 """The Triton building blocks of the fused COAT AdamW step: per-element math, the moments'
 dequantize / requantize with dynamic range expansion, the step on one 2-D tile (`adam_tile`).
 
-adam_step_triton.py's row and column kernels and adam_tree_triton.py's tree kernel are built from
-these; the math per group of G elements is pallas_kernels/adam_step_mgpu.py's docstring and
-coat_jax.adam_math's reference. Precise math: libdevice exp2 / log2 (as XLA), IEEE sqrt
+adam_step_triton.py's row and column kernels are built from these; the math per group of G
+elements is adam_step_triton.py's docstring and coat_jax.adam_math's reference. Precise math: libdevice exp2 / log2 (as XLA), IEEE sqrt
 (`sqrt_rn`), Triton's `/` (div.full.f32, what XLA:GPU emits); FAST: one MUFU instruction each.
 A tile's groups run along its axis AXIS (1: rows of G, 0: columns of G) with one metadata value
 per group at `meta_idx`; masks None build no mask at all (EVEN tiles).

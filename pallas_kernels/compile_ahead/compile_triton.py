@@ -9,22 +9,22 @@ last, after every Mosaic GPU kernel of the forward and backward. A thread cannot
 `start`, called as our code traces a Triton call (`call_triton.triton_call`), finds the compile
 that call's lowering will ask for by a dry lowering of the call alone (jax-triton's own rule,
 stopped where it asks `get_or_create_triton_kernel`: the exact arguments, nothing of jax-triton's
-logic copied) and hands it to a worker process (pallas_kernels/workers.py: JAX on its CPU
+logic copied) and hands it to a worker process (workers.py: JAX on its CPU
 platform, no GPU memory; kept for later requests) that runs that same jax-triton function and
 sends back what it built jaxlib's TritonKernel from (name, PTX, TTIR, shared memory). When the
 real lowering asks for the same compile, `get_or_create` (installed over jax-triton's by
-`install`) waits for that result and builds the TritonKernel in this process. One compile per distinct (kernel, operand
-types, launch options, constexprs), as jax-triton's own cache; a compile that fails in the worker
-is done again here, with a warning naming the failure.
+`install`) waits for that result and builds the TritonKernel in this process. One compile per
+distinct (kernel, operand types, launch options, constexprs), as jax-triton's own cache; a
+compile that fails in the worker is done again here, with a warning naming the failure.
 
-MODE ($COAT_JAX_TRITON_COMPILE): "process" (default) or "inline" (jax-triton's compile in the
-lowering, as without this file). Kernels defined at a module's top level only (the worker imports
-them by name); others compile inline. Imports jax, and jax-triton where installed (GPU machines).
+MODE: "process" (default) or "inline" (jax-triton's compile in the lowering, as without this file; a
+module constant that benchmarks set before tracing). Kernels defined at a module's top level only
+(the worker imports them by name); others compile inline. Imports jax, and jax-triton where
+installed (GPU machines).
 """
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import types
@@ -33,7 +33,7 @@ import warnings
 import jax
 import numpy as np
 
-from pallas_kernels import workers
+from pallas_kernels.compile_ahead import workers
 
 try:  # GPU machines only
   from jax_triton import triton_lib
@@ -41,13 +41,14 @@ except ImportError:  # pragma: no cover - CPU machines
   triton_lib = None
 
 MODES = ("process", "inline")
-MODE = os.environ.get("COAT_JAX_TRITON_COMPILE", "process")
+MODE = "process"
 # What a worker runs: (module, function) taking a request's "args" (tests point it elsewhere).
 WORKER_CALL = (__name__, "compile_in_worker")
 # The compiles' own worker pool (not behind the Mosaic GPU lowerings' queue): the Adam step
 # compiles 2 kernels (rows, columns); `prestart` starts it early (the dispatch does).
 POOL, POOL_SIZE = "triton", 2
-PRELOAD = ("pallas_kernels.compile_triton", "jax_triton", "pallas_kernels.adam_step_triton")
+PRELOAD = ("pallas_kernels.compile_ahead.compile_triton", "jax_triton",
+           "pallas_kernels.adam.adam_step_triton")
 # triton_call keywords that do not reach the compile (the others: launch options, constexprs)
 _CALL_ONLY = frozenset({"out_shape", "grid", "input_output_aliases", "zeroed_outputs", "name",
                         "custom_call_target_name", "serialized_metadata"})
@@ -70,8 +71,7 @@ class _Asked(Exception):
 
 def check_mode() -> str:
   if MODE not in MODES:
-    raise ValueError(f"compile_triton.MODE (from $COAT_JAX_TRITON_COMPILE) must be one of {MODES}, "
-                     f"got {MODE!r}")
+    raise ValueError(f"compile_triton.MODE must be one of {MODES}, got {MODE!r}")
   return MODE
 
 

@@ -5,7 +5,7 @@ Python per kernel: the kernel's jaxpr to the Mosaic GPU dialect, layout inferenc
 lowering; 15 kernels in the olmo-1b coat step, ~4.5 s on the GPU host), one kernel after
 another on the thread that holds the GIL. `call(fn, *args, **kwargs)` instead:
   1. hands `fn(*args, **kwargs)` (fn at a module's top level; array arguments by shape and dtype,
-     the rest as given) to a worker process (pallas_kernels/workers.py), which checks it imports
+     the rest as given) to a worker process (workers.py), which checks it imports
      the same `fn` (module file, code hash), exports the call for CUDA with `jax.export` under
      this process' x64 and matmul-precision settings (the Mosaic GPU module travels inside the
      exported StableHLO) and sends back the `Exported`;
@@ -21,15 +21,14 @@ arguments with their types, the settings above). A call whose export fails in th
 whose export's result types differ from the call's, is lowered here (one warning). Other
 platforms, `jax.disable_jit`, vmap and differentiation go to `fn` itself.
 
-MODE ($COAT_JAX_KERNEL_LOWERING): "process" (default) or "inline" (`call` is `fn(*args,
-**kwargs)`). The dispatch (coat_jax/kernels.py) uses `call` on one device outside interpret
-mode; on meshes the kernels run per shard inside custom_partitioning, whose callbacks lower them
-during XLA's partitioning, where nothing is left to overlap. Imports jax only.
+MODE: "process" (default) or "inline" (`call` is `fn(*args, **kwargs)`: benchmarks compare the two;
+a module constant, set before tracing). The dispatch (coat_jax.kernels) uses `call` on one device
+outside interpret mode; on meshes the kernels run per shard inside custom_partitioning, whose
+callbacks lower them during XLA's partitioning, where nothing is left to overlap. Imports jax only.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 
@@ -38,15 +37,15 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from pallas_kernels import workers
+from pallas_kernels.compile_ahead import workers
 
 MODES = ("process", "inline")
-MODE = os.environ.get("COAT_JAX_KERNEL_LOWERING", "process")
+MODE = "process"
 WORKER_CALL = (__name__, "export_in_worker")   # what a worker runs (tests point it elsewhere)
 PLATFORM = "cuda"      # what the workers export for, and the platform whose lowering waits for them
-# WARM ($COAT_JAX_KERNEL_WARM, default on): compile each exported kernel alone as soon as it is in
-# (`_warm`), on threads of this process, while the step is still traced and lowered.
-WARM = os.environ.get("COAT_JAX_KERNEL_WARM", "1") != "0"
+# WARM (default on): compile each exported kernel alone as soon as it is in (`_warm`), on threads
+# of this process, while the step is still traced and lowered.
+WARM = True
 # jax settings an export depends on beyond its arguments: sent to the worker, part of the key
 SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision")
 
@@ -66,8 +65,7 @@ class _Call:
 
 def check_mode() -> str:
   if MODE not in MODES:
-    raise ValueError(f"lower_ahead.MODE (from $COAT_JAX_KERNEL_LOWERING) must be one of "
-                     f"{MODES}, got {MODE!r}")
+    raise ValueError(f"lower_ahead.MODE must be one of {MODES}, got {MODE!r}")
   return MODE
 
 

@@ -1,18 +1,19 @@
 """Worker processes for kernel compiles and lowerings that would otherwise hold this process' GIL.
 
 `submit(call, pool=..., **args)` runs `module.function(**args)` (call = (module, function),
-importable by name) in a worker: a Python process (`python -P -m pallas_kernels.workers`, JAX on
-its CPU platform: no GPU memory is taken; this process' `sys.path`, in its order, as its path)
-that stays up for later requests, one per thread of the named pool (default size MAX_WORKERS,
-$COAT_JAX_KERNEL_WORKERS: half the cores, at most 8; `prestart` makes a pool and starts its
-processes ahead of its first request). Requests and results travel pickled over the process'
-stdin / stdout; a request that raises there, a worker that dies or a reply later than TIMEOUT_S
-makes the Future raise RuntimeError naming the error (the caller then does the work itself).
-Pool threads are daemons: exiting never waits for them. Workers end when this process does
-(their stdin closes) or after IDLE_S seconds without a request.
+importable by name) in a worker: a Python process (`python -P -m
+pallas_kernels.compile_ahead.workers`, JAX on its CPU platform: no GPU memory is taken; this
+process' `sys.path`, in its order, as its path) that stays up for later requests, one per thread of
+the named pool (default size MAX_WORKERS: half the cores, at most 8; `prestart` makes a pool and
+starts its processes ahead of its first request). Requests and results travel pickled over the
+process' stdin / stdout; a request that raises there, a worker that dies or a reply later than
+TIMEOUT_S makes the Future raise RuntimeError naming the error (the caller then does the work
+itself). Pool threads are daemons: exiting never waits for them. Workers end when this process does
+(their stdin closes) or after IDLE_S seconds without a request (passed to the worker as its
+argument, so a caller that changes IDLE_S changes it for the workers it starts next).
 
-Used by pallas_kernels/compile_triton.py (Triton compiles) and pallas_kernels/lower_ahead.py
-(Mosaic GPU lowerings). Imports the standard library only.
+Used by compile_triton.py (Triton compiles) and lower_ahead.py (Mosaic GPU lowerings). Imports
+the standard library only.
 """
 from __future__ import annotations
 
@@ -29,12 +30,11 @@ import sys
 import tempfile
 import threading
 
-MAX_WORKERS = int(os.environ.get("COAT_JAX_KERNEL_WORKERS", 0)) or max(
-    1, min(8, (os.cpu_count() or 2) // 2))
+MAX_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 TIMEOUT_S = 600          # the longest a request may take in a worker
-# a worker with no request for this long exits (its memory back); read by the worker
-IDLE_S = float(os.environ.get("COAT_JAX_WORKER_IDLE_S", 300))
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IDLE_S = 300.0           # a worker with no request for this long exits (its memory back)
+# the folder holding the pallas_kernels package (this file: pallas_kernels/compile_ahead/)
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _lock = threading.Lock()
 _pools: dict = {}              # pool name -> ThreadPool
@@ -167,8 +167,8 @@ def _worker_process() -> subprocess.Popen:
       proc.wait()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(search_path()))
     _thread.stderr = tempfile.TemporaryFile()    # read back when the process dies
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "pallas_kernels.workers"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "pallas_kernels.compile_ahead.workers",
+                             repr(float(IDLE_S))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=_thread.stderr, env=env)
     _thread.proc = proc
   return proc
@@ -217,13 +217,13 @@ def run(request: dict, *, _retry: bool = True):
   return reply["result"]
 
 
-def _main() -> None:
+def _main(idle_s: float) -> None:
   """The worker's loop: a pickled request from stdin, its pickled reply to stdout, until EOF or
-  IDLE_S seconds without one."""
+  idle_s seconds without one."""
   out = os.fdopen(os.dup(1), "wb")   # replies go to the real stdout; prints to stderr
   os.dup2(2, 1)
   while True:
-    if not select.select([sys.stdin.buffer], [], [], IDLE_S)[0]:
+    if not select.select([sys.stdin.buffer], [], [], idle_s)[0]:
       return
     try:
       request = pickle.load(sys.stdin.buffer)
@@ -239,4 +239,4 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-  _main()
+  _main(float(sys.argv[1]) if len(sys.argv) > 1 else IDLE_S)

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8_matmul import FP8_DTYPES, _swizzled, num_sms
-from pallas_kernels.quantize_mgpu import _div, _saturate, _scale_from_amax
+from pallas_kernels.gemm.fp8_matmul import FP8_DTYPES, num_sms, swizzled
+from pallas_kernels.quantize.quantize_mgpu import group_scale, saturate, true_div
 
 KERNEL_NAME = "coat_fp8_gemm_swiglu_mgpu"
 HALF = 64                 # gate (and up) columns per warpgroup tile; the interleave block
@@ -69,9 +69,9 @@ def interleave_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
 def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fmax, floor):
   tile_n = 2 * HALF
   m_iters, n_iters, k_iters = m // CTA_M, (2 * f) // tile_n, k // TILE_K
-  in_t = _swizzled(TILE_K, jnp.float8_e4m3fn)
-  h_t = _swizzled(HALF, jnp.bfloat16)
-  q_t = _swizzled(HALF, code_dtype)
+  in_t = swizzled(TILE_K, jnp.float8_e4m3fn)
+  h_t = swizzled(HALF, jnp.bfloat16)
+  q_t = swizzled(HALF, code_dtype)
   groups = HALF // GROUP
   exact_div = interpret is not None
 
@@ -108,10 +108,10 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
           codes = []
           for q in range(groups):
             part = x[:, q * GROUP:(q + 1) * GROUP]
-            stored = _scale_from_amax(jnp.max(jnp.abs(part), axis=1), fmax, floor).astype(
+            stored = group_scale(jnp.max(jnp.abs(part), axis=1), fmax, floor).astype(
                 scale_dtype)
             s = jnp.broadcast_to(stored.astype(jnp.float32)[:, None], part.shape)
-            codes.append(_saturate(_div(part, s, exact_div), fmax).astype(code_dtype))
+            codes.append(saturate(true_div(part, s, exact_div), fmax).astype(code_dtype))
             s_gmem[ni * groups + q, rows] = stored
           return jnp.concatenate(codes, axis=1)
 

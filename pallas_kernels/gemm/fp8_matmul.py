@@ -123,7 +123,7 @@ def validate_config(cfg: GemmConfig, out_dtype) -> GemmConfig:
   return dataclasses.replace(cfg, stages=stages)
 
 
-def _swizzled(elems_minor: int, dtype):
+def swizzled(elems_minor: int, dtype):
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(elems_minor * bits)
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
@@ -154,8 +154,8 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
   cta_m, cta_n = cfg.cta_m, cfg.cta_n
   pair_m, pair_n = cfg.cluster_dim == "m", cfg.cluster_dim == "n"
   m_iters, n_iters, k_iters = m // (cta_m << pair_m), n // (cta_n << pair_n), k // tile_k
-  in_transforms = _swizzled(tile_k, jnp.float8_e4m3fn)
-  out_transforms = _swizzled(cfg.epi_n, out_dtype)
+  in_transforms = swizzled(tile_k, jnp.float8_e4m3fn)
+  out_transforms = swizzled(cfg.epi_n, out_dtype)
   slots = _out_slots(cfg)
   epi_per_row = tile_n // cfg.epi_n
   minor = 0 if cfg.grid_minor == "m" else 1

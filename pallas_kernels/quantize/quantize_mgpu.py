@@ -40,14 +40,14 @@ from jax.experimental import pallas as pl
 from jax.extend.core import jaxpr_as_fun
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.rows_mgpu import MAX_CTAS, ROW_QUANTUM, launch, pad_scalars
+from pallas_kernels.quantize.rows_mgpu import MAX_CTAS, ROW_QUANTUM, launch, pad_scalars
 
 STAGE1_TILE = 16
 BLOCK_ROWS = (1024, 512, 256, 128, 64)
 _WGMMA = plgpu.Layout.WGMMA
 
 
-def _block_rows(rows: int, cap: int) -> int:
+def rows_per_block(rows: int, cap: int) -> int:
   """Largest of BLOCK_ROWS <= cap dividing rows (rows % 64 == 0 is checked by the caller)."""
   for r in BLOCK_ROWS:
     if r <= cap and rows % r == 0:
@@ -55,7 +55,7 @@ def _block_rows(rows: int, cap: int) -> int:
   return ROW_QUANTUM
 
 
-def _rows_problem(x_shape, dtype, group: int) -> str | None:
+def rows_problem(x_shape, dtype, group: int) -> str | None:
   """Why a (..., N) array cannot be viewed as (rows, group) blocks for these kernels, or None."""
   if not jnp.issubdtype(dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.integer):
     return f"dtype {dtype} is not a float or integer type"
@@ -73,7 +73,7 @@ def _rows_problem(x_shape, dtype, group: int) -> str | None:
 def supported_per_group(shape, dtype, group_size: int) -> bool:
   """Per-group quantize / dequantize / tile maxima: N % G == 0, G in 16..256 (multiple of 16),
   size / G a positive multiple of 64."""
-  return jnp.issubdtype(dtype, jnp.floating) and _rows_problem(shape, dtype, group_size) is None
+  return jnp.issubdtype(dtype, jnp.floating) and rows_problem(shape, dtype, group_size) is None
 
 
 def supported_per_tensor(shape, dtype, with_transpose: bool) -> bool:
@@ -86,10 +86,10 @@ def supported_per_tensor(shape, dtype, with_transpose: bool) -> bool:
   if with_transpose:
     return (len(shape) >= 2 and shape[-1] % 64 == 0 and shape[-2] % 64 == 0
             and jnp.dtype(dtype).itemsize == 2)
-  return _rows_problem(shape, dtype, 64) is None
+  return rows_problem(shape, dtype, 64) is None
 
 
-def _check(problem: str | None, what: str):
+def check_problem(problem: str | None, what: str):
   if problem is not None:
     raise ValueError(f"{what}: {problem}")
 
@@ -99,7 +99,7 @@ def _check_float(dtype, what: str):
     raise ValueError(f"{what}: expected a floating-point array, got dtype {dtype}")
 
 
-def _shared_trace(launcher):
+def shared_trace(launcher):
   """`launcher(*arrays, **static)` run from one trace per (static, array shapes and dtypes).
 
   Callers with different views of one kernel input (e.g. x of (16384, 2048) and of
@@ -122,30 +122,30 @@ def _shared_trace(launcher):
   return run
 
 
-def _row_blocks(r: int, group: int):
+def row_blocks(r: int, group: int):
   """(r, G) data blocks and (r,) per-group blocks of the (rows, G) view, by block id."""
   return ((r, group), lambda blk: (pl.ds(blk * r, r),)), ((r,), lambda blk: (pl.ds(blk * r, r),))
 
 
-def _load_f32(ref):
+def load_f32(ref):
   """(r, G) block -> float32 registers in the WGMMA layout (row reductions stay in the warp)."""
   return plgpu.load(ref, layout=_WGMMA).astype(jnp.float32)
 
 
-def _scale_from_amax(amax, fmax: float, floor: float):
+def group_scale(amax, fmax: float, floor: float):
   """max(amax * f32(1/fmax), floor), NaN where amax is NaN or inf."""
   inv = float(np.float32(1.0) / np.float32(fmax))
   s = jnp.maximum(amax * inv, floor)
   return jnp.where(amax < jnp.inf, s, jnp.nan)
 
 
-def _div(x, y, interpret: bool):
+def true_div(x, y, interpret: bool):
   """x / y as a true float32 division (XLA:CPU would turn x / broadcast(s) into x * (1/s) inside
   a fused body; the barrier keeps the division so interpret mode matches the CPU reference)."""
   return x / jax.lax.optimization_barrier(y) if interpret else x / y
 
 
-def _saturate(y, fmax: float):
+def saturate(y, fmax: float):
   # max / min are NaN-propagating in Mosaic GPU (max.NaN) and in jnp: NaN stays NaN.
   return jnp.minimum(jnp.maximum(y, -fmax), fmax)
 
@@ -153,18 +153,18 @@ def _saturate(y, fmax: float):
 # ---------------------------------------------------------------------------------------------
 # Per group.
 
-def _quantize_groups(x, q_ref, s_ref, fmax, floor, interpret):
+def quantize_groups(x, q_ref, s_ref, fmax, floor, interpret):
   """The per-group quantize of float32 registers x (r, G), one group a row: codes to q_ref,
   scales (as stored) to s_ref. Also the SwiGLU kernel's (swiglu_mgpu.py) for gate and up."""
-  stored = _scale_from_amax(jnp.max(jnp.abs(x), axis=1), fmax, floor).astype(s_ref.dtype)  # (r,)
+  stored = group_scale(jnp.max(jnp.abs(x), axis=1), fmax, floor).astype(s_ref.dtype)  # (r,)
   scale = stored.astype(jnp.float32)                     # divide by the scale as stored
-  y = _div(x, jnp.broadcast_to(scale[:, None], x.shape), interpret)
-  q_ref[...] = _saturate(y, fmax).astype(q_ref.dtype)
+  y = true_div(x, jnp.broadcast_to(scale[:, None], x.shape), interpret)
+  q_ref[...] = saturate(y, fmax).astype(q_ref.dtype)
   s_ref[...] = stored
 
 
 def _per_group_kernel(x_ref, q_ref, s_ref, *, fmax, floor, interpret):
-  _quantize_groups(_load_f32(x_ref), q_ref, s_ref, fmax, floor, interpret)   # x: (r, G)
+  quantize_groups(load_f32(x_ref), q_ref, s_ref, fmax, floor, interpret)   # x: (r, G)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "out_dtype", "fmax", "floor",
@@ -191,7 +191,7 @@ def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float,
   if jnp.dtype(scale_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"quantize_per_group: scale_dtype must be float32 or bfloat16, got "
                      f"{jnp.dtype(scale_dtype)}")
-  _check(_rows_problem(x.shape, x.dtype, group_size), "quantize_per_group")
+  check_problem(rows_problem(x.shape, x.dtype, group_size), "quantize_per_group")
   rows = x.size // group_size
   q, s = _per_group_launch(x.reshape(rows, group_size), out_dtype=jnp.dtype(out_dtype),
                            fmax=float(fmax), floor=float(floor), interpret=interpret, block=block,
@@ -199,12 +199,12 @@ def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float,
   return q.reshape(x.shape), s.reshape(*x.shape[:-1], x.shape[-1] // group_size)
 
 
-@_shared_trace
+@shared_trace
 def _per_group_launch(x2, *, out_dtype, fmax, floor, interpret, block, max_ctas, stages,
                       scale_dtype):
   rows, group_size = x2.shape
-  r = _block_rows(rows, block)
-  big, small = _row_blocks(r, group_size)
+  r = rows_per_block(rows, block)
+  big, small = row_blocks(r, group_size)
   return launch(
       functools.partial(_per_group_kernel, fmax=fmax, floor=floor, interpret=interpret),
       inputs=[x2], in_blocks=[big],
@@ -215,7 +215,7 @@ def _per_group_launch(x2, *, out_dtype, fmax, floor, interpret, block, max_ctas,
 
 
 def _dequant_kernel(q_ref, s_ref, o_ref):
-  q = _load_f32(q_ref)
+  q = load_f32(q_ref)
   s = plgpu.load(s_ref, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
   o_ref[...] = (q * jnp.broadcast_to(s[:, None], q.shape)).astype(o_ref.dtype)
 
@@ -227,7 +227,7 @@ def dequantize_per_group(q: jax.Array, scale: jax.Array, *, group_size: int, dty
                          stages: int = 2) -> jax.Array:
   """x = q * scale per group: q (..., N) FP8, scale float32 or bfloat16 (..., N / G); returns
   `dtype`."""
-  _check(_rows_problem(q.shape, q.dtype, group_size), "dequantize_per_group")
+  check_problem(rows_problem(q.shape, q.dtype, group_size), "dequantize_per_group")
   rows = q.size // group_size
   if scale.size != rows:
     raise ValueError(f"dequantize_per_group: scale of shape {scale.shape} does not hold one value "
@@ -240,11 +240,11 @@ def dequantize_per_group(q: jax.Array, scale: jax.Array, *, group_size: int, dty
   return out.reshape(q.shape)
 
 
-@_shared_trace
+@shared_trace
 def _dequant_launch(q2, s1, *, dtype, interpret, block, max_ctas, stages):
   rows, group_size = q2.shape
-  r = _block_rows(rows, block)
-  big, small = _row_blocks(r, group_size)
+  r = rows_per_block(rows, block)
+  big, small = row_blocks(r, group_size)
   return launch(
       _dequant_kernel, inputs=[q2, s1], in_blocks=[big, small],
       out_shapes=[jax.ShapeDtypeStruct((rows, group_size), dtype)],
@@ -253,7 +253,7 @@ def _dequant_launch(q2, s1, *, dtype, interpret, block, max_ctas, stages):
 
 
 def _tile_amax_kernel(x_ref, p_ref):
-  p_ref[...] = jnp.max(jnp.abs(_load_f32(x_ref)), axis=1)
+  p_ref[...] = jnp.max(jnp.abs(load_f32(x_ref)), axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block", "max_ctas", "stages"))
@@ -262,21 +262,21 @@ def tile_amax(x: jax.Array, *, interpret: bool = False, block: int = 128,
   """Stage 1 of the two-stage amax: max|x| per 1 x 16 tile, float32 (..., N / 16).
 
   A tile holding NaN gives NaN, one holding inf (and no NaN) gives inf: the stage-2 max then
-  carries them into the tensor's amax (whose scale is NaN, see `_scale_from_amax`).
+  carries them into the tensor's amax (whose scale is NaN, see `group_scale`).
   """
   _check_float(x.dtype, "tile_amax")
-  _check(_rows_problem(x.shape, x.dtype, STAGE1_TILE), "tile_amax")
+  check_problem(rows_problem(x.shape, x.dtype, STAGE1_TILE), "tile_amax")
   rows = x.size // STAGE1_TILE
   [p] = _tile_amax_launch(x.reshape(rows, STAGE1_TILE), interpret=interpret, block=block,
                           max_ctas=max_ctas, stages=stages)
   return p.reshape(*x.shape[:-1], x.shape[-1] // STAGE1_TILE)
 
 
-@_shared_trace
+@shared_trace
 def _tile_amax_launch(x2, *, interpret, block, max_ctas, stages):
   rows = x2.shape[0]
-  r = _block_rows(rows, block)
-  big, small = _row_blocks(r, STAGE1_TILE)
+  r = rows_per_block(rows, block)
+  big, small = row_blocks(r, STAGE1_TILE)
   return launch(
       _tile_amax_kernel, inputs=[x2], in_blocks=[big],
       out_shapes=[jax.ShapeDtypeStruct((rows,), jnp.float32)], out_blocks=[small],
@@ -290,7 +290,7 @@ def _tile_amax_launch(x2, *, interpret, block, max_ctas, stages):
 
 def scale_from_amax(amax: jax.Array, *, fmax: float, floor: float) -> jax.Array:
   """The per-tensor scale (float32 ()), as the kernels compute per group."""
-  return _scale_from_amax(amax.astype(jnp.float32), fmax, floor)
+  return group_scale(amax.astype(jnp.float32), fmax, floor)
 
 
 def _tensor_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
@@ -303,14 +303,14 @@ def _tensor_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
   """
   scale = s_ref[0]
   x = x_ref[...].astype(jnp.float32)
-  q = _saturate(_div(x, jnp.broadcast_to(scale, x.shape), interpret), fmax)
+  q = saturate(true_div(x, jnp.broadcast_to(scale, x.shape), interpret), fmax)
   out_refs[0][...] = q.astype(out_refs[0].dtype)
   if transpose:
     # A strided-layout load of the transposed view fails verification ("'vector.load' op most
     # minor memref dim must have unit stride"); the WGMMA layout, unoptimized, loads it.
     xt_ref = x_ref.transpose((1, 0))
     xt = plgpu.load(xt_ref, layout=_WGMMA, optimized=False).astype(jnp.float32)
-    qt = _saturate(_div(xt, jnp.broadcast_to(scale, xt.shape), interpret), fmax)
+    qt = saturate(true_div(xt, jnp.broadcast_to(scale, xt.shape), interpret), fmax)
     out_refs[1][...] = qt.astype(out_refs[1].dtype)
 
 
@@ -359,11 +359,11 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
   return q, scale, q_t
 
 
-@_shared_trace
+@shared_trace
 def _per_tensor_launch(scalars, x3, *, out_dtype, fmax, with_transpose, interpret, block_rows,
                        block_cols, max_ctas, stages):
   b, m, n = x3.shape
-  bm = _block_rows(m, block_rows)
+  bm = rows_per_block(m, block_rows)
   bn = max(d for d in (256, 128, 64) if d <= max(block_cols, 64) and n % d == 0)
   gi, gj = m // bm, n // bn
   kij = lambda blk: (blk // (gi * gj), (blk // gj) % gi, blk % gj)    # block id -> (k, i, j)

@@ -14,7 +14,7 @@ backward's residuals. Unfused, XLA's fusion reads gate and up for h and its amax
 per-group quantize reads each of them again: 2 of the 4 bytes read per element pair are saved.
 
 Blocks are (r, G) row tiles of the (rows, G) view (one group per row) in the WGMMA register
-layout, with the per-group quantize's own math (quantize_mgpu._quantize_groups). Imports jax and
+layout, with the per-group quantize's own math (quantize_mgpu.quantize_groups). Imports jax and
 numpy only: fmax, floor and dtypes are arguments.
 """
 from __future__ import annotations
@@ -24,24 +24,25 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantize_mgpu import (_block_rows, _check, _load_f32, _quantize_groups,
-                                          _row_blocks, _rows_problem, _shared_trace)
-from pallas_kernels.rows_mgpu import MAX_CTAS, launch
+from pallas_kernels.quantize.quantize_mgpu import (check_problem, load_f32, quantize_groups,
+                                                   row_blocks, rows_per_block, rows_problem,
+                                                   shared_trace)
+from pallas_kernels.quantize.rows_mgpu import MAX_CTAS, launch
 
 
 def supported(shape, dtype, group_size: int) -> bool:
   """As the per-group quantize: a float (..., N), N % G == 0, G in 16..256 (a multiple of 16),
   size / G a positive multiple of 64."""
-  return jnp.issubdtype(dtype, jnp.floating) and _rows_problem(shape, dtype, group_size) is None
+  return jnp.issubdtype(dtype, jnp.floating) and rows_problem(shape, dtype, group_size) is None
 
 
 def _kernel(g_ref, u_ref, gq_ref, gs_ref, uq_ref, us_ref, h_ref, hmax_ref, *, fmax, floor,
             interpret):
-  g = _load_f32(g_ref)                                    # (r, G)
-  u = _load_f32(u_ref)
+  g = load_f32(g_ref)                                    # (r, G)
+  u = load_f32(u_ref)
   h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_ref.dtype)
-  _quantize_groups(g, gq_ref, gs_ref, fmax, floor, interpret)
-  _quantize_groups(u, uq_ref, us_ref, fmax, floor, interpret)
+  quantize_groups(g, gq_ref, gs_ref, fmax, floor, interpret)
+  quantize_groups(u, uq_ref, us_ref, fmax, floor, interpret)
   hmax_ref[...] = jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1)
   h_ref[...] = h
 
@@ -66,7 +67,7 @@ def swiglu_quantize(gate: jax.Array, up: jax.Array, *, group_size: int, out_dtyp
     raise ValueError(f"swiglu_quantize: gate {gate.shape} {gate.dtype} and up {up.shape} "
                      f"{up.dtype} differ")
   if not supported(gate.shape, gate.dtype, group_size):
-    _check(_rows_problem(gate.shape, gate.dtype, group_size) or
+    check_problem(rows_problem(gate.shape, gate.dtype, group_size) or
            f"dtype {gate.dtype} is not a float type", "swiglu_quantize")
   rows = gate.size // group_size
   outs = _launch(gate.reshape(rows, group_size), up.reshape(rows, group_size),
@@ -79,11 +80,11 @@ def swiglu_quantize(gate: jax.Array, up: jax.Array, *, group_size: int, out_dtyp
           uq.reshape(gate.shape), us.reshape(meta))
 
 
-@_shared_trace
+@shared_trace
 def _launch(g2, u2, *, out_dtype, fmax, floor, interpret, block, max_ctas, stages, scale_dtype):
   rows, group_size = g2.shape
-  r = _block_rows(rows, block)
-  big, small = _row_blocks(r, group_size)
+  r = rows_per_block(rows, block)
+  big, small = row_blocks(r, group_size)
   codes = jax.ShapeDtypeStruct((rows, group_size), out_dtype)
   scales = jax.ShapeDtypeStruct((rows,), scale_dtype)
   return launch(

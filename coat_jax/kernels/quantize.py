@@ -1,0 +1,179 @@
+"""The quantize family's dispatch: per-tensor and per-group FP8 quantize, SwiGLU's h with gate's
+and up's per-group quantize in one pass, and the per-group dequantize, each on a Mosaic GPU
+kernel (pallas_kernels.quantize) or its jnp reference (coat_jax.quantize), with the reference's
+signature and semantics.
+
+Kernels (`implementation("quantize")` / `("dequantize")` is "mosaic"; FP8 storage only):
+  per group    G a multiple of 16 up to 256, N % G == 0 and size / G a multiple of 64
+               (quantize_mgpu.py); the dequantize takes the same shapes.
+  per tensor   size / 64 a multiple of 64 and N % 64 == 0; with the transposed copy ndim >= 2,
+               N and M multiples of 64 and a 16-bit input.
+  swiglu       the per-group shapes (swiglu_mgpu.py).
+Other shapes: the reference (XLA). On a mesh each shard runs the kernel on its local block
+(`backends.rows`; a shard the kernel does not take runs the reference); in interpret mode (CPU)
+the kernels are not wrapped (their ordered callbacks cannot pass custom_partitioning: XLA
+partitions the interpreted ops like any others).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from coat_jax import activations, formats, quantize
+from coat_jax.kernels import backends, sharded
+from coat_jax.quantize import QuantizedArray
+
+# The Mosaic GPU row kernels (quantize, tile maxima, dequantize) in interpret mode (CPU tests)
+# take the largest blocks (rows_mgpu: 1024 rows; the per-tensor quantize keeps its own, its
+# transposing blocks are sized for shared memory) and at most 2 CTAs, as the GEMM's interpret
+# default: the interpreter simulates every CTA and block step with host callbacks, so the GPU's
+# tuning (128-row blocks, up to 528 CTAs) made a CPU call of a (128, 256) per-group quantize
+# ~25x slower (0.64 s vs 0.024 s CPU time). The kernels' own tests cover their other settings.
+INTERPRET_ROW_KERNEL = dict(block=1024, max_ctas=2)
+
+
+def _row_kernel_kw(block: bool = True) -> dict:
+  """interpret (and in interpret mode INTERPRET_ROW_KERNEL) for the Mosaic GPU row kernels;
+  block=False: max_ctas only (the per-tensor quantize keeps its blocks)."""
+  if not backends.interpret_mode():
+    return dict(interpret=False)
+  return dict(interpret=True, **{k: v for k, v in INTERPRET_ROW_KERNEL.items()
+                                 if block or k != "block"})
+
+
+def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
+  """A Mosaic GPU kernel per shard (`backends.rows`); in interpret mode unwrapped (its ordered
+  callbacks cannot pass custom_partitioning: XLA partitions the interpreted ops like any others)."""
+  if backends.interpret_mode():
+    return tuple(kernel(*args))
+  return backends.rows(kernel, args, kinds_in, kinds_out, group_size)
+
+
+def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
+                        floor=formats.ACTIVATION_SCALE_FLOOR,
+                        producer_fusion: bool = False) -> QuantizedArray:
+  """See `coat_jax.quantize.quantize_per_tensor`.
+
+  Kernel (mosaic, the shapes in the module docstring): stage-1 tile maxima, stage 2 and the scale
+  here (`quantize.scale_from_amax`), then the quantize(+transpose) pass; else the reference.
+  producer_fusion: always the reference (XLA's ops), which XLA fuses into the op producing x
+  (a weight's cast and transpose: one pass, no kernel module to compile).
+  """
+  f = formats.get_format(fmt)
+  if (not producer_fusion and backends.implementation("quantize") == "mosaic"
+      and f.dtype in formats.fp8_dtypes()):
+    from pallas_kernels.quantize import quantize_mgpu as qm  # local: no Pallas import
+    # where only the references run
+    if qm.supported_per_tensor(x.shape, x.dtype, with_transpose):
+      tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max,
+                                      **_row_kernel_kw(block=False))
+
+      def stage1(a):   # per shard; a shard the kernel does not take: the reference's maxima
+        if qm.supported_per_group(a.shape, a.dtype, tile):
+          return (backends.launch(qm.tile_amax, a, **_row_kernel_kw()),)
+        return (quantize.group_amax(a, tile),)
+
+      if amax is None:   # stage 1 per shard; stage 2 (jnp.max, global, propagates NaN) by XLA
+        (tiles,) = _mosaic(stage1, [x], ["data"], ["meta"], tile)
+        amax = jnp.max(tiles)
+      amax = jnp.asarray(amax, jnp.float32)
+      scale = quantize.scale_from_amax(amax, f, floor)
+      if not backends.per_shard() or backends.interpret_mode():
+        data, _, data_t = backends.launch(qm.quantize_per_tensor, x, scale=scale, floor=floor,
+                                          with_transpose=with_transpose, **kw)
+      else:   # per shard (a shard the kernel does not take: the reference on that shard)
+        def quant(a, am, s):
+          if qm.supported_per_tensor(a.shape, a.dtype, False):
+            return (qm.quantize_per_tensor(a, scale=s, floor=floor, **kw)[0],)
+          return (quantize.quantize_per_tensor(a, f, amax=am, floor=floor).data,)
+
+        def quant_t(a, am, s):   # each shard's codes and their local transpose (its block of
+          if qm.supported_per_tensor(a.shape, a.dtype, True):   # data_t), fused when it can
+            q, _, q_t = qm.quantize_per_tensor(a, scale=s, floor=floor, with_transpose=True, **kw)
+            return q, q_t
+          (q,) = quant(a, am, s)
+          return q, jnp.swapaxes(q, -1, -2)
+
+        if with_transpose:
+          data, data_t = sharded.transposing(quant_t, x, [amax, scale])
+        else:
+          (data,) = backends.rows(quant, [x, amax, scale], ["data", "scalar", "scalar"],
+                                  ["data"], tile)
+          data_t = None
+      return QuantizedArray(data, scale, f.name, 0, data_t)
+  return quantize.quantize_per_tensor(x, f, amax=amax, with_transpose=with_transpose, floor=floor)
+
+
+def quantize_per_group(x, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", *,
+                       floor=formats.ACTIVATION_SCALE_FLOOR) -> QuantizedArray:
+  """See `coat_jax.quantize.quantize_per_group` (mosaic on the shapes in the module docstring)."""
+  f = formats.get_format(fmt)
+  if backends.implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes():
+    from pallas_kernels.quantize import quantize_mgpu as qm
+    if qm.supported_per_group(x.shape, x.dtype, group_size):
+      def kernel(a):   # per shard; a shard the kernel does not take: the reference
+        if qm.supported_per_group(a.shape, a.dtype, group_size):
+          return backends.launch(qm.quantize_per_group, a, group_size=group_size,
+                                 out_dtype=f.dtype, fmax=f.max, floor=floor,
+                                 scale_dtype=formats.ACTIVATION_SCALE_DTYPE, **_row_kernel_kw())
+        ref = quantize.quantize_per_group(a, group_size, f, floor=floor)
+        return ref.data, ref.scale
+
+      data, scale = _mosaic(kernel, [x], ["data"], ["data", "meta"], group_size)
+      return QuantizedArray(data, scale, f.name, group_size)
+  return quantize.quantize_per_group(x, group_size, f, floor=floor)
+
+
+def swiglu_quantize(gate, up, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m3", *,
+                    floor=formats.ACTIVATION_SCALE_FLOOR):
+  """(h, amax, gate_q, up_q): h = silu(gate) * up (`activations.silu_product`), amax = max|h|
+  (float32 ()), and gate's and up's per-group quantize (`quantize_per_group`).
+
+  Kernel (the "quantize" family's mosaic: pallas_kernels/quantize/swiglu_mgpu.py, shapes as the
+  per-group quantize's): one read of gate and up makes all of it, amax from the kernel's
+  per-group maxima; else the references (XLA fuses h with its amax; each quantize reads its input
+  again).
+  """
+  f = formats.get_format(fmt)
+  if (backends.implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes()
+      and gate.shape == up.shape and gate.dtype == up.dtype):
+    from pallas_kernels.quantize import swiglu_mgpu as sm
+    if sm.supported(gate.shape, gate.dtype, group_size):
+      def kernel(g, u):   # per shard; a shard the kernel does not take: the references
+        if sm.supported(g.shape, g.dtype, group_size):
+          return backends.launch(sm.swiglu_quantize, g, u, group_size=group_size,
+                                 out_dtype=f.dtype, fmax=f.max, floor=floor,
+                                 scale_dtype=formats.ACTIVATION_SCALE_DTYPE, **_row_kernel_kw())
+        h = activations.silu_product(g, u)
+        gq, uq = (quantize.quantize_per_group(a, group_size, f, floor=floor) for a in (g, u))
+        return (h, quantize.group_amax(h, group_size), gq.data, gq.scale, uq.data, uq.scale)
+
+      h, hmax, gd, gs, ud, us = _mosaic(kernel, [gate, up], ["data", "data"],
+                                        ["data", "meta", "data", "meta", "data", "meta"],
+                                        group_size)
+      return (h, jnp.max(hmax), QuantizedArray(gd, gs, f.name, group_size),
+              QuantizedArray(ud, us, f.name, group_size))
+  h = activations.silu_product(gate, up)
+  return (h, jnp.max(jnp.abs(h)).astype(jnp.float32),
+          quantize.quantize_per_group(gate, group_size, f, floor=floor),
+          quantize.quantize_per_group(up, group_size, f, floor=floor))
+
+
+def dequantize(q: QuantizedArray, dtype):
+  """See `coat_jax.quantize.dequantize` (mosaic for per-group FP8 arrays of the per-group
+  quantize's shapes; per-tensor is XLA's)."""
+  out_dtype = jnp.dtype(dtype)
+  if (q.group_size > 0 and backends.implementation("dequantize") == "mosaic"
+      and jnp.issubdtype(out_dtype, jnp.floating)):
+    from pallas_kernels.quantize import quantize_mgpu as qm
+    if qm.supported_per_group(q.data.shape, q.data.dtype, q.group_size):
+      g = q.group_size
+
+      def kernel(d, sc):
+        if qm.supported_per_group(d.shape, d.dtype, g):
+          return (backends.launch(qm.dequantize_per_group, d, sc, group_size=g, dtype=out_dtype,
+                                  **_row_kernel_kw()),)
+        return (quantize.dequantize(QuantizedArray(d, sc, q.fmt, g), out_dtype),)
+
+      (out,) = _mosaic(kernel, [q.data, q.scale], ["data", "meta"], ["data"], g)
+      return out
+  return quantize.dequantize(q, dtype)
