@@ -35,6 +35,7 @@ from flax import nnx
 
 from _common import median_ms, median_ms_back_to_back, parse_modes
 from coat_jax import memory, ops
+from coat_jax.ops import linear_layer
 from coat_jax.nn import DecoderBlock
 from coat_jax.precision import PRECISIONS as MODES
 
@@ -61,32 +62,27 @@ def parse_args(argv=None):
   p.add_argument("--attention-residuals", default="bf16", choices=ops.ATTENTION_RESIDUALS,
                  help="what the attention keeps of q, k, v for its backward: bf16 (default) or "
                       "fp8 (1 x 16 E4M3 copies, the attention recomputed in the backward)")
-  defaults = ops.LINEAR_DEFAULTS
-  p.add_argument("--weight-quant", default=defaults["weight_quant"], choices=ops.WEIGHT_QUANT,
-                 help="FP8 modes: quantize W in forward and backward (per_use) or once per step, "
-                      "the backward reusing the forward's FP8 copy (once; ops.linear_options)")
-  p.add_argument("--amax", default=defaults["amax"], choices=ops.AMAX,
-                 help="FP8 modes: per-tensor amax of x and dY in the quantize's own pass (kernel) "
-                      "or as an XLA reduction fusable into the producer (fused)")
-  p.add_argument("--weight-quantize", default=defaults["weight_quantize"],
-                 choices=ops.WEIGHT_QUANTIZE,
-                 help="FP8 modes: W's per-tensor quantize as XLA ops fused with its cast (xla) or "
-                      "the dispatch's kernel (kernel; ops.linear_options)")
-  p.add_argument("--activation-quantize", default=defaults["activation_quantize"],
-                 choices=ops.ACTIVATION_QUANTIZE,
-                 help="FP8 modes: each linear's x quantized (E4M3 + transposed copy) by the "
-                      "dispatch's kernel or as XLA ops fusable into x's producer (xla)")
-  p.add_argument("--gradient-quantize", default=defaults["gradient_quantize"],
-                 choices=ops.ACTIVATION_QUANTIZE,
-                 help="FP8 modes: the same for each linear's dY (E5M2) in the backward")
-  p.add_argument("--swiglu-quantize", default=defaults["swiglu_quantize"],
-                 choices=ops.LINEAR_CHOICES["swiglu_quantize"],
-                 help="coat: SwiGLU's h, its amax and gate/up's 1 x 16 codes from one read of "
-                      "gate and up (fused) or h by XLA and two per-group quantizes (separate)")
-  p.add_argument("--weight-transpose", default=defaults["weight_transpose"],
-                 choices=ops.LINEAR_CHOICES["weight_transpose"],
-                 help="FP8 modes: W^T for the forward GEMM by quantizing the transposed cast "
-                      "weight (cast) or transposing W's FP8 codes (codes)")
+  # the FP8 linears' ablation switches (coat_jax.ops.linear_layer._ablation), a flag each; the
+  # default is the library's choice (the first)
+  helps = {
+      "weight_quant": "FP8 modes: quantize W in forward and backward (per_use) or once per step, "
+                      "the backward reusing the forward's FP8 copy (once)",
+      "amax": "FP8 modes: per-tensor amax of x and dY as an XLA reduction fusable into the "
+              "producer (fused) or in the quantize's own pass (kernel)",
+      "weight_quantize": "FP8 modes: W's per-tensor quantize by the dispatch's kernel in the "
+                         "forward (forward_kernel), in both passes (kernel) or as XLA ops fused "
+                         "with its cast (xla)",
+      "activation_quantize": "FP8 modes: each linear's x quantized (E4M3 + transposed copy) by "
+                             "the dispatch's kernel or as XLA ops fusable into x's producer (xla)",
+      "gradient_quantize": "FP8 modes: the same for each linear's dY (E5M2) in the backward",
+      "swiglu_quantize": "coat: SwiGLU's h and gate/up's 1 x 16 codes in the gate/up GEMM's "
+                         "epilogue (gemm_epilogue), from one read of gate and up (fused), or h "
+                         "by XLA and two per-group quantizes (separate)",
+      "weight_transpose": "FP8 modes: W^T for the forward GEMM by transposing W's FP8 codes "
+                          "(codes) or quantizing the transposed cast weight (cast)"}
+  for name, choices in linear_layer._ABLATIONS.items():
+    p.add_argument("--" + name.replace("_", "-"), default=choices[0], choices=choices,
+                   help=helps[name])
   p.add_argument("--json", default=None, help="also write the results to this file")
   p.add_argument("--in-process", action="store_true",
                  help="run all modes in this process (default: one subprocess per mode, so that "
@@ -245,7 +241,7 @@ def main(argv=None):
     print(f"benchmarking {mode} ...", flush=True)
     if args.in_process:
       # read while the layer traces
-      with ops.linear_options(**{k: getattr(args, k) for k in ops.LINEAR_CHOICES}):
+      with linear_layer._ablation(**{k: getattr(args, k) for k in linear_layer._ABLATIONS}):
         results.append(bench_mode(mode, args))
     else:
       results.append(bench_mode_subprocess(mode, strip_flags(argv, ("--modes", "--json"))))

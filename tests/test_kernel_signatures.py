@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from coat_jax import kernels, ops
+from coat_jax.ops import linear_layer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as a script: it imports _common
@@ -46,7 +47,7 @@ def _signatures(rng, **options):
   def loss(*a):
     return jnp.sum(_block(*a).astype(jnp.float32))
   with cb.as_if_on_hopper(), kernels.backend(cb.signature_backend(None)), \
-      ops.linear_options(**options):
+      linear_layer._ablation(**options):
     closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*_args(rng))
   return cb.kernel_signatures(closed, site_dirs=("/tests/",))
 
@@ -107,7 +108,7 @@ def _block_values(options: dict):
     y, pb = jax.vjp(_block, *a)   # can deadlock on their callbacks)
     return y, pb(ct)
 
-  with ops.linear_options(**options), kernels.backend("quantize=pallas,gemm=pallas"):
+  with linear_layer._ablation(**options), kernels.backend("quantize=pallas,gemm=pallas"):
     return jax.jit(f)(*args)
 
 
@@ -143,25 +144,19 @@ def test_kernel_options_give_the_defaults_values_in_interpret_mode(default_value
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_linear_options_reject_unknown_values():
-  with pytest.raises(ValueError, match="weight_quantize"):
-    with ops.linear_options(weight_quantize="triton"):
+def test_linear_ablation_rejects_unknown_values_and_defaults_to_the_library_choice():
+  with pytest.raises(ValueError, match="weight_quantize must be one of"):
+    with linear_layer._ablation(weight_quantize="triton"):
       pass
-  with pytest.raises(ValueError, match="unknown option 'amx'"):
-    with ops.linear_options(amx="kernel"):
+  with pytest.raises(ValueError, match="unknown switch 'amx'"):
+    with linear_layer._ablation(amx="kernel"):
       pass
-  assert ops.LINEAR_DEFAULTS == dict(weight_quant="per_use", amax="fused",
-                                     weight_quantize="forward_kernel", activation_quantize="kernel", gradient_quantize="kernel",
-                                     swiglu_quantize="gemm_epilogue", weight_transpose="codes")
-
-
-def test_linear_options_from_the_environment():
-  """COAT_JAX_LINEAR_OPTIONS (read at import) is parsed and checked like linear_options."""
-  from coat_jax.ops import linear_layer as linear
-  assert linear._parse_env(" activation_quantize=xla, amax=kernel ") == dict(
-      activation_quantize="xla", amax="kernel")
-  assert linear._parse_env("") == {}
-  for bad, what in (("amax", "OPTION=VALUE"), ("amax=tiles", "amax must be one of"),
-                    ("colour=red", "unknown option")):
-    with pytest.raises(ValueError, match=what):
-      linear._parse_env(bad)
+  assert {k: linear_layer.option(k) for k in linear_layer._ABLATIONS} == dict(
+      weight_quant="per_use", amax="fused", weight_quantize="forward_kernel",
+      activation_quantize="kernel", gradient_quantize="kernel", swiglu_quantize="gemm_epilogue",
+      weight_transpose="codes")
+  with linear_layer._ablation(amax="kernel"):
+    with linear_layer._ablation(weight_quant="once"):   # nested: both
+      assert (linear_layer.option("amax"), linear_layer.option("weight_quant")) == (
+          "kernel", "once")
+    assert linear_layer.option("weight_quant") == "per_use"

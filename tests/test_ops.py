@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from coat_jax import formats, kernels, memory, ops
+from coat_jax.ops import linear_layer
 from coat_jax.precision import PRECISIONS
 from tests.jaxpr_walk import equations
 
@@ -95,7 +96,7 @@ def test_weight_is_reduced_once_a_step(options, rng):
     y, pb = jax.vjp(lambda x, w: ops.linear(x, w, mode="coat"), x, w)
     return y, pb(ct)
 
-  with ops.linear_options(**options):
+  with linear_layer._ablation(**options):
     jaxpr = jax.make_jaxpr(step)(x, w).jaxpr
     _, (dx, dw) = step(x, w)
   reductions = [e for e in equations(jaxpr)
@@ -331,7 +332,7 @@ def test_bad_inputs():
 
 
 def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
-  """With the quantize kernels on (interpreted here) and linear_options(amax="kernel",
+  """With the quantize kernels on (interpreted here) and linear_layer._ablation(amax="kernel",
   weight_quantize="kernel"), a coat linear's forward and backward run the stage-1 tile-maxima
   kernel for x and dY only: a weight's amax is an XLA reduction (one Mosaic GPU module less per
   weight shape in a compiled step); values and gradients as the reference's. The defaults
@@ -347,7 +348,7 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
     return [e.params.get("name") for e in equations(jaxpr)
             if e.primitive.name in ("mpmd_map", "pallas_call")]
 
-  with kernels.backend("quantize=mosaic"), ops.linear_options(amax="kernel",
+  with kernels.backend("quantize=mosaic"), linear_layer._ablation(amax="kernel",
                                                                weight_quantize="kernel"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
     got = step(x, w)
@@ -357,10 +358,10 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_tile_amax_mgpu") == 0
   assert names.count("coat_quantize_per_tensor_mgpu") == 3   # x, dY, W in the forward
-  with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="kernel"):
+  with kernels.backend("quantize=mosaic"), linear_layer._ablation(weight_quantize="kernel"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_quantize_per_tensor_mgpu") == 4   # x, dY, W twice
-  with kernels.backend("quantize=mosaic"), ops.linear_options(weight_quantize="xla"):
+  with kernels.backend("quantize=mosaic"), linear_layer._ablation(weight_quantize="xla"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_tile_amax_mgpu") == 0
   assert names.count("coat_quantize_per_tensor_mgpu") == 2   # x and dY, with transposed copies

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from coat_jax import ops
+from coat_jax.ops import linear_layer
 from coat_jax.models import Llama
 from coat_jax.models.llama import layer_loop
 from coat_jax.precision import PRECISIONS
@@ -172,8 +173,8 @@ def test_scan_options_are_checked():
                                                      64 * 48 + 4),
     ("coat", dict(amax="kernel"), 0), ("coat", dict(weight_quant="once", amax="kernel"), 64 * 48 + 4),
     ("coat", dict(weight_quantize="xla", weight_transpose="cast"), 0)])
-def test_linear_options_keep_values(mode, options, extra, rng):
-  """ops.linear_options: W quantized once per step (the backward reusing the forward's (K, N) FP8
+def test_linear_ablations_keep_values(mode, options, extra, rng):
+  """linear_layer._ablation: W quantized once per step (the backward reusing the forward's (K, N) FP8
   copy, `extra` bytes kept), the activation amax from the quantize's own pass, W quantized by the
   dispatch: same scales, so the same values and gradients as the defaults, through RMSNorm ->
   linear as in the model."""
@@ -194,7 +195,7 @@ def test_linear_options_keep_values(mode, options, extra, rng):
     return y, pb(ct), memory.saved_residual_bytes(g, x, s, w)
 
   y0, grads0, saved0 = run()
-  with ops.linear_options(**options):
+  with linear_layer._ablation(**options):
     y1, grads1, saved1 = run()
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
   for a, b in zip(grads1, grads0):
@@ -203,5 +204,5 @@ def test_linear_options_keep_values(mode, options, extra, rng):
   assert saved1 - saved0 == extra, (saved0, saved1)
   for bad in (dict(weight_quant="twice"), dict(amax="tiles")):
     with pytest.raises(ValueError, match=next(iter(bad))):
-      with ops.linear_options(**bad):
+      with linear_layer._ablation(**bad):
         pass

@@ -19,9 +19,7 @@ Every array a "coat" op keeps for its backward (FP8 data and scales, RMSNorm's r
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -52,67 +50,41 @@ def quantize_input(x: jax.Array, amax: jax.Array | None = None) -> QuantizedArra
 
 def _quantize_x(x, *, with_transpose=False, amax=None) -> QuantizedArray:
   """Per-tensor E4M3 of a linear's input (amax given, or from `_amax`), by the kernel or XLA's
-  ops as `linear_options(activation_quantize=...)` says."""
+  ops as `_ablation(activation_quantize=...)` says."""
   amax = _amax(x) if amax is None else amax
   return kernels.quantize_per_tensor(x, "e4m3", with_transpose=with_transpose, amax=amax,
-                                     producer_fusion=_OPTIONS["activation_quantize"] == "xla")
+                                     producer_fusion=option("activation_quantize") == "xla")
 
 
-WEIGHT_QUANT = ("per_use", "once")
-AMAX = ("kernel", "fused")
-WEIGHT_QUANTIZE = ("kernel", "xla", "forward_kernel")
-ACTIVATION_QUANTIZE = ("kernel", "xla")
-SWIGLU_QUANTIZE = ("fused", "separate", "gemm_epilogue")
-WEIGHT_TRANSPOSE = ("codes", "cast")
-# Each option's choices; DEFAULT_OPTIONS are the options in effect outside any `with` (one place).
-CHOICES = {"weight_quant": WEIGHT_QUANT, "amax": AMAX, "weight_quantize": WEIGHT_QUANTIZE,
-           "activation_quantize": ACTIVATION_QUANTIZE, "gradient_quantize": ACTIVATION_QUANTIZE,
-           "swiglu_quantize": SWIGLU_QUANTIZE, "weight_transpose": WEIGHT_TRANSPOSE}
-DEFAULT_OPTIONS = {"weight_quant": "per_use", "amax": "fused", "weight_quantize": "forward_kernel",
-                   "activation_quantize": "kernel", "gradient_quantize": "kernel",
-                   "swiglu_quantize": "gemm_epilogue", "weight_transpose": "codes"}
-OPTIONS_ENV = "COAT_JAX_LINEAR_OPTIONS"
-
-
-def _check_options(options: dict, where: str) -> dict:
-  for name, value in options.items():
-    if name not in CHOICES:
-      raise ValueError(f"{where}: unknown option {name!r}; options: {sorted(CHOICES)}")
-    if value not in CHOICES[name]:
-      raise ValueError(f"{where}: {name} must be one of {CHOICES[name]}, got {value!r}")
-  return options
-
-
-def _parse_env(spec: str) -> dict:
-  """'amax=kernel,activation_quantize=xla' -> {option: value} (checked)."""
-  items = [i.strip() for i in spec.split(",") if i.strip()]
-  if any("=" not in i for i in items):
-    raise ValueError(f"{OPTIONS_ENV}: expected OPTION=VALUE,... got {spec!r}")
-  return _check_options(dict(tuple(p.strip() for p in i.split("=", 1)) for i in items),
-                        OPTIONS_ENV)
-
-
-# The options outside any `with`: the defaults, with those COAT_JAX_LINEAR_OPTIONS names (read
-# at import, for runs in other processes: benchmarks' children, train.py).
-_PROCESS_OPTIONS = {**DEFAULT_OPTIONS, **_parse_env(os.environ.get(OPTIONS_ENV, ""))}
-_OPTIONS = dict(_PROCESS_OPTIONS)
+# Ablations of the FP8 linears: each switch's choices, the first the library's (what always runs
+# outside the benchmarks and tests that compare them; `_ablation` documents each). Not
+# configuration: no run config or environment variable reaches them.
+_ABLATIONS = {"weight_quant": ("per_use", "once"), "amax": ("fused", "kernel"),
+              "weight_quantize": ("forward_kernel", "kernel", "xla"),
+              "activation_quantize": ("kernel", "xla"), "gradient_quantize": ("kernel", "xla"),
+              "swiglu_quantize": ("gemm_epilogue", "fused", "separate"),
+              "weight_transpose": ("codes", "cast")}
+# The switches set away from the first choice, ((name, value), ...): a JAX user context, part of
+# jit's cache key (a trace made under other switches is never reused).
+_SWITCHES = jax.make_user_context(default_value=())
 
 
 def option(name: str) -> str:
-  """The value of a `linear_options` option in effect now (read at trace time)."""
-  return _OPTIONS[name]
+  """The value of a linear ablation switch in effect now (read at trace time; `_ablation`)."""
+  return dict(_SWITCHES.value).get(name, _ABLATIONS[name][0])
 
 
 def _amax(x):
   """max|x| for a per-tensor activation quantize: an XLA reduction that XLA can fuse into x's
-  producer (`amax="fused"`, default), or None under `linear_options(amax="kernel")`: the
+  producer (`amax="fused"`, default), or None under `_ablation(amax="kernel")`: the
   quantize's own stage-1 pass."""
-  return jnp.max(jnp.abs(x)) if _OPTIONS["amax"] == "fused" else None
+  return jnp.max(jnp.abs(x)) if option("amax") == "fused" else None
 
 
-@contextlib.contextmanager
-def linear_options(**options: str):
-  """Trace-time options of the FP8 linears, for ablations (benchmarks/bench_layer.py).
+def _ablation(**switches: str):
+  """Context manager: the FP8 linears' ablation switches (`_ABLATIONS`) for the calls and traces
+  inside, for the benchmarks and tests that compare them (benchmarks/layer/bench_layer.py). The
+  first choice of each is the library's.
 
   weight_quant: "per_use" (default) quantizes W in the forward (as W^T, (N, K)) and again in the
   backward ((K, N)); "once" makes both layouts in the forward's one quantize+transpose pass and
@@ -164,27 +136,18 @@ def linear_options(**options: str):
   twelfth session, one call): 193.0 ms a step with both defaults vs 195.3 with "cast" and "xla"
   (eleventh session: 200.5 vs 202.1; "codes" under "xla" 202.5), same peak; compile 0.5-3 s
   longer (one more kernel module per weight shape).
-  Options not named keep their values outside any `with`: DEFAULT_OPTIONS, or those set by the
-  environment variable COAT_JAX_LINEAR_OPTIONS="OPTION=VALUE,..." (read at import). CHOICES
-  lists each option's values.
-  Read while a function is traced: trace (jit) it inside the `with`. Entering or leaving a
-  `with` that changes an option clears JAX's caches (`jax.clear_caches`), so no trace made under
-  other options is reused.
+  Switches not named keep their values. Read while a function is traced: trace (jit) it inside
+  the `with`; the switches are part of jit's cache key.
   """
-  _check_options(options, "linear_options")
-  old = dict(_OPTIONS)
-  new = {**_PROCESS_OPTIONS, **options}
-  # JAX caches the traces of custom_vjp rules by function and shapes, not by these options: a
-  # change must not reuse a trace made under other options, on entry or on exit.
-  if new != old:
-    jax.clear_caches()
-  _OPTIONS.update(new)
-  try:
-    yield
-  finally:
-    _OPTIONS.update(old)
-    if new != old:
-      jax.clear_caches()
+  for name, value in switches.items():
+    if name not in _ABLATIONS:
+      raise ValueError(f"linear ablation: unknown switch {name!r}; switches: "
+                       f"{sorted(_ABLATIONS)}")
+    if value not in _ABLATIONS[name]:
+      raise ValueError(f"linear ablation: {name} must be one of {_ABLATIONS[name]}, "
+                       f"got {value!r}")
+  new = {**dict(_SWITCHES.value), **switches}
+  return _SWITCHES(tuple(sorted((k, v) for k, v in new.items() if v != _ABLATIONS[k][0])))
 
 
 def weight_amax(w):
@@ -198,8 +161,8 @@ def weight_amax(w):
 def _quantize_weight(wc, amax, *, with_transpose=False, backward=False) -> QuantizedArray:
   """Per-tensor E4M3 of a (cast) weight with the given amax (`weight_amax`): the dispatch's
   kernel (`weight_quantize="kernel"`; "forward_kernel", default, in the forward only), else XLA's
-  ops, fused with the cast and any transpose of wc (see `linear_options`)."""
-  choice = _OPTIONS["weight_quantize"]
+  ops, fused with the cast and any transpose of wc (see `_ablation`)."""
+  choice = option("weight_quantize")
   by_xla = choice == "xla" or (choice == "forward_kernel" and backward)
   return kernels.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=with_transpose,
                                      producer_fusion=by_xla)
@@ -210,12 +173,12 @@ def _fwd_gemm(xq, w, out_dtype):
 
   Returns (y, kept): kept = (amax, codes, scale) for the backward's quantize of w: max|w cast| (a
   scalar in out_dtype: the backward reuses it instead of reducing w again) and, under
-  `linear_options(weight_quant="once")`, the FP8 (K, N) codes and their scale (else None, None).
+  `_ablation(weight_quant="once")`, the FP8 (K, N) codes and their scale (else None, None).
   """
   wc = w.astype(out_dtype)
   amax = weight_amax(wc)
-  once = _OPTIONS["weight_quant"] == "once"
-  if once or _OPTIONS["weight_transpose"] == "codes":
+  once = option("weight_quant") == "once"
+  if once or option("weight_transpose") == "codes":
     q = _quantize_weight(wc, amax, with_transpose=True)   # W read as it lies; its codes transposed
     wq = QuantizedArray(q.data_t, q.scale, "e4m3")
     codes, scale = (q.data, q.scale) if once else (None, None)
@@ -234,7 +197,7 @@ def backward_gemms(x_t, x_scale, w, g, kept):
   """
   k, n = w.shape
   gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g),
-                                  producer_fusion=_OPTIONS["gradient_quantize"] == "xla")
+                                  producer_fusion=option("gradient_quantize") == "xla")
   # (K, N): contracts N (TN); the forward's codes when it kept them, else W quantized again
   # with the forward's amax (the same scale).
   amax, codes, scale = kept

@@ -3,10 +3,10 @@
 "coat": a custom_vjp saving gate and up per 1x16 group (E4M3) only; silu is recomputed in the
 backward (2 saved tensors instead of COAT's 3). Returns h_q, per-tensor E4M3 of h, for the down
 projection's `x_q`. `swiglu_linears` (the MLP's gate, up and SwiGLU) makes h, max|h| and the
-two residuals in the gate/up GEMM's epilogue (`kernels.gemm_swiglu_quantize`; the default,
-`linear_options(swiglu_quantize="gemm_epilogue")`); `swiglu` of gate and up already made, and
-`swiglu_linears` under "fused", make them from one read of gate and up
-(`kernels.swiglu_quantize`); "separate" is the unfused ablation.
+two residuals in the gate/up GEMM's epilogue (`kernels.gemm_swiglu_quantize`; the default of
+the ablation switch `linear_layer._ablation(swiglu_quantize=...)`, "gemm_epilogue"); `swiglu` of
+gate and up already made, and `swiglu_linears` under "fused", make them from one read of gate and
+up (`kernels.swiglu_quantize`); "separate" is the unfused ablation.
 
 Backward (both ops), with a = gate, u = up, s = sigmoid(a) from the dequantized residuals:
   d_gate = dh * u * s * (1 + a (1 - s)),   d_up = dh * a * s.
@@ -79,8 +79,9 @@ def weight_codes_t(w, dtype):
   the dispatch's interleave of gate and up); the barrier keeps them apart. One fusion quantizing
   W^T from the float32 parameter was as fast with the layers unrolled but gained nothing with
   them scanned (H100, docs/benchmarks.md sixteenth session, item 7), likely XLA's relayout of the
-  stacked weights for a transposed read (linear_options' `weight_transpose` note); the Mosaic
-  GPU quantize's transposed codes plus a copy to interleave them cost 0.07 ms a layer more."""
+  stacked weights for a transposed read (linear_layer._ablation's `weight_transpose` note); the
+  Mosaic GPU quantize's transposed codes plus a copy to interleave them cost 0.07 ms a layer
+  more."""
   wc = w.astype(dtype)
   amax = weight_amax(wc)
   q = kernels.quantize_per_tensor(wc, "e4m3", amax=amax, producer_fusion=True)
@@ -117,8 +118,8 @@ def swiglu_linears(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, mode: st
   """(h, h_q) of h = silu(x @ w_gate) * (x @ w_up): `swiglu(*linears(x, (w_gate, w_up)))`.
 
   x (..., K) in the compute dtype; w_gate, w_up (K, F) parameters; x_q as for `linears`. In
-  "coat" with x_q and `linear_options(swiglu_quantize="gemm_epilogue")`, one op whose forward is
-  the gate/up GEMM with SwiGLU in its epilogue and whose backward runs SwiGLU's backward, then
+  "coat" with x_q and swiglu_quantize "gemm_epilogue" (the default, `linear_layer._ablation`), one
+  op whose forward is the gate/up GEMM with SwiGLU in its epilogue and whose backward runs SwiGLU's backward, then
   both linears' (the same GEMMs as `linears`' backward); otherwise exactly `swiglu(*linears(...))`.
   """
   check_precision(mode, "swiglu_linears: mode")
