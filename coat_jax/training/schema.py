@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import yaml
 from coat_jax import optim
 from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_AXIS, OPTIMIZER_GROUP_SIZE
 from coat_jax.kernels import KernelConfig
+from coat_jax.models.llama import LlamaConfig
 from coat_jax.ops.attention import ATTENTION_RESIDUALS
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
@@ -40,57 +42,29 @@ TOKEN_DTYPES = ("uint16", "uint32")
 FP8_STATE_FORMATS = ("e4m3", "e5m2", "int8")
 
 
-@dataclasses.dataclass
-class ModelConfig:
-  """Model shape: a `LlamaConfig` preset plus overrides (None keeps the preset's value).
+# LlamaConfig's fields a run config sets under `model:`, all but these two: `precision` is the
+# run's top-level key, `rope_scaling` (a dict) comes with a preset only.
+_NOT_MODEL_KEYS = ("precision", "rope_scaling")
 
-  `vocab_size=None` takes the data's tokenizer vocabulary when the data has one (stdlib, text,
-  jsonl) and the preset's otherwise (pre-tokenized files). `dtype` is the compute dtype
-  ("bfloat16" | "float32" | "auto": bfloat16 on accelerators, float32 on CPU, where bfloat16
-  matmuls are slow); parameters are kept in `param_dtype` (float32 by default). `remat` is a
-  policy name (`coat_jax.models.REMAT_POLICIES`: "none", "full", "dots", "dots_saveable",
-  "fp8_residuals") or a bool. `scan_layers` (default on) runs the decoder blocks as one scanned
-  layer, compiled once; off: a Python loop over the layers (compile time grows with depth).
-  `scan_unroll` runs that many layers per scan iteration (must divide num_layers); `scan_impl`
-  "auto" (default) | "lax" | "vjp_loop" is how the scan is differentiated
-  (`coat_jax.models.resolve_scan_impl`: "auto" runs `layer_loop` on one device, lax.scan on a mesh).
-  `attention_residuals` "bf16" (default) | "fp8": what each attention keeps of q, k, v for its
-  backward (`LlamaConfig.attention_residuals`: fp8 keeps 1 x 16 E4M3 copies and recomputes the
-  attention in the backward: less activation memory, one more attention forward).
-  `loss_impl` "auto" (default) | "fused" | "logits" is how the training loss is computed
-  (`LlamaConfig.loss_impl`): "fused" runs the LM head and cross-entropy over chunks of
-  `loss_chunk_tokens` tokens (default 4096) and never holds all logits; "auto" picks "fused" where
-  it holds less: remat none, enough tokens per step, one device
-  (`coat_jax.models.resolve_loss_impl`).
-  """
-  preset: str = "tiny"
-  vocab_size: int | None = None
-  hidden_size: int | None = None
-  intermediate_size: int | None = None
-  num_layers: int | None = None
-  num_heads: int | None = None
-  num_kv_heads: int | None = None
-  head_dim: int | None = None
-  max_seq_len: int | None = None
-  rope_theta: float | None = None
-  rms_eps: float | None = None
-  tie_embeddings: bool | None = None
-  dtype: str | None = None
-  param_dtype: str | None = None
-  remat: bool | str | None = None
-  attention_impl: str | None = None
-  init_std: float | None = None
-  scan_layers: bool | None = None
-  scan_unroll: int | None = None
-  scan_impl: str | None = None
-  attention_residuals: str | None = None
-  loss_impl: str | None = None
-  loss_chunk_tokens: int | None = None
 
-  def overrides(self) -> dict[str, Any]:
-    """The fields set away from the preset, as `LlamaConfig.from_name` keyword arguments."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name != "preset" and getattr(self, f.name) is not None}
+def _model_overrides(self) -> dict[str, Any]:
+  """The fields set away from the preset, as `LlamaConfig.from_name` keyword arguments."""
+  return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+          if f.name != "preset" and getattr(self, f.name) is not None}
+
+
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig",
+    [("preset", str, "tiny")] + [
+        (f.name, typing.get_type_hints(LlamaConfig)[f.name] | None, None)
+        for f in dataclasses.fields(LlamaConfig) if f.name not in _NOT_MODEL_KEYS],
+    namespace={"overrides": _model_overrides, "__module__": __name__,
+               "__doc__": """Model shape: a `LlamaConfig` preset (`LlamaConfig.from_name`) plus
+  overrides of its fields (None keeps the preset's value); each field means what it means in
+  `coat_jax.models.LlamaConfig`, whose docstring documents them. Beyond that: `vocab_size=None`
+  takes the data's tokenizer vocabulary when the data has one (stdlib, text, jsonl) and the
+  preset's otherwise (pre-tokenized files); `dtype` "auto" is bfloat16 on accelerators and float32
+  on CPU, where bfloat16 matmuls are slow; `remat` also takes a bool."""})
 
 
 @dataclasses.dataclass
