@@ -8,7 +8,7 @@ from coat_jax.quantize import QuantizedArray
 
 
 # The output dtypes of the FP8 GEMM: the reference's and the Mosaic GPU kernel's (its own
-# constant, pallas_kernels/fp8_matmul.OUT_DTYPES, the same two).
+# constant, pallas_kernels/gemm/fp8_matmul.OUT_DTYPES, the same two).
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
