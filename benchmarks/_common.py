@@ -2,9 +2,10 @@
 Two siblings hold the rest: `_moments.py` (FP8 round trips of optimizer moments as the device
 rounds them) and `_hlo.py` (compiled train steps and their optimized HLO).
 
-The scripts run as `python benchmarks/X.py`: their folder is on the import path by itself and
-coat_jax is installed, so `from _common import ...` needs no path manipulation. No script imports
-another; the shared modules are the underscored ones.
+The scripts run as modules from the repository root, `python -m benchmarks.KIND.SCRIPT ...`
+(benchmarks/README.md), so `from benchmarks._common import ...` needs no path manipulation; a
+script starts a child of itself with `module_command(__file__)` (working directory: REPO). No
+script imports another; the shared modules are the underscored ones.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import glob
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -172,7 +174,17 @@ def save_figure(fig, path) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Devices of a child process.
+# Child processes.
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def module_command(script: str) -> list[str]:
+  """[python, -m, the script's module]: the command that runs the benchmark script at path
+  `script` (a child of itself), from the working directory REPO."""
+  rel = os.path.relpath(os.path.splitext(os.path.abspath(script))[0], REPO)
+  return [sys.executable, "-m", ".".join(rel.split(os.sep))]
+
 
 
 def device_env(n: int, env: dict | None = None) -> dict:
@@ -189,10 +201,9 @@ def config_parser(doc: str, default_config: str, set_help: str) -> argparse.Argu
   """An argument parser (description: the script's docstring's first line) with the train.py
   config options every training-run script takes: --config (default configs/<default_config>)
   and repeatable --set KEY=VALUE overrides (args.overrides)."""
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   p = argparse.ArgumentParser(description=doc.splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default=os.path.join(repo, "configs", default_config))
+  p.add_argument("--config", default=os.path.join(REPO, "configs", default_config))
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help=set_help)
   return p

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 from typing import NamedTuple
 
-from _common import gpu_kernel_events
+from benchmarks._common import gpu_kernel_events
 
 
 class Gap(NamedTuple):

@@ -3,12 +3,14 @@
 # section's log to $OUT/<section>.log (the device tool brings $OUT back).
 #   bash benchmarks/run_gpu.sh tests kernels layer optimizer     # one call
 #   bash benchmarks/run_gpu.sh train1b e2e
-# Sections: tests (GPU-marked tests), tests_all (kernel/ops/quantize test files compiled for the GPU), adam_tree (the
-# optimizer kernels' tests, tree kernel included: carry .whl), kernels (quantize bandwidth,
-# fused Adam step, FP8 GEMM), quant_sweep (the Mosaic GPU quantize kernels' tunables), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params),
-# train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e (benchmarks/bench_e2e.py),
+# Sections: tests (GPU-marked tests), tests_all (kernel/ops/quantize test files compiled for the
+# GPU), adam (the optimizer kernel's tests: carry .whl), kernels (quantize bandwidth, fused Adam
+# step, FP8 GEMM), quant_sweep (the Mosaic GPU quantize kernels' tunables), ops (per-op fwd+bwd
+# times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params), train1b (train.py,
+# olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e
+# (benchmarks/step/bench_e2e.py),
 # peak (what the coat step holds at its memory peak, lax.scan vs vjp_loop), floor (the olmo-1b
-# step of both modes per kernel category, against benchmarks/step_floor.py's floors),
+# step of both modes per kernel category, against benchmarks/step/step_floor.py's floors),
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
-# A test that lowers a kernel on the deprecated Pallas Triton backend fails (issue 14: none may).
+# A test that lowers a kernel on the deprecated Pallas Triton backend fails (none may).
 NO_PT=(-W "error:The Pallas Triton backend is deprecated:DeprecationWarning")
 section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
@@ -38,16 +40,15 @@ for s in "$@"; do
   case $s in
     tests) section tests 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -v -rf --tb=short -p no:cacheprovider -m gpu --durations=10 tests ;;
     tests_all) section tests_all 420 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -v -rf --tb=line -p no:cacheprovider -m "not slow" -k "not interpret" --timeout 90 --durations=15 \
-             tests/test_kernels_dispatch.py tests/test_kernels_matmul.py tests/test_kernels_adam.py tests/test_ops.py tests/test_quantize.py ;;
-    adam_tree) section adam_tree 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -q -rf --tb=short -p no:cacheprovider -m "not slow" -k "not interpret" --durations=10 \
-             tests/test_kernels_adam_tree.py tests/test_kernels_adam_triton.py tests/test_kernels_adam.py ;;
-    kernels) section kernels 420 $PY benchmarks/bench_kernels.py ${KERNEL_ARGS:-} ;;
-    quant_sweep) section quant_sweep 300 $PY benchmarks/bench_kernels_mgpu.py --sweep ${SWEEP_ARGS:-} ;;
-    ops) section ops 240 $PY benchmarks/bench_ops.py ;;
-    profile) section profile 200 $PY benchmarks/profile_layer.py ;;
-    layer) section layer 420 $PY benchmarks/bench_layer.py --json "$OUT/layer.json" ;;
-    optimizer) section optimizer 420 $PY benchmarks/bench_optimizer.py ${OPT_ARGS:-} ;;
-    adam_sweep) section adam_sweep 420 $PY benchmarks/sweep_adam_kernel.py ${SWEEP_ARGS:-} ;;
+             tests/test_kernels_backends.py tests/test_kernels_matmul.py tests/test_kernels_adam.py tests/test_ops.py tests/test_quantize.py ;;
+    adam) section adam 300 env JAX_PLATFORMS=cuda,cpu $PY -m pytest "${NO_PT[@]}" -q -rf --tb=short -p no:cacheprovider -m "not slow" -k "not interpret" --durations=10 \
+             tests/test_kernels_adam_triton.py tests/test_kernels_adam.py tests/test_optim_clip.py tests/test_optim_master_rounding.py tests/test_optim_group_axis.py tests/test_optim_packed.py ;;
+    kernels) section kernels 420 $PY -m benchmarks.kernels.bench_kernels ${KERNEL_ARGS:-} ;;
+    quant_sweep) section quant_sweep 300 $PY -m benchmarks.kernels.bench_kernels_mgpu --sweep ${SWEEP_ARGS:-} ;;
+    ops) section ops 240 $PY -m benchmarks.layer.bench_ops ;;
+    profile) section profile 200 $PY -m benchmarks.layer.profile_layer ;;
+    layer) section layer 420 $PY -m benchmarks.layer.bench_layer --json "$OUT/layer.json" ;;
+    optimizer) section optimizer 420 $PY -m benchmarks.step.bench_optimizer ${OPT_ARGS:-} ;;
     train1b) for m in ${TRAIN1B_MODES:-bf16:adamw fp8_linear:adamw coat:coat_adamw}; do set -- ${m/:/ }
                section train1b 200 $PY train.py --config configs/olmo-1b.yaml --no-progress \
                  --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=8 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
@@ -58,20 +59,20 @@ for s in "$@"; do
                  --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=16 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
                  --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \
                  --set run.eval_every=1000 --set checkpoint.every=100000 --set mesh.fsdp=-1 --out-dir /tmp/runs_$1; done ;;
-    e2e) section e2e 500 $PY benchmarks/bench_e2e.py --modes bf16+adamw,coat+coat_adamw --layers best ${E2E_ARGS:-} ;;
-    peak) section peak 300 $PY benchmarks/profile_step.py --variants coat:scan+lax,coat:scan+vjploop \
+    e2e) section e2e 500 $PY -m benchmarks.step.bench_e2e --modes bf16+adamw,coat+coat_adamw --layers best ${E2E_ARGS:-} ;;
+    peak) section peak 300 $PY -m benchmarks.step.profile_step --variants coat:scan+lax,coat:scan+vjploop \
             --iters 1 --steps 1 --warmup 1 --top 25 --gaps 0 --buffers /tmp/peak_dumps --hlo-dir "$OUT/hlo" \
             --json "$OUT/peak.json" ;;
-    floor) section floor 500 $PY benchmarks/profile_step.py --variants bf16:loop,coat:loop --steps 8 \
+    floor) section floor 500 $PY -m benchmarks.step.profile_step --variants bf16:loop,coat:loop --steps 8 \
              --warmup 3 --iters 3 --top 40 --json "$OUT/profile16_loop.json"
-           section floor 120 env JAX_PLATFORMS=cpu $PY benchmarks/step_floor.py --profile "$OUT/profile16_loop.json" ;;
+           section floor 120 env JAX_PLATFORMS=cpu $PY -m benchmarks.step.step_floor --profile "$OUT/profile16_loop.json" ;;
     multi_gpu) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
-          section multi_gpu 200 $PY benchmarks/resume_across_meshes.py --devices-a 2 --devices-b 1 --reference \
+          section multi_gpu 200 $PY -m benchmarks.mesh.resume_across_meshes --devices-a 2 --devices-b 1 --reference \
             --set precision=coat --set optimizer.name=coat_adamw --out-dir /tmp/resume \
             --json "$OUT/resume.json" --plot "$OUT/resume.png"
-          section multi_gpu 240 $PY benchmarks/bench_e2e.py --devices 2 --set mesh.fsdp=-1 --batch 16 \
+          section multi_gpu 240 $PY -m benchmarks.step.bench_e2e --devices 2 --set mesh.fsdp=-1 --batch 16 \
             --steps 8 --warmup 2 --json "$OUT/e2e_2gpu_fsdp.json"
-          section multi_gpu 200 $PY benchmarks/bench_e2e.py --devices 1 --batch 8 --steps 8 --warmup 2 \
+          section multi_gpu 200 $PY -m benchmarks.step.bench_e2e --devices 1 --batch 8 --steps 8 --warmup 2 \
             --json "$OUT/e2e_1gpu.json" ;;
     *) echo "unknown section $s" >&2 ;;
   esac

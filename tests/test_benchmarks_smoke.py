@@ -1,12 +1,12 @@
-"""Smoke tests of benchmarks/{bench_e2e,accuracy,stability,compile_breakdown}.py: tiny shapes,
-outputs exist, finite; benchmarks/_common.py; and the scripts' import rules (only the underscored modules are shared, no sys.path edits)."""
-import importlib.util
+"""Smoke tests of the benchmark scripts (step/bench_e2e, accuracy/{accuracy,stability,
+master_weights}, step/compile_breakdown, ...): tiny shapes, outputs exist, finite;
+benchmarks/_common.py; and the scripts' import rules (only the underscored modules are shared, no
+sys.path edits)."""
 import json
 import math
 import re
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,19 +14,8 @@ import numpy as np
 import pytest
 
 from coat_jax.training.build import cross_entropy
+from tests.benchmark_scripts import REPO, load as _load
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as scripts: they import _common
 common = _load("_common")
 e2e = _load("bench_e2e")
 accuracy = _load("accuracy")
@@ -114,7 +103,7 @@ def test_e2e_layers_option():
 
 
 def test_master_weights_child_table_and_plot(tmp_path):
-  """benchmarks/master_weights.py: one child in-process (Kahan, bf16 master from the float32
+  """benchmarks/accuracy/master_weights.py: one child in-process (Kahan, bf16 master from the float32
   init), then the comparison table and plot against a made-up reference."""
   args = master.parse_args(["--one", "bf16_master_kahan", "--preset", "tiny", "--precision", "bf16",
                             "--steps", "2", "--eval-every", "1", "--seq-len", "16", "--batch", "2",
@@ -187,13 +176,14 @@ def test_hessian_power_iteration_matches_dense_eigenvalue(rng):
 
 
 def test_scripts_share_only_common_and_never_edit_sys_path():
-  scripts = sorted((REPO / "benchmarks").glob("*.py"))
+  scripts = sorted((REPO / "benchmarks").rglob("*.py"))
   names = {p.stem for p in scripts}
   assert {"_common", "_moments", "_hlo", "bench_e2e", "stability", "accuracy"} <= names
   for p in scripts:
     text = p.read_text()
     assert "sys.path" not in text, f"{p.name} edits sys.path"
-    imported = set(re.findall(r"^\s*(?:from|import)\s+(\w+)", text, re.M))
+    imported = set(re.findall(r"^\s*from\s+benchmarks(?:\.\w+)*\.(\w+)\s+import", text, re.M))
+    imported |= set(re.findall(r"^\s*(?:from|import)\s+(\w+)", text, re.M))
     siblings = {n for n in imported & names if not n.startswith("_")}   # shared: _common, ...
     assert not siblings, f"{p.name} imports the scripts {siblings}; move shared code to _common"
     private = set(re.findall(r"^\s*from\s+(\S+)\s+import\s+(_\w+)", text, re.M))
@@ -217,7 +207,7 @@ def test_common_timing_and_budget(rng):
 
 @pytest.mark.slow
 def test_compile_breakdown_child():
-  """benchmarks/compile_breakdown.py: one child in-process (tiny coat step, remat full)."""
+  """benchmarks/step/compile_breakdown.py: one child in-process (tiny coat step, remat full)."""
   cb = _load("compile_breakdown")
   args = cb.parse_args(["--one", "coat:coat_adamw/remat=full", "--preset", "tiny",
                         "--seq-len", "16", "--batch", "8", "--set", "model.num_layers=1", "--set",
@@ -229,7 +219,7 @@ def test_compile_breakdown_child():
 
 
 def test_compile_breakdown_kernel_counts_and_pass_log():
-  """benchmarks/compile_breakdown.py: the Pallas lowering counter on an interpreted Mosaic GPU
+  """benchmarks/step/compile_breakdown.py: the Pallas lowering counter on an interpreted Mosaic GPU
   kernel (same shape twice: one signature; another shape: a second one), XLA pass-log parsing
   (lines in XLA's format) and variant parsing."""
   cb = _load("compile_breakdown")
@@ -326,7 +316,7 @@ def test_bench_layer_has_a_flag_for_every_linear_option():
 
 
 def test_bench_loss_rows_and_the_accumulation_reading(capsys):
-  """benchmarks/bench_loss.py on CPU: a row per loss, all one value; the HLO reading of how the
+  """benchmarks/layer/bench_loss.py on CPU: a row per loss, all one value; the HLO reading of how the
   chunks' dW sums run tells a separate add from a GEMM that accumulates."""
   bench = _load("bench_loss")
   rows = bench.main(["--tokens", "96", "--hidden", "16", "--vocab", "40", "--chunks", "32,64",
@@ -344,7 +334,7 @@ def test_bench_loss_rows_and_the_accumulation_reading(capsys):
 
 
 def test_attention_fp8_reference_and_its_error_off_the_gpu(rng, capsys):
-  """benchmarks/bench_attention_fp8.py: its float32 reference is causal attention (jax.nn's, and
+  """benchmarks/kernels/bench_attention_fp8.py: its float32 reference is causal attention (jax.nn's, and
   its gradients) with dP = do v^T's causal amax; the FP8 operands round trip within FP8's step
   at the descales passed to cuDNN (o at max|v|, dq at its reference amax; the probe swaps o's and
   do's); on a CPU it stops with one line saying cuDNN needs a GPU."""

@@ -12,8 +12,6 @@ CPU XLA keeps the conversions, so the CPU tests check the structure (the barrier
 program) and the guard; the @pytest.mark.gpu tests check the numbers on the device.
 """
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +22,7 @@ import pytest
 
 from coat_jax import expansion, formats, gemm, kernels, quantize
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))   # as when the scripts run: they import _moments
-import _moments as common  # noqa: E402
+from benchmarks import _moments as common
 
 
 def _fake_quantize_numpy(x, group_size, scale_dtype=formats.ACTIVATION_SCALE_DTYPE):
@@ -179,7 +175,7 @@ def test_kahan_master_keeps_small_updates_on_this_backend(rng):
   """Round-to-nearest loses all 40 updates (each below half an ulp); Kahan keeps them up to its
   bfloat16 compensation's precision (2^-17 |p| per step: ~8 % of a 1e-4 update at |p| ~ 1).
   On the H100, before split_bf16's barrier, XLA folded f32 -> bf16 -> f32, the compensation
-  stayed zero and Kahan equalled nearest (llama-125m, benchmarks/master_weights.py)."""
+  stayed zero and Kahan equalled nearest (llama-125m, benchmarks/accuracy/master_weights.py)."""
   out = _kahan_run(rng)
   moved = float(np.mean(np.abs(out["f32"] - out["nearest"])))
   assert moved > 0.002                            # the float32 master moved ~40 x 1e-4

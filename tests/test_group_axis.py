@@ -1,8 +1,6 @@
-"""benchmarks/group_axis.py: axis handling, rows against a numpy reference, a tiny training smoke."""
-import importlib.util
+"""benchmarks/accuracy/group_axis.py: axis handling, rows against a numpy reference, a tiny
+training smoke."""
 import math
-import sys
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -11,12 +9,7 @@ import pytest
 from coat_jax.training import dataset as data_lib
 from coat_jax.models.llama import LlamaConfig
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))   # as when the script runs: it imports _common
-_spec = importlib.util.spec_from_file_location("bench_group_axis", REPO / "benchmarks" / "group_axis.py")
-group_axis = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = group_axis
-_spec.loader.exec_module(group_axis)
+from benchmarks.accuracy import group_axis
 
 E4M3_MAX = 448.0
 

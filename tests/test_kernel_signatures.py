@@ -1,11 +1,7 @@
 """Which Mosaic GPU kernels (one module each, compiled with the step) the FP8 linears bind on
-Hopper, listed without a GPU by benchmarks/compile_breakdown.py --signatures (the dispatch told it
+Hopper, listed without a GPU by benchmarks/step/compile_breakdown.py --signatures (the dispatch told it
 is on Hopper, the traced jaxpr walked; nothing runs), and that every linear option keeps the
 defaults' values and gradients bit for bit in interpret mode."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,18 +10,7 @@ import pytest
 from coat_jax import kernels, ops
 from coat_jax.ops import linear_layer
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as a script: it imports _common
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-cb = _load("compile_breakdown")
+from benchmarks.step import compile_breakdown as cb
 M, K, N = 256, 256, 384   # every kernel takes these (multiples of 64, GEMM dims >= 128)
 
 

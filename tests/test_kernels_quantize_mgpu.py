@@ -240,13 +240,7 @@ def test_supported_and_clear_errors():
 
 
 def test_benchmark_script_parses_its_arguments(monkeypatch):
-  import importlib.util
-  from pathlib import Path
-  path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels_mgpu.py"
-  monkeypatch.syspath_prepend(str(path.parent))   # its `from _common import ...`
-  spec = importlib.util.spec_from_file_location("bench_kernels_mgpu", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+  from benchmarks.kernels import bench_kernels_mgpu as bench
   with pytest.raises(SystemExit) as exit_help:
     bench.main(["--help"])
   assert exit_help.value.code == 0

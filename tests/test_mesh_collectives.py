@@ -1,15 +1,6 @@
-"""benchmarks/mesh_collectives.py: the collective parser, and the FP8 linear on an FSDP mesh
+"""benchmarks/mesh/mesh_collectives.py: the collective parser, and the FP8 linear on an FSDP mesh
 gathering its weight as FP8 codes (quantized per shard with the global scale), not as float32."""
-import importlib.util
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-_spec = importlib.util.spec_from_file_location("mesh_collectives",
-                                               REPO / "benchmarks" / "mesh_collectives.py")
-mc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mc)
+from benchmarks.mesh import mesh_collectives as mc
 
 HLO = """HloModule m
 

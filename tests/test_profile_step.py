@@ -1,22 +1,9 @@
 """benchmarks/_hlo.py's HLO helpers (ops and bytes per step through while loops, kernel ->
-instruction index) and profile_step.py's kernel categories, on a small scan compiled on CPU."""
-import importlib.util
-import sys
-from pathlib import Path
-
+instruction index) and step/profile_step.py's kernel categories, on a small scan compiled on CPU."""
 import jax
 import jax.numpy as jnp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as scripts: they import _hlo
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
+from tests.benchmark_scripts import load as _load
 
 common, profile_step = _load("_hlo"), _load("profile_step")
 

@@ -1,19 +1,10 @@
-"""benchmarks/step_floor.py: the FLOPs and bytes it counts from the traced train step, against the
+"""benchmarks/step/step_floor.py: the FLOPs and bytes it counts from the traced train step, against the
 model's shapes counted by hand, and its report against a profile."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))   # as when run as a script: it imports _common
-_spec = importlib.util.spec_from_file_location("bench_step_floor",
-                                               REPO / "benchmarks" / "step_floor.py")
-sf = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = sf
-_spec.loader.exec_module(sf)
+from benchmarks.step import step_floor as sf
 
 # The tiny preset (hidden 256, 4 heads and 2 KV heads of 64, vocab 4096) with an FFN of 768 (the
 # preset's 688 would be padded to the GEMM kernel's 128-wide tiles, more FLOPs than 6 T N), 4 x 64

@@ -18,12 +18,12 @@ modes share a process): use bench_e2e.py for memory.
 
 GPU (H100; ~35 ms/step at batch 8 => ~1.5 min of steps per mode + ~1 min BPE training on a fresh
 machine + compiles; ~5-6 min in all):
-  python benchmarks/accuracy.py --out $OUT/accuracy --seconds-budget 460
+  python -m benchmarks.accuracy.accuracy --out $OUT/accuracy --seconds-budget 460
 One mode per command (then merge without training):
-  python benchmarks/accuracy.py --out $OUT/accuracy --modes bf16+adamw --seconds-budget 460
-  python benchmarks/accuracy.py --out $OUT/accuracy --plot-only
+  python -m benchmarks.accuracy.accuracy --out $OUT/accuracy --modes bf16+adamw --seconds-budget 460
+  python -m benchmarks.accuracy.accuracy --out $OUT/accuracy --plot-only
 CPU smoke (~40 s on 2 cores; the 4k BPE of configs/tiny.yaml is cached after the first run):
-  JAX_PLATFORMS=cpu python benchmarks/accuracy.py --config configs/tiny.yaml --steps 12 \\
+  JAX_PLATFORMS=cpu python -m benchmarks.accuracy.accuracy --config configs/tiny.yaml --steps 12 \\
       --seq-len 64 --batch 4 --eval-every 6 --eval-batches 1 --set model.num_layers=1 \\
       --out /tmp/acc_smoke
 """
@@ -38,8 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-from _common import MODE_COLORS, config_parser, parse_modes, pyplot, save_figure
+REPO = Path(__file__).resolve().parents[2]
+from benchmarks._common import MODE_COLORS, config_parser, parse_modes, pyplot, save_figure
 
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 DEFAULT_MODES = ("bf16+adamw", "coat+coat_adamw")

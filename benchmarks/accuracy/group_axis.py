@@ -27,9 +27,9 @@ rewritten after every checkpoint.
 
 CPU (the run in docs/differences.md; llama-125m's width with 4 layers, vocab 4096, seq 128,
 batch 8; 29 min on 2 shared, busy cores):
-  python benchmarks/group_axis.py --num-layers 4 --steps 300 --checkpoints 10,50,150 --out runs/group_axis
+  python -m benchmarks.accuracy.group_axis --num-layers 4 --steps 300 --checkpoints 10,50,150 --out runs/group_axis
 GPU (llama-125m as in docs/accuracy.md, 32k vocab, seq 1024):
-  python benchmarks/group_axis.py --vocab 32000 --corpus-max-bytes 100000000 --seq-len 1024 \\
+  python -m benchmarks.accuracy.group_axis --vocab 32000 --corpus-max-bytes 100000000 --seq-len 1024 \\
       --batch 8 --steps 2000 --warmup 200 --checkpoints 10,50,500 --out $OUT/group_axis
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from _moments import check_moment_round_trip, moment_round_trip
+from benchmarks._moments import check_moment_round_trip, moment_round_trip
 from coat_jax.formats import OPTIMIZER_GROUP_SIZE
 from coat_jax.models.llama import Llama, LlamaConfig
 from coat_jax.training import dataset as data_lib
@@ -283,7 +283,7 @@ def main(argv=None) -> dict:
           "run": (f"optax.adamw (b1 0.9, b2 0.95, wd 0.1, clip 1.0), peak lr {args.lr:g}, warmup "
                   f"{args.warmup} + cosine, {args.steps} steps of {args.batch} x {args.seq_len} "
                   f"tokens of {ds.description}, seed {args.seed}"),
-          "command": "python benchmarks/group_axis.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+          "command": "python -m benchmarks.accuracy.group_axis " + " ".join(sys.argv[1:] if argv is None else argv)}
   meta["round_trip_check"] = {f"expand={e}": v for e, v in check.items()}
   say(f"[group_axis] {meta['model']}; {meta['run']}; checkpoints {args.checkpoints}")
 

@@ -29,9 +29,9 @@ sources and 8 x 256 tokens per step, under one epoch.
 Outputs in --out: master_weights.json, master_weights.md (table), master_weights.png (curves).
 
 GPU (H100, 5 variants at once, ~7 min: compiles ~1.5 min, then the steps the budget allows):
-  python benchmarks/master_weights.py --out $OUT/master --parallel 5 --seconds-budget 450
+  python -m benchmarks.accuracy.master_weights --out $OUT/master --parallel 5 --seconds-budget 450
 CPU smoke (~1 min):
-  JAX_PLATFORMS=cpu python benchmarks/master_weights.py --out /tmp/mw --preset tiny --steps 4 \\
+  JAX_PLATFORMS=cpu python -m benchmarks.accuracy.master_weights --out /tmp/mw --preset tiny --steps 4 \\
       --eval-every 2 --seq-len 32 --batch 4 --precision bf16 --parallel 2 \\
       --set model.num_layers=1 --set model.hidden_size=64 --set model.intermediate_size=128
 """
@@ -42,14 +42,13 @@ import json
 import math
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from _common import Budget, pyplot, save_figure
+from benchmarks._common import Budget, module_command, pyplot, save_figure
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BF16_MASTER = ["model.param_dtype=bfloat16"]
 VARIANTS = {
     "f32_master": [],
@@ -188,7 +187,7 @@ def run_children(args, budget: Budget, out: Path) -> dict[str, dict]:
   while queue or running:
     while queue and len(running) < args.parallel and budget.left() > 30:
       name = queue.pop(0)
-      cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--out", str(out)]
+      cmd = module_command(__file__) + ["--one", name, "--out", str(out)]
       cmd += _child_args(args)
       if budget.deadline() is not None:
         cmd += ["--deadline", str(budget.deadline())]

@@ -43,11 +43,11 @@ stability.png (loss curves per lr, bf16 vs coat, and logit sharpness over traini
 GPU (H100, 2026-11-23: the sweep of 3 modes x 3 seeds x 3 lrs took 218 s, mostly compiles, and
 left no time for the format runs within --seconds-budget 270), so as two commands with different
 --out directories (each writes its own stability.json/md):
-  python benchmarks/stability.py --modes bf16+adamw,fp8_linear+adamw,coat+coat_adamw \
+  python -m benchmarks.accuracy.stability --modes bf16+adamw,fp8_linear+adamw,coat+coat_adamw \
       --parts sweep --out $OUT/stab --seconds-budget 270
-  python benchmarks/stability.py --parts formats --out $OUT/stabf --seconds-budget 330
+  python -m benchmarks.accuracy.stability --parts formats --out $OUT/stabf --seconds-budget 330
 CPU smoke (~55 s on 2 busy cores):
-  JAX_PLATFORMS=cpu python benchmarks/stability.py --out /tmp/stab_smoke --steps 8 \\
+  JAX_PLATFORMS=cpu python -m benchmarks.accuracy.stability --out /tmp/stab_smoke --steps 8 \\
       --seq-len 32 --batch 4 --seeds 0 --lrs 3e-3,3e-1 --sharpness-every 4 \\
       --hessian-iters 2 --format-lr 3e-3 --formats e4m3 \\
       --set model.num_layers=1 --set model.hidden_size=64 --set model.intermediate_size=128
@@ -67,12 +67,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _common import MODE_COLORS, Budget, config_parser, pyplot, save_figure
-from _moments import check_moment_round_trip, moment_round_trip
+from benchmarks._common import MODE_COLORS, Budget, config_parser, pyplot, save_figure
+from benchmarks._moments import check_moment_round_trip, moment_round_trip
 from coat_jax.training import build as build_lib, mesh as mesh_lib, schema
 from coat_jax.training.dataset import TokenDataset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 # The "tiny" preset's shape on configs/tiny.yaml (which shrinks it further for CPU runs).

@@ -18,8 +18,8 @@ Error: relative L2 (||x - ref|| / ||ref||) and cosine of o, dq, dk, dv against f
 on the same bf16 inputs (einsums at HIGHEST precision), for cuDNN bf16 and cuDNN FP8 alike.
 Time: fwd+bwd of each, jitted, back to back (median of 7 x 10 calls).
 
-    python3 benchmarks/bench_attention_fp8.py                     # OLMo-1B's and Llama-2-7B's shape
-    python3 benchmarks/bench_attention_fp8.py --shapes 8x2048x16x128 --seed 3 --do-scale 1
+    python3 -m benchmarks.kernels.bench_attention_fp8                     # OLMo-1B's and Llama-2-7B's shape
+    python3 -m benchmarks.kernels.bench_attention_fp8 --shapes 8x2048x16x128 --seed 3 --do-scale 1
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import median_ms_back_to_back
+from benchmarks._common import median_ms_back_to_back
 from coat_jax.quantize import quantize_per_tensor
 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)   # 448

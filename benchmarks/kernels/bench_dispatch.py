@@ -7,8 +7,8 @@ a few tiny fused kernels), blocked, with and without donating the inputs, for se
 the time per buffer (in + out). Prints a table; the slope is what each extra buffer costs a
 blocked call (host work per argument and result, with the tiny kernels' share).
 
-  python benchmarks/bench_dispatch.py                  # GPU
-  JAX_PLATFORMS=cpu python benchmarks/bench_dispatch.py --steps 5 --counts 8,64   # smoke check
+  python -m benchmarks.kernels.bench_dispatch                  # GPU
+  JAX_PLATFORMS=cpu python -m benchmarks.kernels.bench_dispatch --steps 5 --counts 8,64   # smoke check
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import time_calls
+from benchmarks._common import time_calls
 
 
 def time_call(n: int, donate: bool, steps: int) -> float:

@@ -1,6 +1,6 @@
 """The gate/up GEMM with SwiGLU in its epilogue against the path it replaces, per MLP shape.
 
-Run on the GPU:  PYTHONUNBUFFERED=1 python3 benchmarks/bench_gemm_swiglu.py [--shapes olmo,7b]
+Run on the GPU:  PYTHONUNBUFFERED=1 python3 -m benchmarks.kernels.bench_gemm_swiglu [--shapes olmo,7b]
 Rows (one layer's forward MLP input half, batch 8 x 2048 tokens; ms, median of back-to-back calls):
   fused sN   pallas_kernels/fp8_gemm_swiglu with a ring of N stages: h, its 1 x 64 maxima and
              gate's and up's 1 x 16 codes from one GEMM over the interleaved weight codes
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import H100, median_ms_back_to_back
+from benchmarks._common import H100, median_ms_back_to_back
 from coat_jax import kernels
 from coat_jax.ops.swiglu import weight_codes_t
 from pallas_kernels.gemm import fp8_gemm_swiglu as fs, fp8_matmul as fm

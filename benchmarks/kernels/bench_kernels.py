@@ -9,8 +9,8 @@ Runs, one after another, each printing its table:
   adam    bench_kernels_mgpu.py --only adam           the jax-triton Adam step vs XLA's
                                                       reference step and a device copy
 
-  python3 benchmarks/bench_kernels.py                 # all three
-  python3 benchmarks/bench_kernels.py --only gemm,adam
+  python3 -m benchmarks.kernels.bench_kernels                 # all three
+  python3 -m benchmarks.kernels.bench_kernels --only gemm,adam
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 PARTS = {
     "memory": ["bench_kernels_mgpu.py", "--only",
                "per_group,tile_amax,dequantize,per_tensor,per_tensor_t"],
@@ -41,7 +42,8 @@ def main(argv=None) -> int:
   for name in names:
     script, *rest = PARTS[name]
     print(f"\n##### {name}: {script} {' '.join(rest)}", flush=True)
-    if subprocess.call([sys.executable, str(HERE / script), *rest], cwd=HERE.parent) != 0:
+    module = f"benchmarks.kernels.{Path(script).stem}"
+    if subprocess.call([sys.executable, "-m", module, *rest], cwd=REPO) != 0:
       failed.append(name)
   if failed:
     print(f"failed: {', '.join(failed)}", file=sys.stderr)

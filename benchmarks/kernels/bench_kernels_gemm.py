@@ -1,6 +1,6 @@
 """FP8 GEMM on the H100: XLA bf16 vs XLA fp8 (cuBLASLt) vs the Pallas Mosaic GPU TN kernel.
 
-Run on the GPU:  PYTHONUNBUFFERED=1 python3 benchmarks/bench_kernels_gemm.py [--tune] [--shapes all]
+Run on the GPU:  PYTHONUNBUFFERED=1 python3 -m benchmarks.kernels.bench_kernels_gemm [--tune] [--shapes all]
 Prints one row per (M, N, K): TFLOP/s of each, ratios, relative error of Pallas vs XLA fp8, and
 the FLOP floor 2MNK / peak (H100 SXM dense: fp8 1979, bf16 989 TFLOP/s).
 All three take the same operands: A (M, K), B as (N, K) (TN); bf16 runs A @ B.T the same way.
@@ -12,7 +12,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from _common import median_ms_back_to_back
+from benchmarks._common import median_ms_back_to_back
 from coat_jax.training.metrics import PEAK_BF16_FLOPS
 from pallas_kernels.gemm import fp8_matmul as fm
 

@@ -10,9 +10,9 @@ With --sweep, the Mosaic GPU quantize kernels' tunables (rows per block, CTA cap
 stages; block_rows x block_cols for per tensor) are swept instead: one line per setting and the
 best per kernel.
 
-  python3 benchmarks/bench_kernels_mgpu.py                       # all, 8192 x 8192
-  python3 benchmarks/bench_kernels_mgpu.py --only adam --adam-rows 4096 --check
-  python3 benchmarks/bench_kernels_mgpu.py --sweep --only per_group,dequantize   # ~1 min
+  python3 -m benchmarks.kernels.bench_kernels_mgpu                       # all, 8192 x 8192
+  python3 -m benchmarks.kernels.bench_kernels_mgpu --only adam --adam-rows 4096 --check
+  python3 -m benchmarks.kernels.bench_kernels_mgpu --sweep --only per_group,dequantize   # ~1 min
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import argparse
 import math
 import sys
 
-from _common import median_ms_back_to_back
+from benchmarks._common import median_ms_back_to_back
 
 KERNELS = ("per_group", "tile_amax", "dequantize", "per_tensor", "per_tensor_t", "adam")
 

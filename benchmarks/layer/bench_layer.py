@@ -11,14 +11,14 @@ Default shape: COAT's per-layer benchmark (OLMo/Llama-2-7B layer: d_model 4096, 
   peak MB      device peak_bytes_in_use during forward + backward (GPU only)
 with ratios against "bf16", next to COAT's PyTorch numbers measured on the same H100 model.
 
-  python benchmarks/bench_layer.py                       # GPU, full shape
-  python benchmarks/bench_layer.py --batch 1 --seq 64 --hidden 256 --heads 4 --ffn 688 --iters 3
-  python benchmarks/bench_layer.py --modes coat --weight-quant once   # ablation: W quantized once
-  python benchmarks/bench_layer.py --modes coat --amax kernel         # ablation: amax kernel pass
-  python benchmarks/bench_layer.py --modes coat --weight-quantize kernel  # ablation: W by Mosaic
-  python benchmarks/bench_layer.py --modes coat --attention-residuals fp8  # FP8 q, k, v kept
-  python benchmarks/bench_layer.py --modes coat --activation-quantize xla --gradient-quantize xla
-  python benchmarks/bench_layer.py --modes coat --swiglu-quantize separate  # SwiGLU unfused
+  python -m benchmarks.layer.bench_layer                       # GPU, full shape
+  python -m benchmarks.layer.bench_layer --batch 1 --seq 64 --hidden 256 --heads 4 --ffn 688 --iters 3
+  python -m benchmarks.layer.bench_layer --modes coat --weight-quant once   # ablation: W quantized once
+  python -m benchmarks.layer.bench_layer --modes coat --amax kernel         # ablation: amax kernel pass
+  python -m benchmarks.layer.bench_layer --modes coat --weight-quantize kernel  # ablation: W by Mosaic
+  python -m benchmarks.layer.bench_layer --modes coat --attention-residuals fp8  # FP8 q, k, v kept
+  python -m benchmarks.layer.bench_layer --modes coat --activation-quantize xla --gradient-quantize xla
+  python -m benchmarks.layer.bench_layer --modes coat --swiglu-quantize separate  # SwiGLU unfused
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from _common import median_ms, median_ms_back_to_back, parse_modes
+from benchmarks._common import (REPO, median_ms, median_ms_back_to_back, module_command,
+                                parse_modes)
 from coat_jax import memory, ops
 from coat_jax.ops import linear_layer
 from coat_jax.nn import DecoderBlock
@@ -213,9 +214,9 @@ def bench_mode_subprocess(mode: str, argv: list[str]) -> dict:
   """Runs one mode in a fresh process (its own device peak counter) and returns its result."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "result.json")
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--modes", mode, "--in-process",
-           "--json", out, "--quiet"]
-    subprocess.run(cmd, check=True)
+    cmd = module_command(__file__) + [*argv, "--modes", mode, "--in-process", "--json", out,
+                                      "--quiet"]
+    subprocess.run(cmd, check=True, cwd=REPO)
     with open(out) as f:
       return json.load(f)["results"][0]
 

@@ -9,9 +9,9 @@ a step's peak when it sits at the peak), the floor (the three GEMMs' 6 N D V FLO
 device's dense BF16 peak), and whether the chunks' float32 dW accumulation runs inside the
 weight-gradient GEMMs (cuBLAS with beta = 1, read off the optimized HLO) or as separate adds.
 
-  python benchmarks/bench_loss.py                       # GPU, OLMo-1B's head: N 16384, D 2048, V 50304
-  python benchmarks/bench_loss.py --tokens 8192 --hidden 4096 --vocab 128256 --untied   # Llama-3-8B, batch 4
-  JAX_PLATFORMS=cpu python benchmarks/bench_loss.py --tokens 512 --hidden 64 --vocab 1000 --chunks 128,256 --iters 2
+  python -m benchmarks.layer.bench_loss                       # GPU, OLMo-1B's head: N 16384, D 2048, V 50304
+  python -m benchmarks.layer.bench_loss --tokens 8192 --hidden 4096 --vocab 128256 --untied   # Llama-3-8B, batch 4
+  JAX_PLATFORMS=cpu python -m benchmarks.layer.bench_loss --tokens 512 --hidden 64 --vocab 1000 --chunks 128,256 --iters 2
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import median_ms
+from benchmarks._common import median_ms
 from coat_jax import ops
 from coat_jax.training import metrics as metrics_lib
 

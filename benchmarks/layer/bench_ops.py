@@ -4,8 +4,8 @@ Each row is one jitted `jax.vjp` + pullback of one op at the layer's shapes (M =
 tokens), median of --iters. `--backends` also times the FP8 modes with the jnp/XLA references
 instead of the Pallas kernels (coat_jax.kernels dispatch), so the kernels' share shows.
 
-  python benchmarks/bench_ops.py                                   # GPU, 7B layer shapes
-  JAX_PLATFORMS=cpu python benchmarks/bench_ops.py --tokens 256 --hidden 128 --ffn 344 --heads 2 --iters 2
+  python -m benchmarks.layer.bench_ops                                   # GPU, 7B layer shapes
+  JAX_PLATFORMS=cpu python -m benchmarks.layer.bench_ops --tokens 256 --hidden 128 --ffn 344 --heads 2 --iters 2
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from _common import median_ms
+from benchmarks._common import median_ms
 from coat_jax import kernels, ops
 
 MODES = ("bf16", "fp8_linear", "coat")

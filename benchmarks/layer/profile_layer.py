@@ -5,7 +5,7 @@ Traces --iters jitted fwd+bwd calls with jax.profiler, reads the XSpace back wit
 which GEMMs, quantize kernels and fusions the time goes to, and where the GPU sits idle between
 kernels (the largest gaps with the host events during them: benchmarks/_trace.py).
 
-  python benchmarks/profile_layer.py --modes coat,fp8_linear --top 25     # GPU
+  python -m benchmarks.layer.profile_layer --modes coat,fp8_linear --top 25     # GPU
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from _common import kernel_times, load_trace
-from _trace import gap_report, print_gap_report
+from benchmarks._common import kernel_times, load_trace
+from benchmarks._trace import gap_report, print_gap_report
 from coat_jax import ops
 from coat_jax.nn import DecoderBlock
 

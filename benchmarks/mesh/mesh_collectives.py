@@ -18,11 +18,11 @@ the weight gradients are all-reduced whole (XLA's GPU pipeline turns an all-redu
 the sharded slice into a reduce-scatter).
 
 CPU (8 simulated devices, ~1 min):
-  JAX_PLATFORMS=cpu python benchmarks/mesh_collectives.py
+  JAX_PLATFORMS=cpu python -m benchmarks.mesh.mesh_collectives
 CPU, the Hopper GEMM path (sharded.matmul_tn) with an XLA stand-in for the kernel (~1 min):
-  JAX_PLATFORMS=cpu python benchmarks/mesh_collectives.py --xla-gemm --modes fp8_linear,coat
+  JAX_PLATFORMS=cpu python -m benchmarks.mesh.mesh_collectives --xla-gemm --modes fp8_linear,coat
 GPU (8 H200s; --backend pallas: the per-shard Pallas kernels and the partitioned GEMM):
-  python benchmarks/mesh_collectives.py --backend pallas --tokens 16384 --hidden 4096 --ffn 11008
+  python -m benchmarks.mesh.mesh_collectives --backend pallas --tokens 16384 --hidden 4096 --ffn 11008
 """
 from __future__ import annotations
 

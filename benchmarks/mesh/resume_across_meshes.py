@@ -12,10 +12,10 @@ difference, the final eval losses, and writes a PNG of the curves. Each run writ
 directory inside --out-dir; nothing is deleted.
 
 GPU (2x H200; ~2 min with the tiny config):
-  python benchmarks/resume_across_meshes.py --devices-a 2 --devices-b 1 --reference \\
+  python -m benchmarks.mesh.resume_across_meshes --devices-a 2 --devices-b 1 --reference \\
       --set precision=coat --set optimizer.name=coat_adamw --json $OUT/resume.json --plot $OUT/resume.png
 CPU smoke (simulated devices, ~2 min on 2 cores):
-  JAX_PLATFORMS=cpu python benchmarks/resume_across_meshes.py --steps 8 --split 4 \\
+  JAX_PLATFORMS=cpu python -m benchmarks.mesh.resume_across_meshes --steps 8 --split 4 \\
       --set model.num_layers=1 --set data.batch_size=4 --set data.seq_len=32
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from _common import config_parser, device_env, pyplot, save_figure
+from benchmarks._common import config_parser, device_env, pyplot, save_figure
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -27,33 +27,33 @@ MFU = coat_jax.models.llama.flops_per_token x tokens/s / the devices' dense BF16
 denominator for every mode; coat_jax.training.metrics.mfu, n/a on CPU and unknown devices).
 
 GPU (H100; children get XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 unless it is set):
-  python benchmarks/bench_e2e.py --modes bf16+adamw,coat+coat_adamw --layers best --json $OUT/e2e.json
+  python -m benchmarks.step.bench_e2e --modes bf16+adamw,coat+coat_adamw --layers best --json $OUT/e2e.json
       # olmo-1b, batch 8: each mode scanned and unrolled, ratios against bf16's best (~5 min)
-  python benchmarks/bench_e2e.py --json $OUT/e2e_olmo1b.json --seconds-budget 450
+  python -m benchmarks.step.bench_e2e --json $OUT/e2e_olmo1b.json --seconds-budget 450
       # olmo-1b, seq 2048, batch 8, remat none: 3 modes, ~1.5 min each (compile ~1 min), ~5 min
-  python benchmarks/bench_e2e.py --modes coat+coat_adamw --find-max-batch --batch 8 \
+  python -m benchmarks.step.bench_e2e --modes coat+coat_adamw --find-max-batch --batch 8 \
       --steps 5 --json $OUT/e2e_maxbatch_coat.json --seconds-budget 450
       # doubling 8, 16, 32, ... until the first OOM; one mode per command (a compile per batch)
-  python benchmarks/bench_e2e.py --preset llama2-7b --remat full --batch 2 --steps 5 \
+  python -m benchmarks.step.bench_e2e --preset llama2-7b --remat full --batch 2 --steps 5 \
       --json $OUT/e2e_7b.json --seconds-budget 450
       # which modes fit on one 80 GB H100 (bf16/fp8_linear fail the static check in ~20 s each)
-  python benchmarks/bench_e2e.py --modes coat+coat_adamw --partitioning always --seconds-budget 200
+  python -m benchmarks.step.bench_e2e --modes coat+coat_adamw --partitioning always --seconds-budget 200
       # the mesh (custom_partitioning) code path on one GPU: compare with the same without the flag
-  python benchmarks/bench_e2e.py --preset llama2-7b --modes coat+coat_adamw --remat full \
+  python -m benchmarks.step.bench_e2e --preset llama2-7b --modes coat+coat_adamw --remat full \
       --batch 8 --steps 3 --warmup 1 --set model.param_dtype=bfloat16 \
       --set optimizer.master_rounding=stochastic --json $OUT/e2e_7b_bf16m.json --seconds-budget 450
       # 7B, bfloat16 master weights + SR (bfloat16 grads by construction): budget 42.0 GB
-  python benchmarks/bench_e2e.py --preset llama2-13b --modes coat+coat_adamw --remat full \
+  python -m benchmarks.step.bench_e2e --preset llama2-13b --modes coat+coat_adamw --remat full \
       --seq-len 4096 --batch 1 --steps 3 --warmup 1 --set model.param_dtype=bfloat16 \
       --set optimizer.master_rounding=stochastic --json $OUT/e2e_13b.json --seconds-budget 450
       # 13B on one H200: budget 80.4 GB (26.0 master + 26.0 grads + 27.0 FP8 moments + 1.3
       # SR step workspace)
-  python benchmarks/bench_e2e.py --preset llama2-7b --modes coat+coat_adamw --remat full \
+  python -m benchmarks.step.bench_e2e --preset llama2-7b --modes coat+coat_adamw --remat full \
       --batch 8 --compile-only --set model.loss_impl=logits
       # what a configuration will hold (XLA's prediction: arguments + its temp allocation, which
       # the GPU allocates whole, so it is the measured peak), in a compile (~20 s), no step run
 CPU smoke (~45 s on 2 cores):
-  JAX_PLATFORMS=cpu python benchmarks/bench_e2e.py --preset tiny --set model.num_layers=1 \
+  JAX_PLATFORMS=cpu python -m benchmarks.step.bench_e2e --preset tiny --set model.num_layers=1 \
       --seq-len 32 --batch 2 --steps 2 --warmup 1 --find-max-batch --max-batch 4 \
       --modes bf16+adamw,coat+coat_adamw --json /tmp/e2e_smoke.json
 """
@@ -66,16 +66,15 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from _common import Budget, device_env, parse_modes
-from _hlo import hlo_ops
+from benchmarks._common import Budget, device_env, module_command, parse_modes
+from benchmarks._hlo import hlo_ops
 from coat_jax.models.llama import REMAT_POLICIES  # no device is touched by this import
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 REMATS = tuple(REMAT_POLICIES)
 LAYERS = {"scanned": ("scanned",), "unrolled": ("unrolled",), "best": ("scanned", "unrolled")}
@@ -314,7 +313,7 @@ def run_child(args: argparse.Namespace, mode: str, batch: int, budget: Budget,
   """Runs `--one mode --batch batch` in a subprocess (its decoder blocks `layers`: "scanned" as
   configured, "unrolled" with model.scan_layers=false), streaming its output; returns its
   result, with `layers` recorded."""
-  cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mode, "--batch", str(batch),
+  cmd = module_command(__file__) + ["--one", mode, "--batch", str(batch),
          "--preset", args.preset, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
          "--warmup", str(args.warmup), "--remat", args.remat]
   if args.attention_impl:

@@ -39,13 +39,13 @@ a fused clip (max_grad_norm) only reads it for its norm, and coat_adamw's update
 read with the param by apply_updates) divided by the copy
 bandwidth measured here (a jitted x + 1 over a large array, read + write counted).
 
-  python benchmarks/bench_optimizer.py --profile              # GPU, full size
-  python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
-  python benchmarks/bench_optimizer.py --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,64x4,64x8
-  python benchmarks/bench_optimizer.py --rows apply_leaf,apply_cols --cols-tiles 32x4,64x8x4,128x8x8
-  python benchmarks/bench_optimizer.py --rows optax_chain,chain_leaf,coat_clip,apply_clip --profile
-  python benchmarks/bench_optimizer.py --rows optax,coat_leaf,coat_packed,apply_leaf,apply_packed
-  JAX_PLATFORMS=cpu python benchmarks/bench_optimizer.py --scale 0.001 --steps 3   # smoke check
+  python -m benchmarks.step.bench_optimizer --profile              # GPU, full size
+  python -m benchmarks.step.bench_optimizer --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
+  python -m benchmarks.step.bench_optimizer --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,64x4,64x8
+  python -m benchmarks.step.bench_optimizer --rows apply_leaf,apply_cols --cols-tiles 32x4,64x8x4,128x8x8
+  python -m benchmarks.step.bench_optimizer --rows optax_chain,chain_leaf,coat_clip,apply_clip --profile
+  python -m benchmarks.step.bench_optimizer --rows optax,coat_leaf,coat_packed,apply_leaf,apply_packed
+  JAX_PLATFORMS=cpu python -m benchmarks.step.bench_optimizer --scale 0.001 --steps 3   # smoke check
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from _common import kernel_times, time_calls
+from benchmarks._common import kernel_times, time_calls
 from coat_jax import kernels
 from coat_jax.optim import coat_adamw, coat_adamw_apply, optimizer_state_bytes
 

@@ -49,16 +49,16 @@ and each is keyed by (kernel, operand and result types, grid, body): one key is 
 module. The optimizer's kernels (jax-triton, not Mosaic GPU) are left to the reference there.
 Call sites: fwd/bwd (bwd: under a transpose) and the innermost model frame of the call. The jaxpr
 walk is `_signatures.py`'s.
-  JAX_PLATFORMS=cpu python benchmarks/compile_breakdown.py --signatures \
+  JAX_PLATFORMS=cpu python -m benchmarks.step.compile_breakdown --signatures \
       --variants coat:coat_adamw coat:coat_adamw/linear=amax=kernel/linear=weight_quantize=kernel
 
 GPU (one H100, <= 5.5 min; beside another job compile times are noisier: bf16 runs in the same
 call as the yardstick; carry .whl for jax-triton):
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
-  PYTHONPATH=/tmp/site python3 benchmarks/compile_breakdown.py --parallel 2 --seconds-budget 320 \
+  PYTHONPATH=/tmp/site python3 -m benchmarks.step.compile_breakdown --parallel 2 --seconds-budget 320 \
       --json $OUT/compile_breakdown.json --logs $OUT/compile_logs
 CPU smoke (~1 min):
-  JAX_PLATFORMS=cpu python benchmarks/compile_breakdown.py --preset tiny --seq-len 32 --batch 2 \
+  JAX_PLATFORMS=cpu python -m benchmarks.step.compile_breakdown --preset tiny --seq-len 32 --batch 2 \
       --set model.num_layers=1 --variants bf16:adamw coat:coat_adamw
 """
 from __future__ import annotations
@@ -76,11 +76,11 @@ import sys
 import time
 from pathlib import Path
 
-from _common import Budget
-from _hlo import FREE, parse_hlo
-from _signatures import as_if_on_hopper, family_counts, kernel_signatures, signature_backend
+from benchmarks._common import Budget, module_command
+from benchmarks._hlo import FREE, parse_hlo
+from benchmarks._signatures import as_if_on_hopper, family_counts, kernel_signatures, signature_backend
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULT_TAG = "RESULT "
 PHASE_TAG = "COMPILE_BREAKDOWN_PHASE "
 VMODULE = "hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1"
@@ -501,7 +501,7 @@ def parse_log(lines, module_prefix: str = "jit_train_step", phases=("compile",))
 
 
 def run_child(args, variant: dict, budget: Budget) -> dict:
-  cmd = [sys.executable, str(Path(__file__).resolve()), "--one", variant["name"],
+  cmd = module_command(__file__) + ["--one", variant["name"],
          "--preset", args.preset, "--seq-len", str(args.seq_len), "--batch", str(args.batch),
          "--remat", args.remat]
   for item in args.overrides:

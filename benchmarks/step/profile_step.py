@@ -20,24 +20,24 @@ zero fill, dynamic-update-slice writes, dynamic-slice reads), collectives, other
 forward / backward, unmapped.
 
 GPU, olmo-1b width (batch 8 x 2048) at 4 layers, scan vs loop per layer (~4 min):
-  python benchmarks/profile_step.py --set model.num_layers=4 --json $OUT/profile_step_l4.json \
+  python -m benchmarks.step.profile_step --set model.num_layers=4 --json $OUT/profile_step_l4.json \
       --variants bf16:scan,bf16:loop,coat:scan,coat:loop,coat:scan+vjploop,coat:scan+dsf
 The full 16-layer model (~3 min; the unrolled coat step compiled in 278 s in the fourth session,
 25 s in the thirteenth, so the loop variants are affordable at 16 layers now):
-  python benchmarks/profile_step.py --json $OUT/profile_step.json \
+  python -m benchmarks.step.profile_step --json $OUT/profile_step.json \
       --variants bf16:scan,bf16:loop,coat:scan,coat:loop
 (thirteenth session, scan: bf16 spends 30.7 ms a step in copies of the loop's residuals, coat
 6.1 ms; docs/benchmarks.md.)
 Which fusion is which (`+nocb`: every kernel named after its instruction; the top list then
 shows each one's output shape and op_name; --hlo-dir keeps the optimized HLO to read them in):
-  python benchmarks/profile_step.py --set model.num_layers=2 --variants coat:scan+nocb \
+  python -m benchmarks.step.profile_step --set model.num_layers=2 --variants coat:scan+nocb \
       --top 60 --hlo-dir $OUT/hlo
 Where a variant's extra memory goes (XLA's memory-usage reports of the compiled steps, diffed
 against the first variant; the dumps stay under DIR):
-  python benchmarks/profile_step.py --variants coat:scan,coat:scan+vjploop --buffers /tmp/dumps \
+  python -m benchmarks.step.profile_step --variants coat:scan,coat:scan+vjploop --buffers /tmp/dumps \
       --iters 1 --steps 2 --top 20
 CPU smoke (tiny shapes; no GPU kernels: the table stays empty, the HLO categories are listed):
-  JAX_PLATFORMS=cpu python benchmarks/profile_step.py --preset tiny --seq-len 32 --batch 2 \
+  JAX_PLATFORMS=cpu python -m benchmarks.step.profile_step --preset tiny --seq-len 32 --batch 2 \
       --set model.num_layers=2 --variants coat:scan --iters 1 --steps 1 --warmup 1
 """
 from __future__ import annotations
@@ -47,12 +47,11 @@ import collections
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import gpu_kernel_events, load_trace
+from benchmarks._common import REPO, gpu_kernel_events, load_trace, module_command
 
 RESULT_TAG = "RESULT "
 # Variant suffixes `+NAME` (several allowed: coat:scan+dsf+unroll2): XLA flags and config overrides.
@@ -132,8 +131,8 @@ def measure_one(a) -> dict:
   import jax
   import numpy as np
 
-  from _hlo import build_step, instruction_index, instruction_shapes
-  from _trace import gap_report
+  from benchmarks._hlo import build_step, instruction_index, instruction_shapes
+  from benchmarks._trace import gap_report
 
   precision, layout, extras = parse_variant(a.one)
   sets = a.sets + [s for e in extras for s in EXTRAS[e].get("sets", [])]
@@ -198,7 +197,7 @@ def _dump_dir(root: str, variant: str) -> Path:
 
 def _read_memory_report(root: str, variant: str) -> dict:
   """The train step's XLA memory-usage report from the variant's dump directory."""
-  from _hlo import memory_report
+  from benchmarks._hlo import memory_report
 
   paths = sorted(_dump_dir(root, variant).glob("*train_step*after_optimizations-memory-usage-report.txt"))
   if not paths:
@@ -212,7 +211,7 @@ def _read_peak_live(root: str, variant: str, hlo_text: str, launched: dict) -> d
   shape of any instruction of that name), and the peak by JAX op (`_hlo.live_range_peak`)."""
   import re
 
-  from _hlo import buffer_slots, live_range_peak, physical_bytes, physical_peak
+  from benchmarks._hlo import buffer_slots, live_range_peak, physical_bytes, physical_peak
 
   dump = _dump_dir(root, variant)
   paths = sorted(dump.glob("*train_step*after_optimizations-live-range.txt"))
@@ -237,7 +236,7 @@ def _read_peak_live(root: str, variant: str, hlo_text: str, launched: dict) -> d
 def print_buffer_diff(results: list[dict], top: int) -> None:
   """Each variant's temp buffers beyond (and short of) the first variant's, by XLA's reports;
   then what each variant holds at its memory peak."""
-  from _hlo import memory_report_diff
+  from benchmarks._hlo import memory_report_diff
 
   ok = [r for r in results if "rows" in (r.get("memory_report") or {})]
   if not ok:
@@ -287,7 +286,7 @@ def parse_variant(v: str) -> tuple[str, str, list[str]]:
 
 
 def run_child(a, variant: str) -> dict:
-  cmd = [sys.executable, str(Path(__file__).resolve()), "--one", variant, "--preset", a.preset,
+  cmd = module_command(__file__) + ["--one", variant, "--preset", a.preset,
          "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--iters", str(a.iters),
          "--steps", str(a.steps), "--warmup", str(a.warmup), "--top", str(a.top),
          "--gaps", str(a.gaps)]
@@ -304,10 +303,10 @@ def run_child(a, variant: str) -> dict:
                  "--xla_dump_hlo_module_re=.*train_step.*")
   if flags:
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
-  repo = str(Path(__file__).resolve().parents[1])
-  env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+  env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
   print(f"[profile_step] {variant}: starting", flush=True)
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.child_timeout)
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.child_timeout,
+                        cwd=REPO)
   for line in proc.stdout.splitlines():
     if line.startswith(RESULT_TAG):
       return json.loads(line[len(RESULT_TAG):])
@@ -317,7 +316,7 @@ def run_child(a, variant: str) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-  from _trace import print_gap_report
+  from benchmarks._trace import print_gap_report
 
   ok = [r for r in results if "category_ms" in r]
   if not ok:

@@ -23,9 +23,9 @@ H100 SXM peaks: `_common.H100`. With --profile (profile_step.py's --json of a bf
 variant), every category's measured GPU time is printed beside its floor, and what 1.43x of the
 bf16 step would ask of the coat-only categories (FP8 GEMM and quantize) with the rest as measured.
 
-  python benchmarks/step_floor.py                        # floors only (CPU, ~10 s)
-  python benchmarks/profile_step.py --variants bf16:loop,coat:loop --json $OUT/p.json   # GPU
-  python benchmarks/step_floor.py --profile $OUT/p.json
+  python -m benchmarks.step.step_floor                        # floors only (CPU, ~10 s)
+  python -m benchmarks.step.profile_step --variants bf16:loop,coat:loop --json $OUT/p.json   # GPU
+  python -m benchmarks.step.step_floor --profile $OUT/p.json
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ import os
 import sys
 from pathlib import Path
 
-from _common import H100
-from _hlo import step_config
-from _signatures import as_if_on_hopper, is_kernel, kernel_name, signature_backend
+from benchmarks._common import H100
+from benchmarks._hlo import step_config
+from benchmarks._signatures import as_if_on_hopper, is_kernel, kernel_name, signature_backend
 
 GEMM_KERNELS = ("coat_fp8_gemm",)           # prefix of the Mosaic GPU GEMM kernels' names
 QUANTIZE_KERNELS = ("quantiz", "swiglu", "amax")

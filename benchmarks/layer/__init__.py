@@ -1,0 +1,1 @@
+"""One decoder layer and its ops: time, memory held for the backward, GPU kernel profile, loss."""

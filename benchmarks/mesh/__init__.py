@@ -1,0 +1,1 @@
+"""Meshes: the collectives of sharded layers, checkpoints resumed across meshes."""
