@@ -2,7 +2,7 @@
 forward) against float64, against the unfused path (ops.lm_head + ops.softmax_cross_entropy), its
 memory claim (no tokens x vocab array anywhere in the differentiated program), the cotangent's
 scaling, the gradient-free evaluation, NaN, bad input, Llama.loss and the rule that picks it
-(the train step with it on a mesh: tests/test_train.py)."""
+(the train step with it on a mesh: tests/test_training_loop.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -88,7 +88,7 @@ def test_linear_saved_residuals(rng):
 def test_weight_is_reduced_once_a_step(options, rng):
   """The backward quantizes W with the forward's amax (a kept scalar): one max|W| per step, not
   one in each direction; the gradients are those of the forward's scale (checked against the
-  other options bit for bit in test_kernel_signatures / test_scan_residuals)."""
+  other options bit for bit in test_benchmarks_signatures / test_scan_residuals)."""
   x, w = bf16(rng, (4, 16, 64)), jnp.asarray(0.1 * rng.standard_normal((64, 48)), jnp.float32)
   ct = bf16(rng, (4, 16, 48))
 

@@ -6,7 +6,7 @@ import pytest
 from coat_jax.training.loop import run
 from tests.test_train import mini
 
-# The minuscule run of tests/test_train.py, in coat mode, logging every step.
+# The minuscule run of tests/test_training_loop.py, in coat mode, logging every step.
 COAT = ["run.log_every=1", "data.eval_batches=1", "run.steps=6", "precision=coat",
         "optimizer.name=coat_adamw", "optimizer.min_quantized_size=256", "optimizer.group_size=32"]
 QUIET = lambda _: None

@@ -3,7 +3,7 @@
 A checkpoint at step `s` holds:
   "state": every array leaf of the train state (parameters, optimizer state, other model state),
     keyed by its pytree path. Orbax stores float8_e4m3fn / float8_e5m2 / bfloat16 natively and
-    restores them bit-exactly (tests/test_train.py checks it).
+    restores them bit-exactly (tests/test_training_loop.py checks it).
   "meta" (JSON): step, the data position (batches are a pure function of (seed, step), so the
     step is the position), seed, the RNG key data, and the run config.
 
