@@ -72,6 +72,20 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
     assert re.search(pattern, lines[0]), (args, lines[0])
 
 
+def test_a_bad_kernel_override_is_one_line_and_exit_code_2(tmp_path, monkeypatch):
+  """COAT_JAX_KERNELS, the debugging override of the kernel backend: a bad value stops the run
+  before anything is written, with one line naming the variable."""
+  monkeypatch.setenv("COAT_JAX_KERNELS", "quantize=turbo")
+  out = tmp_path / "run"
+  proc = train_py("--no-progress", "--steps", "1", "--out-dir", str(out),
+                  *sets(MINI + [f"data.cache_dir={tmp_path / 'cache'}"]))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      "error: COAT_JAX_KERNELS: unknown kernel backend 'quantize=turbo'"), proc.stderr[-2000:]
+  assert not out.exists()
+
+
 def test_nothing_imports_train_py():
   """train.py is the command line only: the library is coat_jax.training."""
   pattern = re.compile(r"^\s*(import\s+train\b|from\s+train\s+import\b)|importlib.*[\"']train[\"']",

@@ -279,7 +279,6 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
   def eval_step(params, rest, tokens):
     return loss_fn(params, rest, tokens)[0]
 
-  kernels.current_backend()   # a bad COAT_JAX_KERNELS: its one-line error now, before any trace
   train_step = kernels.use(kernel_config)(train_step)
   eval_step = kernels.use(kernel_config)(eval_step)
   state_sh = (parts.params_shardings, opt_shardings, parts.rest_shardings)
@@ -327,6 +326,7 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
   extra_tx: chained after the config's optimizer (its state replicated); the step then uses
     tx.update + apply_updates instead of the fused coat_adamw_apply.
   """
+  kernels.current_backend()   # a bad COAT_JAX_KERNELS: its one-line ValueError now, not in a trace
   shards = mesh_lib.batch_shards(mesh)
   if cfg.data.batch_size % shards:
     raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by the mesh's "

@@ -72,8 +72,8 @@ def available() -> bool:
 
 
 GROUP_AXES = (-1, -2)
-# Default tiles (read when adam_step is traced; benchmarks/bench_optimizer.py --cols-tiles sweeps
-# the column ones, calling jax.clear_caches() between settings).
+# Default tiles (read when adam_step is traced; benchmarks/step/bench_optimizer.py --cols-tiles
+# sweeps the column ones, calling jax.clear_caches() between settings).
 ROWS_BLOCK, ROWS_WARPS = 16, 4   # group_axis -1: rows of G per program, warps
 COLS_BLOCK, COLS_WARPS = 32, 8   # group_axis -2: columns per G-row tile (32 FP8 bytes: one DRAM
                                  # sector per row), warps

@@ -20,8 +20,8 @@ is a within-warp lane shuffle (Mosaic GPU's TiledLayout reduction), the scale a 
 stored to shared memory and written by TMA. Max here is NaN-propagating (PTX max.NaN), so a NaN
 group gives a NaN amax without a second reduction; inf fails the `amax < inf` test.
 
-Measured on the H100 (benchmarks/bench_kernels_mgpu.py, 8192^2 bf16, % of a device copy's GB/s):
-per-group quantize 82-88%, tile maxima 86-92%, per-group dequantize 79-80%, per-tensor 90%,
+Measured on the H100 (benchmarks/kernels/bench_kernels_mgpu.py, 8192^2 bf16, % of a device
+copy's GB/s): per-group quantize 82-88%, tile maxima 86-92%, per-group dequantize 79-80%, per-tensor 90%,
 per-tensor + transposed copy 87-91%; codes and scales bit-identical to the jnp references on the
 GPU (XLA and Mosaic GPU both divide with div.full.f32; numpy's IEEE division can differ by one code).
 
@@ -182,8 +182,8 @@ def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float,
     block: at most this many groups (rows) per pipeline step (64..1024; 128 measured best on the
       H100: 2.27 TB/s for 8192^2 bf16 with G = 16, 84% of a copy).
     max_ctas, stages: the pipeline's CTA cap and shared-memory slots (rows_mgpu.launch); tunables
-      swept by benchmarks/bench_kernels_mgpu.py --sweep (block, max_ctas, stages likewise for the
-      other kernels here).
+      swept by benchmarks/kernels/bench_kernels_mgpu.py --sweep (block, max_ctas, stages likewise
+      for the other kernels here).
   Returns:
     (q: out_dtype x.shape, scale: scale_dtype (..., N / G)).
   """

@@ -54,7 +54,8 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
   Each CTA cycles through `stages` shared-memory slots (2: double buffering): blocks s+1 ..
   s+stages-1 are loaded while block s is computed, and up to stages-1 steps' stores drain while
   later blocks are computed (`wait_smem_to_gmem(stages - 1)` before a slot's buffers are reused).
-  max_ctas caps the CTAs (the grid); both are tunables (benchmarks/bench_kernels_mgpu.py --sweep).
+  max_ctas caps the CTAs (the grid); both are tunables
+  (benchmarks/kernels/bench_kernels_mgpu.py --sweep).
   """
   if stages < 2:
     raise ValueError(f"launch: stages must be >= 2, got {stages}")
