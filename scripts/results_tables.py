@@ -125,7 +125,8 @@ HEADLINE = [
 
 
 def headline(src: Sources) -> list[str]:
-  out = ["| claim | bf16 + optax.adamw | coat + coat_adamw | coat vs bf16 | GPU, date | command | raw |",
+  out = ["| claim | bf16 + optax.adamw | coat + coat_adamw | coat vs bf16 | GPU, date | command "
+         "| raw |",
          "|---|---|---|---|---|---|---|"]
   for claim, sid, sel_b, sel_c, spec, kind in HEADLINE:
     b, c = src.value(sid, sel_b), src.value(sid, sel_c)
@@ -220,7 +221,8 @@ def layer_fp8_attention(src: Sources) -> list[str]:
   sid = "layer7b_fp8_attention_residuals_h100"
   r = src.value(sid, "results.0")
   out = ["| | fwd + bwd ms | held MB |", "|---|---|---|",
-         f"| coat, `attention_residuals: fp8` | {r['fwd_bwd_ms']:.2f} | {r['held_bytes'] / 1e6:.1f} |"]
+         f"| coat, `attention_residuals: fp8` | {r['fwd_bwd_ms']:.2f} "
+         f"| {r['held_bytes'] / 1e6:.1f} |"]
   return out + ["", source_line(src, sid)]
 
 
@@ -229,7 +231,8 @@ def optimizer(src: Sources) -> list[str]:
   rows = [("optax.adamw (XLA)", [("optax_wall_ms", ".2f"), ("optax_kernel_ms", ".2f"),
                                  ("optax_bytes", ".2f")]),
           ("coat_adamw_apply, default (`group_axis=\"coat\"`), per leaf",
-           [("coat_default_wall_ms", ".2f"), ("coat_default_kernel_ms", ".2f"), ("coat_bytes", ".2f")]),
+           [("coat_default_wall_ms", ".2f"), ("coat_default_kernel_ms", ".2f"),
+            ("coat_bytes", ".2f")]),
           ("same, `state_layout=\"packed\"`", [("coat_default_packed_wall_ms", ".2f"),
                                               ("coat_default_packed_kernel_ms", ".2f"),
                                               ("coat_bytes", ".2f")]),
@@ -263,7 +266,8 @@ def big_models(src: Sources) -> list[str]:
   for b in (4, 8):
     mfu = v("b8_mfu") if b == 8 else ""
     out.append(f"| Llama-2-7B | {gpu} | bf16 + optax.adamw, float32 master weights, remat full "
-               f"| {b} | {v(f'b{b}_peak_gb'):.2f} | {v(f'b{b}_tokens'):,.0f} | {mfu} | {date} | {raw} |")
+               f"| {b} | {v(f'b{b}_peak_gb'):.2f} | {v(f'b{b}_tokens'):,.0f} | {mfu} | {date} "
+               f"| {raw} |")
   for i in (0, 1):
     row("Llama-2-13B", "llama2_13b_h200", sr, f"max_batch.coat+coat_adamw.{i}")
   out += ["", "Commands:", ""]
@@ -347,7 +351,11 @@ def step_floor(src: Sources) -> list[str]:
     name, nums = line[:23].strip(), line[23:]
     cells = [nums[i:i + 11].strip() for i in range(0, 44, 11)]
     out.append("| " + " | ".join([name] + cells) + " |")
-  out += ["", lines[11], "", lines[12], "", source_line(src, sid)]
+  notes = [line for line in lines[11:] if line.strip()]
+  notes = notes[:notes.index(next(n for n in notes if n.startswith("===")))]
+  for note in notes:
+    out += ["", note]
+  out += ["", source_line(src, sid)]
   return out
 
 
