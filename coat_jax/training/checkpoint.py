@@ -59,7 +59,9 @@ def unreadable_reason(e: BaseException) -> str:
     text = re.sub(r"\s*\[tensorstore_spec=.*$", "", str(err), flags=re.S)
     text = " ".join(text.split())
     if text and not re.fullmatch(r"<[^<>]* object at 0x[0-9a-fA-F]+>", text):
-      return f"{type(err).__name__}: {text}"[:400]
+      text = f"{type(err).__name__}: {text}"
+      # tensorstore nests "what: while doing: ...: cause": keep the head and the cause
+      return text if len(text) <= 400 else f"{text[:120]} ... {text[-240:]}"
   return type(chain[0]).__name__
 
 
