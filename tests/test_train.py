@@ -257,6 +257,7 @@ def test_sigint_mid_run_leaves_a_checkpoint_to_resume(cache, tmp_path):
   done = json.loads((out / "summary.json").read_text())
   assert done["interrupted"] == "SIGINT" and 3 <= done["step"] < 100000
   assert ckpt_lib.Checkpointer(out / "checkpoints", 0, 3, False).latest_step() == done["step"]
-  resumed = run(mini(cache, out, f"run.steps={done['step'] + 2}"), resume=True, log=QUIET)
+  resumed = run(mini(cache, out, f"run.steps={done['step'] + 2}"), resume=True, log=QUIET,
+                allow_steps_change=True)
   assert sorted(resumed["losses"]) == [done["step"] + 1, done["step"] + 2]
   assert np.isfinite(resumed["train_loss_last"])

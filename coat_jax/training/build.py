@@ -248,7 +248,8 @@ def model_parts(llama_cfg, seed: int, mesh, group_size: int | None = None,
 
 
 def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, accumulate: int = 1,
-               accumulate_dtype: str = "float32", grad_dtype: str = "param"):
+               accumulate_dtype: str = "float32", grad_dtype: str = "param",
+               skip_nonfinite: bool = False):
   """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
 
   train_step(params, opt_state, rest, tokens) -> (params, opt_state, rest, {"loss", "grad_norm"});
@@ -256,6 +257,8 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
   apply_fn: (grads, opt_state, params) -> (params, opt_state); default `optax_apply(tx)`.
   accumulate: microbatches per step (training/accumulate.py); the loss is their mean.
   grad_dtype: "param" or "bfloat16" (gradients of a bfloat16 copy of the weights; accumulate.py).
+  skip_nonfinite: a step whose loss or gradient norm is not finite returns params and optimizer
+    state unchanged (`lax.cond`: the update is not computed; `run.on_nonfinite: skip`).
   """
   apply_fn = apply_fn or optax_apply(tx)
   batch_sh, rep = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
@@ -268,10 +271,18 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
 
   grad_fn = accumulated_value_and_grad(loss_fn, accumulate, accumulate_dtype, grad_dtype)
 
+  def keep(grads, opt_state, params):
+    return params, opt_state
+
   def train_step(params, opt_state, rest, tokens):
     (loss, rest), grads = grad_fn(params, rest, tokens)
-    params, opt_state = apply_fn(grads, opt_state, params)
-    return params, opt_state, rest, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    grad_norm = optax.tree.norm(grads)
+    if skip_nonfinite:
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      params, opt_state = jax.lax.cond(finite, apply_fn, keep, grads, opt_state, params)
+    else:
+      params, opt_state = apply_fn(grads, opt_state, params)
+    return params, opt_state, rest, {"loss": loss, "grad_norm": grad_norm}
 
   def eval_step(params, rest, tokens):
     return loss_fn(params, rest, tokens)[0]
@@ -351,7 +362,8 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     apply_fn = optax_apply(tx)
   train_step, eval_step = make_steps(parts, tx, opt_sh, mesh, apply_fn, accumulate=micro,
                                      accumulate_dtype=cfg.optimizer.accumulate_dtype,
-                                     grad_dtype=cfg.optimizer.grad_dtype)
+                                     grad_dtype=cfg.optimizer.grad_dtype,
+                                     skip_nonfinite=cfg.run.on_nonfinite == "skip")
   opt_init = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)
 
   def init(seed: int | None = None):

@@ -9,25 +9,60 @@ A checkpoint at step `s` holds:
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete, so a save
 interrupted by a crash or a kill never replaces the last good checkpoint; leftover temporary
-directories are ignored and cleaned up by the next run.
+directories are ignored and cleaned up by the next run. A state holding a NaN or an infinity is
+never written (DivergedError instead: divergence.check_finite, one reduction on the device).
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from coat_jax.training.divergence import check_finite
+
 _STATE, _META = "state", "meta"
+# tensorstore's reads of a damaged checkpoint finish on orbax's event loop after it closed: each
+# reports "Event loop is closed" through sys.unraisablehook, tens of tracebacks for one skip.
+_CLOSED_LOOP = "Event loop is closed"
+
+
+def _drop_closed_loop_reports(previous):
+  def hook(report):
+    if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == _CLOSED_LOOP):
+      previous(report)
+  hook.drops_closed_loop_reports = True
+  return hook
 
 
 def _quiet_orbax() -> None:
   for name in ("absl", "orbax", "orbax.checkpoint"):
     logging.getLogger(name).setLevel(logging.WARNING)
+  if not getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
+    sys.unraisablehook = _drop_closed_loop_reports(sys.unraisablehook)
+
+
+def unreadable_reason(e: BaseException) -> str:
+  """One line on why a checkpoint did not read back: the cause's message, without tensorstore's
+  spec dump, and never a bare object repr (the first message in the exception chain that is)."""
+  chain, seen = [], set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  for err in chain:
+    text = re.sub(r"\s*\[tensorstore_spec=.*$", "", str(err), flags=re.S)
+    text = " ".join(text.split())
+    if text and not re.fullmatch(r"<[^<>]* object at 0x[0-9a-fA-F]+>", text):
+      text = f"{type(err).__name__}: {text}"
+      # tensorstore nests "what: while doing: ...: cause": keep the head and the cause
+      return text if len(text) <= 400 else f"{text[:120]} ... {text[-240:]}"
+  return type(chain[0]).__name__
 
 
 def _is_key(x: Any) -> bool:
@@ -118,8 +153,10 @@ class Checkpointer:
     """Saves `state` (a pytree of arrays) and JSON `meta` at `step` if due (or `force`); True if saved."""
     if not (force or self.should_save(step)) or self._last_saved == step:
       return False
+    flat = flatten_state(keys_to_data(state))
+    check_finite(flat, f"checkpoint of step {step} in {self.directory}")
     args = self._ocp.args.Composite(**{
-        _STATE: self._ocp.args.StandardSave(flatten_state(keys_to_data(state))),
+        _STATE: self._ocp.args.StandardSave(flat),
         _META: self._ocp.args.JsonSave(meta),
     })
     self._manager.save(step, args=args, force=True)
@@ -177,7 +214,7 @@ class Checkpointer:
       except CheckpointMismatch:
         raise  # readable, but another run's layout: stop, rename nothing
       except Exception as e:  # orbax/tensorstore/json raise many types; all mean "unreadable" here
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        reason = unreadable_reason(e)
         tried.append(f"step {s} ({reason})")
         log(f"[checkpoint] step {s} in {self.directory} is unreadable: {reason}")
         if step is None:

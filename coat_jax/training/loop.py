@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -27,7 +26,10 @@ import numpy as np
 from coat_jax.training import checkpoint as ckpt_lib
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import metrics as metrics_lib
+from coat_jax.training import run_dir
 from coat_jax.training.build import Built, build, dataset_from_config
+from coat_jax.training.divergence import NonFiniteGuard
+from coat_jax.training.errors import BadInputError
 from coat_jax.training.schema import RunConfig
 from coat_jax.training.step_log import StepLogger, summary_line
 
@@ -48,7 +50,9 @@ class StopRequest:
   def _handler(self, signum, frame):
     if self.reason is not None:  # second signal: stop now
       self.uninstall()
-      raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+      interrupt = KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+      interrupt.signum = signum  # train.py exits with 128 + signum
+      raise interrupt
     self.request(signal.Signals(signum).name)
 
   def install(self) -> None:
@@ -72,31 +76,6 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     elif a != b:
       out.append(f"{prefix}{k}: {a!r} -> {b!r}")
   return out
-
-
-def earlier_run(out_dir: Path, ckpt_dir: Path) -> list[str]:
-  """What of an earlier run lies in these directories: metrics.jsonl and checkpoint steps."""
-  found = [str(out_dir / "metrics.jsonl")] if (out_dir / "metrics.jsonl").is_file() else []
-  if ckpt_dir.is_dir():
-    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
-    if steps:
-      found.append(f"checkpoints {', '.join(map(str, steps))} in {ckpt_dir}")
-  return found
-
-
-def clear_earlier_run(out_dir: Path, ckpt_dir: Path, overwrite: bool) -> None:
-  """Refuses (ValueError) a fresh run into an earlier run's directories, or with `overwrite`
-  deletes that run's checkpoints and logs."""
-  found = earlier_run(out_dir, ckpt_dir)
-  if not found:
-    return
-  if not overwrite:
-    raise ValueError(f"{out_dir} holds an earlier run ({'; '.join(found)}): continue it with "
-                     f"--resume, choose a new --out-dir, or replace it with --overwrite")
-  shutil.rmtree(ckpt_dir, ignore_errors=True)
-  shutil.rmtree(out_dir / "tb", ignore_errors=True)
-  for name in ("metrics.jsonl", "summary.json", "loss.png", "config.yaml"):
-    (out_dir / name).unlink(missing_ok=True)
 
 
 def first_train_loss(records: list[dict], history: dict[int, float]) -> float | None:
@@ -133,30 +112,53 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         devices: list[jax.Device] | None = None, log: Callable[[str], None] = print,
         on_step: Callable[[int, "StopRequest"], None] | None = None,
         stop: StopRequest | None = None, overwrite: bool = False,
-        resume_from: int | None = None) -> dict:
+        resume_from: int | None = None, allow_steps_change: bool = False) -> dict:
   """Trains per `cfg`; returns a summary dict (final losses, throughput, memory, per-step losses).
 
   Args:
     resume: continue from the newest intact checkpoint in the checkpoint directory (fresh start if
-      none at all; unreadable ones are reported and skipped). resume_from: that step (implies resume).
+      there is no earlier run at all; unreadable ones are reported and set aside; with none left
+      but an earlier run's metrics, BadInputError). resume_from: that step (implies resume).
     stop_after: stop once this many steps are done (checkpointing), keeping `run.steps`' schedule.
     devices: devices for the mesh (default: all).
     on_step: called as on_step(step, stop) after every step; `stop.request(reason)` ends the run
       with a checkpoint, as a signal does.
     stop: a StopRequest to use (its signal handlers are installed for the duration of the run).
     overwrite: a fresh run (no `resume`) replaces an earlier run's checkpoints and logs in its
-      directories; without it such a run is refused (ValueError), and nothing is deleted.
+      directories (run_dir.clear_earlier_run: only what a run wrote); without it such a run is
+      refused (BadInputError), and nothing is deleted.
+    allow_steps_change: resume a checkpoint written with another `run.steps` (the learning-rate
+      schedule is recomputed for the new length); without it that is refused.
+
+  The output directory is locked for the run (run_dir.DirLock): a second run on it stops with
+  BadInputError. Errors carry their exit status (errors.py): a non-finite loss DivergedError,
+  an output directory that is gone or full StorageError / OSError.
   """
-  t_start = time.time()
   resume = resume or resume_from is not None
+  out_dir = run_dir.expand(cfg.run.out_dir)
+  ckpt_dir = run_dir.expand(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+  dirs = run_dir.RunDirs(out_dir, ckpt_dir, is_main=jax.process_index() == 0)
+  try:
+    dirs.lock()
+    if not resume:
+      run_dir.clear_earlier_run(out_dir, ckpt_dir, overwrite)
+    return _run(cfg, dirs, resume=resume, stop_after=stop_after, devices=devices, log=log,
+                on_step=on_step, stop=stop, resume_from=resume_from,
+                allow_steps_change=allow_steps_change)
+  finally:
+    dirs.release()
+
+
+def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int | None,
+         devices: list[jax.Device] | None, log: Callable[[str], None],
+         on_step: Callable[[int, "StopRequest"], None] | None, stop: StopRequest | None,
+         resume_from: int | None, allow_steps_change: bool) -> dict:
+  t_start = time.time()
   is_main = jax.process_index() == 0
-  out_dir = Path(cfg.run.out_dir)
+  out_dir, ckpt_dir = dirs.out_dir, dirs.ckpt_dir
   say = log if is_main else (lambda _: None)
   total_steps = cfg.run.steps
   end_step = total_steps if stop_after is None else min(total_steps, stop_after)
-  ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
-  if not resume:
-    clear_earlier_run(out_dir, ckpt_dir, overwrite)
 
   use_compile_cache(cfg.run.compile_cache, say)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
@@ -165,6 +167,9 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
   llama_cfg = built.llama_cfg
   dataset.check_vocab(llama_cfg.vocab_size)
   out_dir.mkdir(parents=True, exist_ok=True)  # only once the data and model config are good
+  dirs.lock(create=True)
+  if not resume:  # another run may have written here since the check (then released its lock)
+    run_dir.clear_earlier_run(out_dir, ckpt_dir, overwrite=False)
   from coat_jax.models import llama as llama_lib
 
   n_params = llama_lib.num_params(llama_cfg)
@@ -182,8 +187,9 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir, cfg.checkpoint.every, cfg.checkpoint.keep,
                                          cfg.checkpoint.async_save)
     cleanup.callback(checkpointer.close)
-    params, opt_state, rest, start_step, run_key = restore_or_init(cfg, checkpointer, built,
-                                                                    resume, say, resume_from)
+    params, opt_state, rest, start_step, run_key = restore_or_init(
+        cfg, checkpointer, built, resume, say, resume_from, allow_steps_change,
+        earlier=run_dir.earlier_run(out_dir, ckpt_dir) + run_dir.set_aside(ckpt_dir))
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
     metrics = None
     if is_main:
@@ -214,8 +220,10 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
 
     bar = tqdm(total=end_step, initial=start_step, disable=not (cfg.run.progress and is_main),
                dynamic_ncols=True, desc="train", file=sys.stderr)
+    guard = NonFiniteGuard(cfg.run.on_nonfinite, cfg.run.max_nonfinite_steps, str(ckpt_dir),
+                           lambda line: (say if bar.disable else bar.write)(line))
     logger = StepLogger(metrics, bar, say, built.schedule, flops_per_token, tokens_per_step, devices_used,
-                        dataset.epoch_of)
+                        dataset.epoch_of, check=guard.check)
     eval_history: dict[int, float] = {}
     step, interrupted = start_step, None
     stop = stop or StopRequest()
@@ -230,6 +238,8 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
           eval_history[step] = evaluate(step)
           if eval_history[step] is not None:  # None: no held-out batches configured
             (say if bar.disable else bar.write)(f"[eval] step {step}: loss {eval_history[step]:.4f}")
+        if checkpointer.should_save(step):
+          logger.sync()  # the losses up to here are finite (or skipped) before a checkpoint
         save(step, force=False)
         if on_step is not None:
           on_step(step, stop)
@@ -261,6 +271,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,
         "flops_per_token": flops_per_token, "wall_s": time.time() - t_start,
         "first_step_s": logger.first_step_s,
+        "nonfinite_steps_skipped": guard.skipped,
         "losses": history, "eval_losses": eval_history, "out_dir": str(out_dir),
         "checkpoint_dir": str(ckpt_dir),
     }
@@ -276,9 +287,18 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
 
 
 def restore_or_init(cfg: RunConfig, checkpointer, built: Built, resume: bool, say,
-                    resume_from: int | None = None):
-  """(params, opt_state, rest, start_step, run_key): from the latest checkpoint or freshly made."""
+                    resume_from: int | None = None, allow_steps_change: bool = False,
+                    earlier: list[str] = ()):
+  """(params, opt_state, rest, start_step, run_key): from the latest checkpoint or freshly made.
+
+  `earlier`: what of an earlier run the directories hold (run_dir.earlier_run, set-aside
+  checkpoints); a resume that finds no checkpoint refuses to start afresh over it.
+  """
   if not (resume and (checkpointer.latest_step() is not None or resume_from is not None)):
+    if resume and earlier:
+      raise BadInputError(f"--resume: no intact checkpoint in {checkpointer.directory}, but an "
+                          f"earlier run is there ({'; '.join(earlier)}); starting afresh would "
+                          f"replace its logs: use --overwrite for that, or a new --out-dir")
     if resume:
       say(f"[run] --resume: no checkpoint in {checkpointer.directory}, starting from scratch")
     params, opt_state, rest = built.init()
@@ -289,6 +309,12 @@ def restore_or_init(cfg: RunConfig, checkpointer, built: Built, resume: bool, sa
     raise ValueError(f"checkpoint {checkpointer.directory}/{step} was written with seed "
                      f"{meta.get('seed')} at data position {meta.get('data_position')}; this run "
                      f"has seed {cfg.run.seed}: resuming would not continue the same run")
+  steps_then = meta.get("config", {}).get("run", {}).get("steps", cfg.run.steps)
+  if steps_then != cfg.run.steps and not allow_steps_change:
+    raise BadInputError(f"checkpoint {checkpointer.directory}/{step} is of a run of run.steps="
+                        f"{steps_then}; this run has run.steps={cfg.run.steps}, which changes the "
+                        f"learning-rate schedule: resume with run.steps={steps_then}, or pass "
+                        f"--allow-steps-change to continue on the new schedule")
   ignore = ("run", "checkpoint")
   diff = config_diff({k: v for k, v in meta.get("config", {}).items() if k not in ignore},
                       {k: v for k, v in cfg.to_dict().items() if k not in ignore})

@@ -17,11 +17,10 @@ config_io.py does the generic part (types, YAML, overrides), this file the value
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_AXIS, OPTIMIZER_GROUP_SIZE
 from coat_jax.ops.attention import ATTENTION_RESIDUALS
@@ -33,6 +32,9 @@ from coat_jax.training.accumulate import ACCUM_DTYPES, GRAD_DTYPES
 OPTIMIZERS = ("adamw", "coat_adamw")
 SCHEDULES = ("cosine", "constant", "linear")
 DATA_KINDS = ("stdlib", "tokens", "text", "jsonl")
+ON_NONFINITE = ("stop", "skip")
+MAX_INT = 2**63 - 1        # every int setting fits int64 (a seed up to this is a valid JAX key)
+MAX_BATCH_TOKENS = 2**31   # tokens of one batch (batch_size x (seq_len + 1)): int32 positions
 TOKEN_DTYPES = ("uint16", "uint32")
 FP8_STATE_FORMATS = ("e4m3", "e5m2", "int8")
 
@@ -200,6 +202,10 @@ class RunSettings:
   `compile_cache`: JAX's persistent compilation cache directory ("" = off). A restarted or
   resumed run then skips the compile (minutes for coat mode on the GPU: every FP8 GEMM call site
   is a Pallas kernel of its own).
+  `on_nonfinite`: what a non-finite loss or gradient norm does: "stop" (default: the run ends
+  with exit status 3, writing no checkpoint of the diverged state) or "skip" (the step leaves
+  params and optimizer state as they were; `max_nonfinite_steps` such steps in a row stop the run
+  as "stop" does). `out_dir` and `checkpoint.dir` may start with `~`.
   """
   steps: int = 300
   seed: int = 0
@@ -210,6 +216,8 @@ class RunSettings:
   tensorboard: bool = True
   plot: bool = True
   compile_cache: str = "~/.cache/coat_jax/xla"
+  on_nonfinite: str = "stop"
+  max_nonfinite_steps: int = 10
 
 
 @dataclasses.dataclass
@@ -227,7 +235,7 @@ class RunConfig:
     return dataclasses.asdict(self)
 
   def to_yaml(self) -> str:
-    return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    return config_io.dump_yaml(self.to_dict())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,8 +248,21 @@ def _one_of(value: str, choices, key: str) -> None:
                      f"got {value!r}{config_io.suggest(value, choices)}")
 
 
+def _check_numbers(node: Any, where: str = "") -> None:
+  """Every float setting finite, every int one within int64 (`MAX_INT`)."""
+  for f in dataclasses.fields(node):
+    value, key = getattr(node, f.name), where + f.name
+    if dataclasses.is_dataclass(value):
+      _check_numbers(value, key + ".")
+    elif isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f"config key {key!r} must be a finite number, got {value!r}")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+      raise ValueError(f"config key {key!r} is out of range (at most 2**63 - 1), got {value}")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
   """Checks values (choices and ranges) that types alone do not catch; returns `cfg`."""
+  _check_numbers(cfg)
   _one_of(cfg.precision, PRECISIONS, "precision")
   o = cfg.optimizer
   _one_of(o.name, OPTIMIZERS, "optimizer.name")
@@ -260,7 +281,8 @@ def validate(cfg: RunConfig) -> RunConfig:
               "data.seq_len": cfg.data.seq_len, "data.batch_size": cfg.data.batch_size,
               "data.vocab_size": cfg.data.vocab_size, "data.corpus_max_bytes": cfg.data.corpus_max_bytes,
               "run.steps": cfg.run.steps, "run.log_every": cfg.run.log_every,
-              "checkpoint.keep": cfg.checkpoint.keep}
+              "checkpoint.keep": cfg.checkpoint.keep,
+              "run.max_nonfinite_steps": cfg.run.max_nonfinite_steps}
   non_negative = {"optimizer.warmup": o.warmup, "optimizer.weight_decay": o.weight_decay,
                   "optimizer.clip": o.clip, "optimizer.eps": o.eps,
                   "optimizer.min_lr_ratio": o.min_lr_ratio, "data.eval_batches": cfg.data.eval_batches,
@@ -275,7 +297,11 @@ def validate(cfg: RunConfig) -> RunConfig:
   for key, value in (("optimizer.b1", o.b1), ("optimizer.b2", o.b2)):
     if not 0.0 <= value < 1.0:
       raise ValueError(f"config key {key!r} must be in [0, 1), got {value!r}")
+  _one_of(cfg.run.on_nonfinite, ON_NONFINITE, "run.on_nonfinite")
   d = cfg.data
+  if d.batch_size * (d.seq_len + 1) > MAX_BATCH_TOKENS:
+    raise ValueError(f"data.batch_size={d.batch_size} x (data.seq_len + 1 = {d.seq_len + 1}) "
+                     f"tokens per batch is more than 2**31")
   _one_of(d.kind, DATA_KINDS, "data.kind")
   _one_of(d.dtype, TOKEN_DTYPES, "data.dtype")
   if not 0.0 <= d.eval_fraction < 1.0:
