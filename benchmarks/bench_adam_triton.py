@@ -16,7 +16,7 @@ calls (one block at the end: the GPU time once dispatch overlaps), best of --rep
 --profile adds the GPU kernel time per call from a profiler trace.
 
   python3 benchmarks/bench_adam_triton.py                                 # ~2 min on an H100
-  python3 benchmarks/bench_adam_triton.py --axes cols --cols-tiles 32x4,64x8x4,128x8x8 --profile
+  python3 benchmarks/bench_adam_triton.py --axes cols --cols-tiles 16x4,32x4,64x8 --profile
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def run_setting(size_arg: str, axis: str, tile, leaves, args) -> list[dict]:
   cache = jax_triton.triton_lib._COMPILED_KERNEL_CACHE
   at.SIZE_ARG = size_arg
   if tile is not None:
-    at.COLS_BLOCK, at.COLS_CHUNK, at.COLS_WARPS = tile
+    at.COLS_BLOCK, at.COLS_WARPS = tile
   jax.clear_caches()
   cache.clear()
   group_axis = AXES[axis]
@@ -138,8 +138,7 @@ def run_setting(size_arg: str, axis: str, tile, leaves, args) -> list[dict]:
 
 
 def tile_name(tile) -> str:
-  return "-" if tile is None else "x".join(map(str, tile[:2] if tile[1] else tile[:1])) + \
-      f"x{tile[2]}w"
+  return "-" if tile is None else f"{tile[0]}x{tile[1]}w"
 
 
 def summarize(rows: list[dict]) -> None:
@@ -175,8 +174,8 @@ def main(argv=None):
                       help=f"comma-separated SIZE_ARG settings of {at.SIZE_ARGS}")
   parser.add_argument("--axes", default="rows,cols", help="kernels: rows (group_axis -1), cols")
   parser.add_argument("--cols-tiles", default="",
-                      help="column tiles BLOCKxWARPS or BLOCKxCHUNKxWARPS,... (default the "
-                           "kernel's COLS_BLOCK / COLS_CHUNK / COLS_WARPS)")
+                      help="column tiles BLOCKxWARPS,... (default the kernel's COLS_BLOCK / "
+                           "COLS_WARPS)")
   parser.add_argument("--leaves", default=";".join(",".join(map(str, s)) for s in LEAVES),
                       help="leaf shapes, ';'-separated, e.g. '4096,11008;16,2048'")
   parser.add_argument("--calls", type=int, default=30)
@@ -191,7 +190,7 @@ def main(argv=None):
     parser.error(f"--size-args from {at.SIZE_ARGS}, --axes from {list(AXES)}")
   try:
     tiles = (at.parse_cols_tiles(args.cols_tiles)
-             or [(at.COLS_BLOCK, at.COLS_CHUNK, at.COLS_WARPS)])
+             or [(at.COLS_BLOCK, at.COLS_WARPS)])
   except ValueError as e:
     parser.error(str(e))
   leaves = [tuple(int(x) for x in s.split(",")) for s in args.leaves.split(";") if s.strip()]
