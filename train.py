@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from coat_jax.training import schema
+from coat_jax.training.errors import EXIT_BAD_INPUT, RunError
 from coat_jax.training.loop import exit_status, run
 from coat_jax.training.schema import RunConfig
 
@@ -52,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="multi-host: call jax.distributed.initialize() first (coordinator from the "
                       "environment: SLURM/TPU/Open MPI, or JAX_COORDINATOR_ADDRESS etc.)")
   p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+  p.add_argument("--plan", action="store_true",
+                 help="compile the step on abstract shapes, print its predicted memory per device "
+                      "and the settings that fit (remat, microbatches, master weights, batch), "
+                      "and exit without training")
+  p.add_argument("--debug", action="store_true", help="show the traceback of an error")
   return p.parse_args(argv)
 
 
@@ -76,6 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
   if args.print_config:
     print(cfg.to_yaml(), end="")
     return {}
+  if args.plan:
+    from coat_jax.training.plan import show
+    print(show(cfg))
+    return {}
   return run(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
              resume_from=args.resume_from)
 
@@ -83,7 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
   try:
     summary = main()
-  except ValueError as e:
+  except (RunError, ValueError) as e:  # one line and the error's status (training/errors.py)
+    if "--debug" in sys.argv[1:]:
+      raise
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(getattr(e, "exit_code", EXIT_BAD_INPUT))
   sys.exit(exit_status(summary))  # 128 + N after signal N (checkpoint written), else 0

@@ -27,7 +27,9 @@ import numpy as np
 from coat_jax.training import checkpoint as ckpt_lib
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import metrics as metrics_lib
-from coat_jax.training.build import Built, build, dataset_from_config
+from coat_jax.training import plan as plan_lib
+from coat_jax.training.build import Built, dataset_from_config
+from coat_jax.training.errors import OutOfMemoryError, RunError
 from coat_jax.training.schema import RunConfig
 from coat_jax.training.step_log import StepLogger, summary_line
 
@@ -161,7 +163,11 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
   use_compile_cache(cfg.run.compile_cache, say)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say)
-  built = build(cfg, mesh, vocab_size=dataset.vocab_size)
+  # The step compiled on abstract shapes and checked against the device before anything is
+  # allocated; `auto` settings resolved (plan.py). The run calls that executable.
+  planner = plan_lib.Planner(cfg, mesh, dataset.vocab_size, log=say)
+  chosen = planner.choose(sample_batch=dataset.train_batch(0))
+  cfg, built = chosen.cfg, chosen.built
   llama_cfg = built.llama_cfg
   dataset.check_vocab(llama_cfg.vocab_size)
   out_dir.mkdir(parents=True, exist_ok=True)  # only once the data and model config are good
@@ -175,12 +181,13 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
   say(f"[run] model {cfg.model.preset} ({n_params / 1e6:.2f}M params, precision {cfg.precision}), "
       f"optimizer {cfg.optimizer.name}, mesh {dict(mesh.shape)} on {mesh.devices.size} "
       f"{mesh.devices.flat[0].platform} device(s)")
-  train_step, eval_step = built.train_step, built.eval_step
+  train_step, eval_step = chosen.compiled, built.eval_step
 
   # Resources opened from here on are closed on errors too (close() is idempotent).
   with contextlib.ExitStack() as cleanup:
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir, cfg.checkpoint.every, cfg.checkpoint.keep,
-                                         cfg.checkpoint.async_save)
+                                         cfg.checkpoint.async_save,
+                                         state_template=built.abstract_state())
     cleanup.callback(checkpointer.close)
     params, opt_state, rest, start_step, run_key = restore_or_init(cfg, checkpointer, built,
                                                                     resume, say, resume_from)
@@ -236,6 +243,15 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         if stop:
           interrupted = stop.reason
           break
+    except Exception as e:
+      if isinstance(e, RunError) or not plan_lib.is_out_of_memory(e):
+        raise
+      params = opt_state = rest = tokens = None  # donated to the failed step; free the rest
+      checkpointer.wait()
+      last = checkpointer.latest_step()
+      kept = (f"the checkpoint of step {last} in {ckpt_dir} is intact" if last is not None
+              else "no checkpoint was written")
+      raise OutOfMemoryError(plan_lib.runtime_oom_message(planner, chosen, e, step, kept)) from e
     finally:
       bar.close()
       stop.uninstall()
@@ -260,7 +276,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         "mfu": metrics_lib.mfu(flops_per_token, tokens_per_s, devices_used) if tokens_per_s else None,
         "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,
         "flops_per_token": flops_per_token, "wall_s": time.time() - t_start,
-        "first_step_s": logger.first_step_s,
+        "first_step_s": logger.first_step_s, "compile_s": planner.compile_s,
         "losses": history, "eval_losses": eval_history, "out_dir": str(out_dir),
         "checkpoint_dir": str(ckpt_dir),
     }
