@@ -8,8 +8,11 @@
   mesh.py         device mesh, parameter/batch/optimizer-state shardings
   build.py        `build(cfg, mesh)`: model, optimizer, shardings, jitted steps, init
   accumulate.py   gradient accumulation over microbatches (`optimizer.accumulate`)
+  plan.py         before the first step: XLA's predicted peak against the device, `auto` remat
+                  and microbatches, the settings that fit (`train.py --plan`)
   loop.py         `run(cfg)`: the loop with checkpoint, metric and stop hooks
   step_log.py     per-step metrics and the summary line
   checkpoint.py   orbax checkpoints (async, exact resume)
+  storage.py      host memory and disk for checkpoints (streamed saves, full disks)
   metrics.py      throughput, MFU, peak memory, metrics.jsonl + TensorBoard, loss plot
 """
