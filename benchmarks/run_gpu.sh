@@ -94,8 +94,9 @@ for s in "$@"; do
             --steps 8 --warmup 2 --json "$OUT/e2e_2gpu_fsdp.json"
           section multi_gpu 200 $PY benchmarks/bench_e2e.py --devices 1 --batch 8 --steps 8 --warmup 2 \
             --json "$OUT/e2e_1gpu.json" ;;
-    configs) for c in ${CONFIGS:-tiny llama-125m olmo-1b}; do
-               section configs 240 $PY train.py $(config_args $c) --plan
+    configs) for c in ${CONFIGS:-tiny llama-125m olmo-1b}; do  # CONFIG_PLAN=0 / CONFIG_RUN=0: skip one
+               [ "${CONFIG_PLAN:-1}" = 1 ] && section configs 240 $PY train.py $(config_args $c) --plan
+               [ "${CONFIG_RUN:-1}" = 1 ] || continue
                section configs ${CONFIG_LIMIT:-420} $PY "${HOST_RSS[@]}" $PY train.py $(config_args $c) \
                  --set run.steps=${CONFIG_STEPS:-6} --out-dir /tmp/cfg_$c --overwrite
                summary /tmp/cfg_$c 2>&1 | tee -a "$OUT/configs.log"

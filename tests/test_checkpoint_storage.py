@@ -1,5 +1,5 @@
-"""Checkpoints on an ordinary host (coat_jax/training/storage.py): a state larger than half the
-available host memory is saved in bounded batches (measured: the process's resident memory while
+"""Checkpoints on an ordinary host (coat_jax/training/storage.py): a state larger than a quarter of
+the available host memory is saved in bounded batches (measured: the process's resident memory while
 saving), a save that does not fit the free disk space is refused, and a write that fails on the
 disk (RLIMIT_FSIZE) removes its partial directory; both raise StorageError in one line and leave
 the previous checkpoint restorable."""
@@ -32,10 +32,10 @@ def resident_bytes() -> int:
     return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def test_a_state_larger_than_half_the_host_memory_streams(tmp_path, monkeypatch):
+def test_a_state_larger_than_a_quarter_of_the_host_memory_streams(tmp_path, monkeypatch):
   state = jax.block_until_ready(make_state(8, 8 << 20))  # 8 leaves x 32 MiB = 256 MiB
   total = storage.state_bytes(state)
-  # The host has as much memory available as the state: more than half of it, so it streams.
+  # The host has as much memory available as the state: more than a quarter of it, so it streams.
   monkeypatch.setattr(storage, "host_available_bytes", lambda: total)
   ck = Checkpointer(tmp_path, every=0, keep=2, async_save=True, state_template=state)
   assert ck.stream_bytes == storage.largest_leaf_bytes(state) + 1   # one array at a time

@@ -11,8 +11,8 @@ Orbax writes each checkpoint into a temporary directory and renames it when comp
 interrupted by a crash or a kill never replaces the last good checkpoint; leftover temporary
 directories are ignored and cleaned up by the next run.
 
-Large states and full disks (storage.py): a state larger than half the host memory still
-available is streamed (a few arrays in host memory at a time, the save synchronous); a save whose
+Large states and full disks (storage.py): a state larger than a quarter of the host memory still
+available (its copy and write buffers would take half) is streamed (a few arrays in host memory at a time, the save synchronous); a save whose
 state does not fit the free disk space is refused, and one whose write fails on a full or
 read-only disk removes its partial directory: both raise StorageError (exit 5, one line) with the
 previous checkpoint untouched.
@@ -102,8 +102,8 @@ class Checkpointer:
     every: save when `step % every == 0` (0: only when forced, e.g. at the end or on a signal).
     keep: how many checkpoints to keep (oldest deleted first).
     async_save: write in a background thread while training continues.
-    state_template: the state's arrays or ShapeDtypeStructs, when known: a state larger than half
-      the available host memory is then streamed, synchronously (`storage.stream_bytes`).
+    state_template: the state's arrays or ShapeDtypeStructs, when known: a state larger than a
+      quarter of the available host memory is then streamed, synchronously (`storage.stream_bytes`).
   """
 
   def __init__(self, directory: str | os.PathLike, every: int, keep: int, async_save: bool,
@@ -116,8 +116,9 @@ class Checkpointer:
     self.every = every
     self.stream_bytes = None
     if state_template is not None:
-      self.stream_bytes = storage.stream_bytes(storage.state_bytes(state_template),
-                                               storage.largest_leaf_bytes(state_template),
+      stored = jax.tree.map(_abstract, state_template)  # typed keys as their uint32 data
+      self.stream_bytes = storage.stream_bytes(storage.state_bytes(stored),
+                                               storage.largest_leaf_bytes(stored),
                                                jax.process_count())
     self._pending: int | None = None
     options = ocp.CheckpointManagerOptions(
@@ -141,14 +142,14 @@ class Checkpointer:
     if not (force or self.should_save(step)) or self._last_saved == step:
       return False
     self.wait()  # the previous save done (orbax would wait too), so the disk's free space is true
-    total = storage.state_bytes(state)
-    need, free = storage.needed_bytes(total), storage.free_bytes(self.directory)
+    flat = flatten_state(keys_to_data(state))
+    need, free = storage.needed_bytes(storage.state_bytes(flat)), storage.free_bytes(self.directory)
     if free < need:
       raise StorageError(f"checkpoint of step {step} not written: it needs {format_bytes(need)} "
                          f"and {self.directory} has {format_bytes(free)} free; {self._kept()}; "
                          f"free space or set checkpoint.dir to a larger disk")
     args = self._ocp.args.Composite(**{
-        _STATE: self._ocp.args.StandardSave(flatten_state(keys_to_data(state))),
+        _STATE: self._ocp.args.StandardSave(flat),
         _META: self._ocp.args.JsonSave(meta),
     })
     self._pending = step  # until written: a failure removes this step's partial directory

@@ -23,8 +23,9 @@ compile each). `train.py --plan` prints them all as a table and trains nothing.
 fastest first: remat none, fp8_residuals (coat only: elsewhere it saves nothing, as full), dots,
 full; for each policy the fewest microbatches. A policy is a candidate only with fewer
 microbatches than every policy before it (more recompute at no fewer microbatches is never
-faster). With `run.plan_timed_steps` > 0 (default on accelerators) every candidate runs that many
-steps on a fresh state and the fastest wins. Each policy's microbatch search compiles the fewest
+faster). With `run.plan_timed_steps` > 0 (default on accelerators; one process only, so that
+every process chooses alike) every candidate runs that many steps on a fresh state (made again
+for the run) and the fastest wins. Each policy's microbatch search compiles the fewest
 first and skips counts whose activations, scaled as 1/microbatches from the last compile, cannot
 fit (an optimistic estimate: it never skips one that fits).
 
@@ -77,12 +78,13 @@ class Setting:
     return dataclasses.replace(self, **changes)
 
   def apply(self, cfg: RunConfig) -> RunConfig:
-    """`cfg` with this setting's values."""
-    r = dataclasses.replace
-    return r(cfg, model=r(cfg.model, remat=self.remat, param_dtype=self.param_dtype),
-             optimizer=r(cfg.optimizer, accumulate=self.accumulate,
-                         master_rounding=self.master_rounding),
-             data=r(cfg.data, batch_size=self.batch_size))
+    """`cfg` with this setting's values (entries it already has left as written, None kept)."""
+    now, r = Setting.of(cfg), dataclasses.replace
+    new = {f: v for f, v in dataclasses.asdict(self).items() if getattr(now, f) != v}
+    sections = {"model": ("remat", "param_dtype"), "optimizer": ("accumulate", "master_rounding"),
+                "data": ("batch_size",)}
+    return r(cfg, **{name: r(getattr(cfg, name), **{f: new[f] for f in fields if f in new})
+                     for name, fields in sections.items()})
 
   def overrides(self, base: "Setting") -> list[str]:
     """The `--set` items that turn `base` into this setting."""
@@ -111,7 +113,9 @@ class Prediction:
   step_s: float | None = None
 
   def fits(self, limit: int | None) -> bool:
-    return limit is None or (self.peak is not None and self.peak <= limit)
+    if limit is None or (self.peak is None and self.compiled is not None):
+      return True  # no limit, or a backend without a memory analysis: nothing to check
+    return self.peak is not None and self.peak <= limit
 
   @property
   def activations(self) -> int:
@@ -147,7 +151,7 @@ def device_limit(cfg: RunConfig, devices) -> tuple[int | None, str]:
   if configured:
     return configured, "run.device_memory_limit"
   limits = []
-  for d in devices:
+  for d in (d for d in devices if d.process_index == jax.process_index()):
     try:
       limits.append(int((d.memory_stats() or {})["bytes_limit"]))
     except Exception:  # CPU devices report no limit (or raise)
@@ -245,12 +249,12 @@ class Planner:
       below = out[-1].setting.accumulate if out else None
       if auto_k:
         pred = self._fewest_microbatches(base.replace(remat=remat), self.limit, below)
-      else:
+      else:  # the same microbatches: the first policy that fits is the fastest
         pred = self.predict(base.replace(remat=remat), self.limit)
-        pred = pred if pred.fits(self.limit) and not out else None
+        pred = pred if pred.fits(self.limit) else None
       if pred is not None:
         out.append(pred)
-        if not all_policies or pred.setting.accumulate == 1:
+        if not (all_policies and auto_k) or pred.setting.accumulate == 1:
           break
     return out
 
@@ -268,11 +272,13 @@ class Planner:
     steps = self.cfg.run.plan_timed_steps
     if steps is None:
       steps = 0 if self.devices[0].platform == "cpu" else 2
+    # --plan: no state, no timing; several processes: timings could differ, so could choices.
+    steps = steps if sample_batch is not None and jax.process_count() == 1 else 0
     found = self.candidates(all_policies=steps > 0)
     if not found:
       raise OutOfMemoryError(self.too_big_message(self.predict(self.configured(), self.limit)))
     chosen = found[0]
-    if steps > 0 and len(found) > 1 and sample_batch is not None:
+    if steps > 0 and len(found) > 1:
       self.time_steps(found, sample_batch, steps)
       chosen = min(found, key=lambda p: p.step_s if p.step_s is not None else math.inf)
     timed = ", ".join(f"{p.setting.remat}/{p.setting.accumulate}: {p.step_s:.3f} s"
@@ -368,7 +374,8 @@ class Planner:
              f"{_size(self.limit)} each ({self.limit_source}); batch shards {self.shards}"]
     try:
       chosen = self.choose()
-      base, head = chosen.setting, "chosen" if chosen.setting != Setting.of(self.cfg) else "as configured"
+      base = chosen.setting
+      head = "chosen" if chosen.setting != Setting.of(self.cfg) else "as configured"
     except OutOfMemoryError:
       chosen, base, head = None, self.configured(), "as configured"
     rows = [(head, self.predict(base, self.limit))]

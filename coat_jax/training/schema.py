@@ -50,8 +50,9 @@ class ModelConfig:
   matmuls are slow); parameters are kept in `param_dtype` (float32 by default). `remat` is a
   policy name (`coat_jax.models.REMAT_POLICIES`: "none", "full", "dots", "dots_saveable",
   "fp8_residuals"), a bool, or "auto": the fastest policy whose step fits the device, chosen
-  before the first step by XLA's memory prediction (`coat_jax.training.plan`). `scan_layers` (default on) runs the decoder blocks as one scanned
-  layer, compiled once; off: a Python loop over the layers (compile time grows with depth).
+  before the first step by XLA's memory prediction (`coat_jax.training.plan`). `scan_layers`
+  (default on) runs the decoder blocks as one scanned layer, compiled once; off: a Python loop
+  over the layers (compile time grows with depth).
   `scan_unroll` runs that many layers per scan iteration (must divide num_layers); `scan_impl`
   "auto" (default) | "lax" | "vjp_loop" is how the scan is differentiated
   (`coat_jax.models.resolve_scan_impl`: "auto" runs `layer_loop` on one device, lax.scan on a mesh).

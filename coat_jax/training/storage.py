@@ -1,13 +1,15 @@
 """Host memory and disk for checkpoints: when to stream a save, whether it fits, what failed.
 
 A checkpoint save copies the state from the devices to host memory and writes it to disk. Orbax's
-default copies every array at once before writing any (an asynchronous save then returns), so a
-save holds the whole state in host memory, twice where the copy is staged in pinned memory: a
-Llama-2-13B state of bfloat16 weights and FP8 moments is 53 GB, and a 128 GB host with the
-process's own memory beside it runs out. `stream_bytes` decides: a state larger than half the host
-memory still available is saved in batches of at most `stream_bytes` (orbax's device-to-host and
-write limits), synchronously (the training step donates the arrays a background save would still
-be reading), so the host holds a few arrays at a time, never the state.
+default (0.12) copies every array at once before writing any (an asynchronous save then returns)
+and its writes buffer again: a save holds the whole state in host memory and up to about as much
+again (on a CPU, 0.85 x a 256 MiB state beside it, tests/test_checkpoint_storage.py; on a GPU
+the copy is staged in pinned memory). A Llama-2-13B state of bfloat16 weights and FP8 moments is
+53 GB: twice that and the process's own memory exhaust a 128 GB host. `stream_bytes` decides: a
+state larger than a quarter of the host memory still available (a copy and its buffers then
+exceed half of it) is saved in batches of at most `stream_bytes` (orbax's device-to-host and write
+limits), synchronously (the training step donates the arrays a background save would still be
+reading), so the host holds a few arrays at a time, never the state.
 
 Disk: `free_bytes` before a save (a save that cannot fit is refused with one line, the previous
 checkpoint untouched), and `is_disk_error` for a write that fails on the way (disk full, file too
@@ -31,7 +33,7 @@ import numpy as np
 DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)
 _DISK_TEXT = ("no space left", "file too large", "quota exceeded", "read-only file system",
               "enospc", "efbig", "edquot", "erofs")
-STREAM_FRACTION = 0.5   # stream a state larger than this fraction of the available host memory
+STREAM_FRACTION = 0.25  # stream a state larger than this fraction of the available host memory
 BATCH_FRACTION = 1 / 8  # each streamed batch: at most this fraction of it (two limits: <= 1/4)
 
 
