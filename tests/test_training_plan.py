@@ -156,7 +156,7 @@ def test_out_of_memory_during_the_run_is_one_line_and_keeps_the_last_checkpoint(
   with pytest.raises(OutOfMemoryError) as e:
     run(cfg, log=QUIET)
   msg = str(e.value)
-  assert "\n" not in msg and msg.startswith("out of device memory at step 3"), msg
+  assert "\n" not in msg and msg.startswith("out of device memory during step 3"), msg
   for text in ("allocating 1.50GiB", "XLA predicted", "settings that fit: --set",
                "checkpoint of step 2", "is intact"):
     assert text in msg, (text, msg)

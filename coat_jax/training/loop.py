@@ -217,6 +217,14 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
       return checkpointer.save(step, {"params": params, "opt_state": opt_state, "rest": rest}, meta,
                                force=force)
 
+    def out_of_memory(e: Exception, during: str) -> OutOfMemoryError:
+      """The one-line error for a device out of memory met `during` a step or an evaluation."""
+      checkpointer.wait()
+      last = checkpointer.latest_step()
+      kept = (f"the checkpoint of step {last} in {ckpt_dir} is intact" if last is not None
+              else "no checkpoint was written")
+      return OutOfMemoryError(plan_lib.runtime_oom_message(planner, chosen, e, during, kept))
+
     from tqdm import tqdm
 
     bar = tqdm(total=end_step, initial=start_step, disable=not (cfg.run.progress and is_main),
@@ -247,22 +255,23 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
       if isinstance(e, RunError) or not plan_lib.is_out_of_memory(e):
         raise
       params = opt_state = rest = tokens = None  # donated to the failed step; free the rest
-      checkpointer.wait()
-      last = checkpointer.latest_step()
-      kept = (f"the checkpoint of step {last} in {ckpt_dir} is intact" if last is not None
-              else "no checkpoint was written")
-      raise OutOfMemoryError(plan_lib.runtime_oom_message(planner, chosen, e, step, kept)) from e
+      raise out_of_memory(e, f"step {step + 1}") from e
     finally:
       bar.close()
       stop.uninstall()
 
-    # The end (normal, early stop or signal): final eval, checkpoint, logs, plot.
+    # The end (normal, early stop or signal): checkpoint, final eval, logs, plot.
     logger.flush()
-    final_eval = evaluate(step)
-    if final_eval is not None:
-      eval_history[step] = final_eval
     if save(step, force=True):
       say(f"[run] checkpoint at step {step} in {ckpt_dir}")
+    try:
+      final_eval = evaluate(step)
+    except Exception as e:
+      if not plan_lib.is_out_of_memory(e):
+        raise
+      raise out_of_memory(e, "the final evaluation") from e
+    if final_eval is not None:
+      eval_history[step] = final_eval
     checkpointer.close()
     mem, mem_kind = metrics_lib.peak_memory_bytes(devices_used)
     tokens_per_s = logger.median_tokens_per_s()

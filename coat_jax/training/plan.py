@@ -410,15 +410,15 @@ def is_out_of_memory(e: BaseException) -> bool:
 _ALLOCATION = re.compile(r"allocat\w*(?: request for)?:? ([0-9.]+ ?[KMGTP]?i?B)\b", re.I)
 
 
-def runtime_oom_message(planner: Planner, pred: Prediction, error: BaseException, step: int,
+def runtime_oom_message(planner: Planner, pred: Prediction, error: BaseException, during: str,
                         checkpoint: str) -> str:
-  """One line for a device out of memory met at `step`: which allocation (when XLA says), the
-  predicted peak, and settings predicted to need 10 % less than the one that failed."""
+  """One line for a device out of memory met `during` ("step 3"): which allocation (when XLA
+  says), the predicted peak, and settings predicted to need 10 % less than the one that failed."""
   found = _ALLOCATION.search(str(error))
   which = f"allocating {found.group(1)}" if found else "an allocation"
   bound = int(0.9 * min(x for x in (pred.peak, planner.limit) if x is not None)) \
       if pred.peak is not None or planner.limit is not None else None
-  return (f"out of device memory at step {step + 1} ({which}; XLA predicted "
+  return (f"out of device memory during {during} ({which}; XLA predicted "
           f"{_size(pred.peak)} per device of {_size(planner.limit)}); "
           f"{planner.fitting_summary(pred.setting, bound)} (predicted within {_size(bound)}); "
           f"{checkpoint}")
