@@ -60,7 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="multi-host: call jax.distributed.initialize() first (coordinator from the "
                       "environment: SLURM/TPU/Open MPI, or JAX_COORDINATOR_ADDRESS etc.)")
   p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-  p.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
+  p.add_argument("--plan", action="store_true",
+                 help="compile the step on abstract shapes, print its predicted memory per device "
+                      "and the settings that fit (remat, microbatches, master weights, batch), "
+                      "and exit without training")
+  p.add_argument("--debug", action="store_true", help="show the traceback of an error")
   return p.parse_args(argv)
 
 
@@ -84,6 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
   cfg = load_config(args)
   if args.print_config:
     print(cfg.to_yaml(), end="")
+    return {}
+  if args.plan:
+    from coat_jax.training.plan import show
+    print(show(cfg))
     return {}
   return run(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
              resume_from=args.resume_from, allow_steps_change=args.allow_steps_change)

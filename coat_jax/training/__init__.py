@@ -9,11 +9,14 @@
   mesh.py         device mesh, parameter/batch/optimizer-state shardings
   build.py        `build(cfg, mesh)`: model, optimizer, shardings, jitted steps, init
   accumulate.py   gradient accumulation over microbatches (`optimizer.accumulate`)
+  plan.py         before the first step: XLA's predicted peak against the device, `auto` remat
+                  and microbatches, the settings that fit (`train.py --plan`)
   loop.py         `run(cfg)`: the loop with checkpoint, metric and stop hooks
   run_dir.py      a run's directories: the lock, what `--overwrite` may remove
   divergence.py   non-finite losses (`run.on_nonfinite`) and non-finite checkpoint states
   errors.py       exit statuses and the errors that carry them
   step_log.py     per-step metrics and the summary line
   checkpoint.py   orbax checkpoints (async, exact resume)
+  storage.py      host memory and disk for checkpoints (streamed saves, full disks)
   metrics.py      throughput, MFU, peak memory, metrics.jsonl + TensorBoard, loss plot
 """

@@ -26,7 +26,7 @@ from coat_jax.precision import resolve_dtype
 from coat_jax.training import corpus, mesh as mesh_lib, token_files
 from coat_jax.training.accumulate import accumulated_value_and_grad
 from coat_jax.training.dataset import TokenDataset
-from coat_jax.training.schema import DataConfig, OptimizerConfig, RunConfig
+from coat_jax.training.schema import AUTO, DataConfig, OptimizerConfig, RunConfig
 
 
 def dataset_from_config(data: DataConfig, seed: int, log=print) -> TokenDataset:
@@ -332,6 +332,10 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
   extra_tx: chained after the config's optimizer (its state replicated); the step then uses
     tx.update + apply_updates instead of the fused coat_adamw_apply.
   """
+  if AUTO in (cfg.model.remat, cfg.optimizer.accumulate):
+    raise ValueError("model.remat / optimizer.accumulate 'auto' are chosen before the first step "
+                     "by coat_jax.training.plan.Planner (as train.py does); build takes the "
+                     "chosen values")
   shards = mesh_lib.batch_shards(mesh)
   if cfg.data.batch_size % shards:
     raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by the mesh's "

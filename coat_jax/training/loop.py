@@ -26,10 +26,11 @@ import numpy as np
 from coat_jax.training import checkpoint as ckpt_lib
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import metrics as metrics_lib
+from coat_jax.training import plan as plan_lib
 from coat_jax.training import run_dir
-from coat_jax.training.build import Built, build, dataset_from_config
+from coat_jax.training.build import Built, dataset_from_config
 from coat_jax.training.divergence import NonFiniteGuard
-from coat_jax.training.errors import BadInputError
+from coat_jax.training.errors import BadInputError, OutOfMemoryError, RunError
 from coat_jax.training.schema import RunConfig
 from coat_jax.training.step_log import StepLogger, summary_line
 
@@ -163,7 +164,11 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
   use_compile_cache(cfg.run.compile_cache, say)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say)
-  built = build(cfg, mesh, vocab_size=dataset.vocab_size)
+  # The step compiled on abstract shapes and checked against the device before anything is
+  # allocated; `auto` settings resolved (plan.py). The run calls that executable.
+  planner = plan_lib.Planner(cfg, mesh, dataset.vocab_size, log=say)
+  chosen = planner.choose(sample_batch=dataset.train_batch(0))
+  cfg, built = chosen.cfg, chosen.built
   llama_cfg = built.llama_cfg
   dataset.check_vocab(llama_cfg.vocab_size)
   out_dir.mkdir(parents=True, exist_ok=True)  # only once the data and model config are good
@@ -180,12 +185,13 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
   say(f"[run] model {cfg.model.preset} ({n_params / 1e6:.2f}M params, precision {cfg.precision}), "
       f"optimizer {cfg.optimizer.name}, mesh {dict(mesh.shape)} on {mesh.devices.size} "
       f"{mesh.devices.flat[0].platform} device(s)")
-  train_step, eval_step = built.train_step, built.eval_step
+  train_step, eval_step = chosen.compiled, built.eval_step
 
   # Resources opened from here on are closed on errors too (close() is idempotent).
   with contextlib.ExitStack() as cleanup:
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir, cfg.checkpoint.every, cfg.checkpoint.keep,
-                                         cfg.checkpoint.async_save)
+                                         cfg.checkpoint.async_save,
+                                         state_template=built.abstract_state())
     cleanup.callback(checkpointer.close)
     params, opt_state, rest, start_step, run_key = restore_or_init(
         cfg, checkpointer, built, resume, say, resume_from, allow_steps_change,
@@ -215,6 +221,14 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
               "rng": np.asarray(jax.random.key_data(run_key)).tolist(), "config": cfg.to_dict()}
       return checkpointer.save(step, {"params": params, "opt_state": opt_state, "rest": rest}, meta,
                                force=force)
+
+    def out_of_memory(e: Exception, during: str) -> OutOfMemoryError:
+      """The one-line error for a device out of memory met `during` a step or an evaluation."""
+      checkpointer.wait()
+      last = checkpointer.latest_step()
+      kept = (f"the checkpoint of step {last} in {ckpt_dir} is intact" if last is not None
+              else "no checkpoint was written")
+      return OutOfMemoryError(plan_lib.runtime_oom_message(planner, chosen, e, during, kept))
 
     from tqdm import tqdm
 
@@ -246,17 +260,27 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
         if stop:
           interrupted = stop.reason
           break
+    except Exception as e:
+      if isinstance(e, RunError) or not plan_lib.is_out_of_memory(e):
+        raise
+      params = opt_state = rest = tokens = None  # donated to the failed step; free the rest
+      raise out_of_memory(e, f"step {step + 1}") from e
     finally:
       bar.close()
       stop.uninstall()
 
-    # The end (normal, early stop or signal): final eval, checkpoint, logs, plot.
+    # The end (normal, early stop or signal): checkpoint, final eval, logs, plot.
     logger.flush()
-    final_eval = evaluate(step)
-    if final_eval is not None:
-      eval_history[step] = final_eval
     if save(step, force=True):
       say(f"[run] checkpoint at step {step} in {ckpt_dir}")
+    try:
+      final_eval = evaluate(step)
+    except Exception as e:
+      if not plan_lib.is_out_of_memory(e):
+        raise
+      raise out_of_memory(e, "the final evaluation") from e
+    if final_eval is not None:
+      eval_history[step] = final_eval
     checkpointer.close()
     mem, mem_kind = metrics_lib.peak_memory_bytes(devices_used)
     tokens_per_s = logger.median_tokens_per_s()
@@ -270,7 +294,7 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
         "mfu": metrics_lib.mfu(flops_per_token, tokens_per_s, devices_used) if tokens_per_s else None,
         "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,
         "flops_per_token": flops_per_token, "wall_s": time.time() - t_start,
-        "first_step_s": logger.first_step_s,
+        "first_step_s": logger.first_step_s, "compile_s": planner.compile_s,
         "nonfinite_steps_skipped": guard.skipped,
         "losses": history, "eval_losses": eval_history, "out_dir": str(out_dir),
         "checkpoint_dir": str(ckpt_dir),

@@ -30,7 +30,7 @@ class StepLogger:
     self._throughput = metrics_lib.Throughput()
     self._compiled = False
     self._started = time.perf_counter()
-    self.first_step_s: float | None = None   # this process' first step: trace, compile and run
+    self.first_step_s: float | None = None   # this process' first step (compiled by plan.py)
 
   def step_done(self, step: int, out: dict, log_now: bool) -> None:
     self._pending.append((step, out))
@@ -39,7 +39,7 @@ class StepLogger:
       jax.block_until_ready(out["loss"])
       self.first_step_s = time.perf_counter() - self._started
       (self.say if self.bar.disable else self.bar.write)(
-          f"[run] first step in {self.first_step_s:.1f} s (tracing and compiling included)")
+          f"[run] first step in {self.first_step_s:.1f} s (compiled before it: [plan])")
       self._throughput.reset()
       self._compiled = True
       log_now = log_now or step == 1  # log the starting loss
