@@ -11,7 +11,12 @@
 # (benchmarks/step/bench_e2e.py),
 # peak (what the coat step holds at its memory peak, lax.scan vs vjp_loop), floor (the olmo-1b
 # step of both modes per kernel category, against benchmarks/step/step_floor.py's floors),
-# multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU).
+# multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU),
+# configs (each shipped config through train.py as a user runs it, offline corpus: `--plan`, then a
+# few steps; first step, compile, tokens/s, MFU, device peak, host max RSS with the final save;
+# CONFIGS="..." picks configs, one call each for llama2-7b and llama2-13b), remat_sweep (one
+# config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), largest (the
+# largest Llama each mode fits at seq 2048, global batch 64: `--plan` per shape, LARGEST_SHAPES).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coat_gpu_out}; mkdir -p "$OUT"
@@ -27,6 +32,22 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 # A test that lowers a kernel on the deprecated Pallas Triton backend fails (none may).
 NO_PT=(-W "error:The Pallas Triton backend is deprecated:DeprecationWarning")
+# Runs the command after it, then prints its host max RSS (what a checkpoint save holds on the host).
+HOST_RSS=(-c "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]).returncode; \
+print(f'host max RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20:.2f} GiB'); \
+sys.exit(r)")
+config_args() {  # config_args NAME: train.py's arguments for a shipped config on the offline corpus
+  local v=32000; [ "$1" = olmo-1b ] && v=50304; [ "$1" = tiny ] && v=4096
+  echo --config configs/$1.yaml --no-progress --set data.kind=stdlib --set data.vocab_size=$v \
+    --set data.eval_fraction=0.02 --set data.eval_batches=1 --set run.eval_every=100000 \
+    --set run.log_every=1 --set run.plot=false --set run.tensorboard=false \
+    --set checkpoint.every=100000 --set run.plan_timed_steps=${PLAN_TIMED_STEPS:-2}
+}
+summary() {  # summary DIR: the numbers of a run's summary.json on one line
+  $PY -c "import json, sys; s = json.load(open(sys.argv[1] + '/summary.json')); \
+print(sys.argv[1], {k: s.get(k) for k in ('step', 'compile_s', 'first_step_s', 'tokens_per_s', \
+'mfu', 'peak_memory_bytes', 'peak_memory_kind', 'wall_s', 'train_loss_last')})" "$1"
+}
 section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$name.log"
@@ -74,6 +95,30 @@ for s in "$@"; do
             --steps 8 --warmup 2 --json "$OUT/e2e_2gpu_fsdp.json"
           section multi_gpu 200 $PY -m benchmarks.step.bench_e2e --devices 1 --batch 8 --steps 8 --warmup 2 \
             --json "$OUT/e2e_1gpu.json" ;;
+    configs) for c in ${CONFIGS:-tiny llama-125m olmo-1b}; do  # CONFIG_PLAN=0 / CONFIG_RUN=0: skip one
+               [ "${CONFIG_PLAN:-1}" = 1 ] && section configs 240 $PY train.py $(config_args $c) --plan
+               [ "${CONFIG_RUN:-1}" = 1 ] || continue
+               section configs ${CONFIG_LIMIT:-420} $PY "${HOST_RSS[@]}" $PY train.py $(config_args $c) \
+                 --set run.steps=${CONFIG_STEPS:-6} --out-dir /tmp/cfg_$c --overwrite
+               summary /tmp/cfg_$c 2>&1 | tee -a "$OUT/configs.log"
+               du -sh /tmp/cfg_$c/checkpoints 2>&1 | tee -a "$OUT/configs.log"
+               rm -rf /tmp/cfg_$c/checkpoints; done ;;
+    remat_sweep) c=${REMAT_CONFIG:-olmo-1b}
+             for r in auto ${REMATS:-none fp8_residuals dots full}; do
+               section remat_sweep ${CONFIG_LIMIT:-200} $PY train.py $(config_args $c) \
+                 --set model.remat=$r --set run.steps=${CONFIG_STEPS:-8} --set checkpoint.every=0 \
+                 --set run.out_dir=/tmp/sweep_$r --overwrite
+               summary /tmp/sweep_$r 2>&1 | tee -a "$OUT/remat_sweep.log"; rm -rf /tmp/sweep_$r; done ;;
+    largest) for shape in ${LARGEST_SHAPES:-5120:40:13824 6144:48:16384 6144:52:16384 7168:48:19456}; do
+               IFS=: read -r h l f <<< "$shape"
+               for m in ${LARGEST_MODES:-bf16:adamw fp8_linear:adamw coat:coat_adamw}; do
+                 set -- ${m/:/ }; master=(--set model.param_dtype=float32 --set optimizer.master_rounding=nearest)
+                 [ "$2" = coat_adamw ] && master=(--set model.param_dtype=bfloat16 --set optimizer.master_rounding=stochastic)
+                 section largest 300 $PY train.py $(config_args llama2-13b) --plan --set precision=$1 \
+                   --set optimizer.name=$2 "${master[@]}" --set model.hidden_size=$h --set model.num_layers=$l \
+                   --set model.intermediate_size=$f --set model.num_heads=$((h / 128)) \
+                   --set model.num_kv_heads=$((h / 128)) --set data.seq_len=2048 --set data.batch_size=64
+               done; done ;;
     *) echo "unknown section $s" >&2 ;;
   esac
 done

@@ -2,7 +2,8 @@
 
 Data flows one way (README, "Layout"): train.py -> coat_jax.training -> coat_jax.models ->
 coat_jax.nn -> coat_jax.ops (and, beside them, the optimizer) -> coat_jax.kernels (the dispatch)
--> pallas_kernels/ or the numerics and jnp references. Every module belongs to one layer of
+-> pallas_kernels/ or the numerics and jnp references; coat_jax.errors (the exit statuses)
+below them all. Every module belongs to one layer of
 LAYERS and imports only modules of its own layer or of layers below it; layers of one rank (the
 ops and the optimizer; the references and the kernels) never import each other. No import cycle
 inside a package; pallas_kernels imports only jax, numpy, the standard library (triton and
@@ -157,6 +158,7 @@ LAYERS = (
                        "coat_jax.activations", "coat_jax.adam_math", "coat_jax.packed_state",
                        "coat_jax.memory")),
     (0, "kernels", ("pallas_kernels",)),
+    (-1, "errors", ("coat_jax.errors",)),   # raised by every layer, imports nothing of coat_jax
 )
 FACADE = "coat_jax"   # the package's __init__: re-exports for users, in no layer
 

@@ -1,5 +1,5 @@
 """Kernels inside sharded jax.jit (8 simulated CPU devices, interpret mode): each device runs
-the kernel on its local shard (coat_jax.sharded), and results equal the single-device run
+the kernel on its local shard (coat_jax.kernels.sharded), and results equal the single-device run
 bit for bit (the per-group / per-row math does not depend on how the rows are split; the
 per-tensor amax is the global max either way)."""
 import functools

@@ -153,7 +153,7 @@ def test_build_apply_equals_update_then_apply_updates(rng, name, clip):
 
 def test_compile_cache_setting(tmp_path):
   """run.compile_cache points JAX's persistent cache at the directory (made if missing); "" is off."""
-  code = ("import sys, jax; from coat_jax.training.loop import use_compile_cache; "
+  code = ("import sys, jax; from coat_jax.training.build import use_compile_cache; "
           "use_compile_cache(sys.argv[1], print); "
           "print('DIR', jax.config.jax_compilation_cache_dir)")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -257,6 +257,7 @@ def test_sigint_mid_run_leaves_a_checkpoint_to_resume(cache, tmp_path):
   done = json.loads((out / "summary.json").read_text())
   assert done["interrupted"] == "SIGINT" and 3 <= done["step"] < 100000
   assert ckpt_lib.Checkpointer(out / "checkpoints", 0, 3, False).latest_step() == done["step"]
-  resumed = run(mini(cache, out, f"run.steps={done['step'] + 2}"), resume=True, log=QUIET)
+  resumed = run(mini(cache, out, f"run.steps={done['step'] + 2}"), resume=True, log=QUIET,
+                allow_steps_change=True)
   assert sorted(resumed["losses"]) == [done["step"] + 1, done["step"] + 2]
   assert np.isfinite(resumed["train_loss_last"])

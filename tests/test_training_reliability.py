@@ -46,7 +46,8 @@ def test_fresh_run_into_an_earlier_run_is_refused_until_overwrite(cache, tmp_pat
   records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert second["step"] == 3 and [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3]
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]
-  resumed = run(mini(cache, tmp_path, "run.steps=4"), log=QUIET, resume=True)  # --resume: allowed
+  resumed = run(mini(cache, tmp_path, "run.steps=4"), log=QUIET, resume=True,  # --resume: allowed
+                allow_steps_change=True)
   assert resumed["step"] == 4
 
 

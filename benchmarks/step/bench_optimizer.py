@@ -27,22 +27,23 @@ coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an
 kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
 pallas_kernels/adam/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
 coat_cols with coat_leaf and apply_cols with apply_leaf. --cols-tiles repeats the column rows once
-per tile of the column kernel: BLOCKxWARPS (G rows x BLOCK columns at once, WARPS warps) or
-BLOCKxCHUNKxWARPS (the same tile streamed in chunks of CHUNK rows, two passes); default
-adam_step_triton's COLS_BLOCK / COLS_CHUNK / COLS_WARPS. --scale keeps whole groups along axis
+per tile of the column kernel: BLOCKxWARPS (G rows x BLOCK columns, WARPS warps); default
+adam_step_triton's COLS_BLOCK / COLS_WARPS. --scale keeps whole groups along axis
 -2 only where the scaled row counts stay multiples of 128 (e.g. 0.25; 4096 x 0.001 = 4 rows pads
 each group).
 
 The byte floor is the bytes a step must move per param (read param, grad and state; write param
 and state; a chain also reads the gradient for its norm and writes and reads the clipped gradient,
 a fused clip (max_grad_norm) only reads it for its norm, and coat_adamw's update is written, then
-read with the param by apply_updates) divided by the copy
-bandwidth measured here (a jitted x + 1 over a large array, read + write counted).
+read with the param by apply_updates) divided by the stream bandwidth measured here over as many
+elements as params, read + write counted: the fastest of XLA's copy, a jitted x + 1 (which the
+Adam kernels beat: neither is a floor on its own) and a Triton kernel streaming the FP8 step's
+own bytes and mix (10 B read, 6 B written per element; `stream_bandwidths`). "wall / floor" and
+"kernel / floor" say how far each row is from it.
 
   python -m benchmarks.step.bench_optimizer --profile              # GPU, full size
   python -m benchmarks.step.bench_optimizer --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
-  python -m benchmarks.step.bench_optimizer --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,64x4,64x8
-  python -m benchmarks.step.bench_optimizer --rows apply_leaf,apply_cols --cols-tiles 32x4,64x8x4,128x8x8
+  python -m benchmarks.step.bench_optimizer --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,32x8,64x8
   python -m benchmarks.step.bench_optimizer --rows optax_chain,chain_leaf,coat_clip,apply_clip --profile
   python -m benchmarks.step.bench_optimizer --rows optax,coat_leaf,coat_packed,apply_leaf,apply_packed
   JAX_PLATFORMS=cpu python -m benchmarks.step.bench_optimizer --scale 0.001 --steps 3   # smoke check
@@ -70,12 +71,54 @@ def make_tree(shapes, key, scale_value):
           for i, (k, s) in enumerate(zip(keys, shapes))}
 
 
-def copy_bandwidth(n_bytes: int, steps: int) -> float:
-  """Bytes/s of a jitted x + 1 (float32, read + write counted) over an array of n_bytes."""
-  x = jnp.zeros((n_bytes // 4,), jnp.float32)
+def stream_bandwidths(n: int, steps: int) -> dict[str, float]:
+  """Bytes/s (read + write counted) of streams over n elements on the default device: "copy",
+  XLA's copy of a float32 array (jnp.copy under jit: a new buffer); "x + 1", a jitted x + 1
+  (donated: in place); "adam-shaped", a jax-triton kernel moving the FP8 Adam step's bytes (read
+  a float32 param and gradient and two 1-byte codes, write the param and codes in place: 10 B
+  read + 6 B written per element, 4096 elements per program in 16-byte vectors; GPU with
+  jax-triton only). The byte floor uses the fastest: the streams of the step's own mix."""
+  x = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
+  out = {}
+  copy = jax.jit(jnp.copy)
+  out["copy"] = 8 * n / (time_calls(copy, lambda _: (x,), steps) * 1e-3)
   add = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-  ms = time_calls(add, lambda out: (x,) if out is None else (out,), steps)
-  return 2 * (n_bytes // 4) * 4 / (ms * 1e-3)
+  y = jnp.copy(x)
+  out["x + 1"] = 8 * n / (time_calls(add, lambda r: (y,) if r is None else (r,), steps) * 1e-3)
+  del y
+  stream = _adam_shaped_stream()
+  if stream is not None:
+    args = (jnp.copy(x), x, jnp.ones((n,), jnp.uint8), jnp.ones((n,), jnp.uint8))
+    ms = time_calls(stream, lambda r: args if r is None else (r[0], x, r[1], r[2]), steps)
+    out["adam-shaped"] = 16 * n / (ms * 1e-3)
+  return out
+
+
+def _adam_shaped_stream():
+  """A jitted (p, g, m, v) -> (p + g, m ^ 1, v ^ 1) through one streaming Triton kernel (p, m, v
+  donated and written in place), or None without jax-triton."""
+  from pallas_kernels.adam import adam_step_triton
+  if not adam_step_triton.available():
+    return None
+  import jax_triton as jt
+  import triton
+  import triton.language as tl
+
+  @triton.jit
+  def stream_kernel(p_ptr, g_ptr, m_ptr, v_ptr, po_ptr, mo_ptr, vo_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(po_ptr + offs, tl.load(p_ptr + offs) + tl.load(g_ptr + offs))
+    tl.store(mo_ptr + offs, tl.load(m_ptr + offs) ^ 1)
+    tl.store(vo_ptr + offs, tl.load(v_ptr + offs) ^ 1)
+
+  def stream(p, g, m, v):
+    block = 4096
+    return jt.triton_call(p, g, m, v, kernel=stream_kernel,
+                          out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (p, m, v)],
+                          grid=(-(-p.size // block),), num_warps=4, BLOCK=block,
+                          input_output_aliases={0: 0, 2: 1, 3: 2})
+
+  return jax.jit(stream, donate_argnums=(0, 2, 3))
 
 
 def pipelined_ms(step, args, steps: int) -> tuple[float, tuple]:
@@ -210,9 +253,8 @@ def main():
   parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                       help=f"comma-separated optimizers, of {list(CONFIGS)}")
   parser.add_argument("--cols-tiles", default="",
-                      help="column kernel tiles BLOCKxWARPS or BLOCKxCHUNKxWARPS,... for the "
-                           "column rows (default: the kernel's COLS_BLOCK / COLS_CHUNK / "
-                           "COLS_WARPS)")
+                      help="column kernel tiles BLOCKxWARPS,... for the column rows (default: "
+                           "the kernel's COLS_BLOCK / COLS_WARPS)")
   args = parser.parse_args()
   names = [r.strip() for r in args.rows.split(",") if r.strip()]
   bad = [r for r in names if r not in CONFIGS]
@@ -223,8 +265,7 @@ def main():
     tiles = adam_step_triton.parse_cols_tiles(args.cols_tiles)
   except ValueError as e:
     parser.error(f"--cols-tiles: {e}")
-  default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_CHUNK,
-                  adam_step_triton.COLS_WARPS)
+  default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS)
   runs = []   # (row key, column tile or None)
   for key in names:
     runs += [(key, t) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None)]
@@ -240,8 +281,11 @@ def main():
   params_fn = lambda: make_tree(shapes, key_p, 0.02)
   grads = make_tree(shapes, key_g, 1e-3)
 
-  bw = copy_bandwidth(min(1 << 30, n * 4), args.steps)
-  print(f"copy bandwidth (x + 1, read + write): {bw / 1e12:.3f} TB/s", flush=True)
+  bws = stream_bandwidths(n // 4096 * 4096, args.steps)
+  bw = max(bws.values())
+  print("stream bandwidth, read + write: " + ", ".join(
+      f"{k} {v / 1e12:.3f} TB/s" for k, v in bws.items()) + f"; floor at {bw / 1e12:.3f} TB/s",
+      flush=True)
 
   rows_out = []
   for key, tile in runs:
@@ -249,10 +293,9 @@ def main():
     if key in COLUMN_ROWS:
       tile = tile or default_tile
       # the tile is read when the kernel is traced: clear the traces of the previous one
-      adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_CHUNK, adam_step_triton.COLS_WARPS = tile
+      adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS = tile
       jax.clear_caches()
-      chunk = f" in chunks of {tile[1]} rows" if tile[1] else ""
-      name = f"{name}, tile {tile[0]} cols{chunk} x {tile[2]} warps"
+      name = f"{name}, tile {tile[0]} cols x {tile[1]} warps"
     with kernels.backend(backend):
       ms, piped, bpp, device_ms = bench_optimizer(
           name, make(), params_fn, grads, args.steps, args.profile,
@@ -265,14 +308,16 @@ def main():
   base = next((r for r in rows_out if r[0] == "optax.adamw"), rows_out[0])
   print()
   print(f"| optimizer | wall ms | pipelined ms | GPU kernel ms | wall vs {base[0]} | "
-        f"kernel vs {base[0]} | state B / param | bytes moved / param | byte floor ms |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        f"kernel vs {base[0]} | state B / param | bytes moved / param | byte floor ms | "
+        f"wall / floor | kernel / floor |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   fmt = lambda x, spec: "-" if x is None else format(x, spec)
   for name, ms, piped, bpp, moved, floor_ms, device_ms in rows_out:
     kernel_ratio = device_ms / base[6] if device_ms and base[6] else None
     print(f"| {name} | {ms:.2f} | {piped:.2f} | {fmt(device_ms, '.2f')} | {ms / base[1]:.2f}x | "
           f"{fmt(kernel_ratio, '.2f')}{'' if kernel_ratio is None else 'x'} | {bpp:.3f} | "
-          f"{moved:.2f} | {floor_ms:.2f} |")
+          f"{moved:.2f} | {floor_ms:.2f} | {ms / floor_ms:.2f}x | "
+          f"{fmt(device_ms and device_ms / floor_ms, '.2f')}{'' if device_ms is None else 'x'} |")
 
 
 if __name__ == "__main__":

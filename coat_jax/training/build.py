@@ -14,6 +14,8 @@ match paths and right-align, so a stacked leading layer axis is replicated).
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -26,7 +28,20 @@ from coat_jax.precision import resolve_dtype
 from coat_jax.training import corpus, mesh as mesh_lib, token_files
 from coat_jax.training.accumulate import accumulated_value_and_grad
 from coat_jax.training.dataset import TokenDataset
-from coat_jax.training.schema import DataConfig, OptimizerConfig, RunConfig
+from coat_jax.training.schema import AUTO, DataConfig, OptimizerConfig, RunConfig
+
+
+def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
+  """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set)."""
+  if not directory or jax.config.jax_compilation_cache_dir:
+    return
+  path = Path(os.path.expanduser(directory))
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a read-only home must not stop training
+    say(f"[run] compilation cache off: cannot create {path} ({e})")
+    return
+  jax.config.update("jax_compilation_cache_dir", str(path))
 
 
 def dataset_from_config(data: DataConfig, seed: int, log=print) -> TokenDataset:
@@ -249,6 +264,7 @@ def model_parts(llama_cfg, seed: int, mesh, group_size: int | None = None,
 
 def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, accumulate: int = 1,
                accumulate_dtype: str = "float32", grad_dtype: str = "param",
+               skip_nonfinite: bool = False,
                kernel_config: kernels.KernelConfig = kernels.KernelConfig()):
   """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
 
@@ -257,6 +273,8 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
   apply_fn: (grads, opt_state, params) -> (params, opt_state); default `optax_apply(tx)`.
   accumulate: microbatches per step (training/accumulate.py); the loss is their mean.
   grad_dtype: "param" or "bfloat16" (gradients of a bfloat16 copy of the weights; accumulate.py).
+  skip_nonfinite: a step whose loss or gradient norm is not finite returns params and optimizer
+    state unchanged (`lax.cond`: the update is not computed; `run.on_nonfinite: skip`).
   kernel_config: the kernels both steps trace with (`coat_jax.kernels.use`; the run config's
   `kernels:` section).
   """
@@ -271,10 +289,18 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
 
   grad_fn = accumulated_value_and_grad(loss_fn, accumulate, accumulate_dtype, grad_dtype)
 
+  def keep(grads, opt_state, params):
+    return params, opt_state
+
   def train_step(params, opt_state, rest, tokens):
     (loss, rest), grads = grad_fn(params, rest, tokens)
-    params, opt_state = apply_fn(grads, opt_state, params)
-    return params, opt_state, rest, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    grad_norm = optax.tree.norm(grads)
+    if skip_nonfinite:
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      params, opt_state = jax.lax.cond(finite, apply_fn, keep, grads, opt_state, params)
+    else:
+      params, opt_state = apply_fn(grads, opt_state, params)
+    return params, opt_state, rest, {"loss": loss, "grad_norm": grad_norm}
 
   def eval_step(params, rest, tokens):
     return loss_fn(params, rest, tokens)[0]
@@ -327,6 +353,10 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     tx.update + apply_updates instead of the fused coat_adamw_apply.
   """
   kernels.current_backend()   # a bad COAT_JAX_KERNELS: its one-line ValueError now, not in a trace
+  if AUTO in (cfg.model.remat, cfg.optimizer.accumulate):
+    raise ValueError("model.remat / optimizer.accumulate 'auto' are chosen before the first step "
+                     "by coat_jax.training.plan.Planner (as train.py does); build takes the "
+                     "chosen values")
   shards = mesh_lib.batch_shards(mesh)
   if cfg.data.batch_size % shards:
     raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by the mesh's "
@@ -358,6 +388,7 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
   train_step, eval_step = make_steps(parts, tx, opt_sh, mesh, apply_fn, accumulate=micro,
                                      accumulate_dtype=cfg.optimizer.accumulate_dtype,
                                      grad_dtype=cfg.optimizer.grad_dtype,
+                                     skip_nonfinite=cfg.run.on_nonfinite == "skip",
                                      kernel_config=cfg.kernels)
   opt_init = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)
 

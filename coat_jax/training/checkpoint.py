@@ -9,25 +9,72 @@ A checkpoint at step `s` holds:
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete, so a save
 interrupted by a crash or a kill never replaces the last good checkpoint; leftover temporary
-directories are ignored and cleaned up by the next run.
+directories are ignored and cleaned up by the next run. A state holding a NaN or an infinity is
+never written (DivergedError instead: divergence.check_finite, one reduction on the device).
+
+Large states and full disks (storage.py): a state larger than a quarter of the host memory still
+available (its copy and write buffers would take half) is streamed (a few arrays in host memory at a time, the save synchronous); a save whose
+state does not fit the free disk space is refused, and one whose write fails on a full or
+read-only disk removes its partial directory: both raise StorageError (exit 5, one line) with the
+previous checkpoint untouched.
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from coat_jax.training import storage
+from coat_jax.errors import StorageError
+from coat_jax.training.metrics import format_bytes
+from coat_jax.training.divergence import check_finite
+
 _STATE, _META = "state", "meta"
+# tensorstore's reads of a damaged checkpoint finish on orbax's event loop after it closed: each
+# reports "Event loop is closed" through sys.unraisablehook, tens of tracebacks for one skip.
+_CLOSED_LOOP = "Event loop is closed"
+
+
+def _drop_closed_loop_reports(previous):
+  def hook(report):
+    if not (isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == _CLOSED_LOOP):
+      previous(report)
+  hook.drops_closed_loop_reports = True
+  return hook
 
 
 def _quiet_orbax() -> None:
-  for name in ("absl", "orbax", "orbax.checkpoint"):
+  for name in ("orbax", "orbax.checkpoint"):
     logging.getLogger(name).setLevel(logging.WARNING)
+  # Orbax logs a failed background write's traceback through absl from each thread it passes;
+  # the failure reaches the run as an exception (one line, storage.py), so those stay quiet.
+  logging.getLogger("absl").setLevel(logging.CRITICAL)
+  if not getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
+    sys.unraisablehook = _drop_closed_loop_reports(sys.unraisablehook)
+
+
+def unreadable_reason(e: BaseException) -> str:
+  """One line on why a checkpoint did not read back: the cause's message, without tensorstore's
+  spec dump, and never a bare object repr (the first message in the exception chain that is)."""
+  chain, seen = [], set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  for err in chain:
+    text = re.sub(r"\s*\[tensorstore_spec=.*$", "", str(err), flags=re.S)
+    text = " ".join(text.split())
+    if text and not re.fullmatch(r"<[^<>]* object at 0x[0-9a-fA-F]+>", text):
+      text = f"{type(err).__name__}: {text}"
+      # tensorstore nests "what: while doing: ...: cause": keep the head and the cause
+      return text if len(text) <= 400 else f"{text[:120]} ... {text[-240:]}"
+  return type(chain[0]).__name__
 
 
 def _is_key(x: Any) -> bool:
@@ -89,19 +136,29 @@ class Checkpointer:
     every: save when `step % every == 0` (0: only when forced, e.g. at the end or on a signal).
     keep: how many checkpoints to keep (oldest deleted first).
     async_save: write in a background thread while training continues.
+    state_template: the state's arrays or ShapeDtypeStructs, when known: a state larger than a
+      quarter of the available host memory is then streamed, synchronously (`storage.stream_bytes`).
   """
 
-  def __init__(self, directory: str | os.PathLike, every: int, keep: int, async_save: bool):
+  def __init__(self, directory: str | os.PathLike, every: int, keep: int, async_save: bool,
+               state_template: Any = None):
     import orbax.checkpoint as ocp
 
     _quiet_orbax()
     self._ocp = ocp
     self.directory = Path(directory).absolute()
     self.every = every
+    self.stream_bytes = None
+    if state_template is not None:
+      stored = jax.tree.map(_abstract, state_template)  # typed keys as their uint32 data
+      self.stream_bytes = storage.stream_bytes(storage.state_bytes(stored),
+                                               storage.largest_leaf_bytes(stored),
+                                               jax.process_count())
+    self._pending: int | None = None
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-        save_interval_steps=1, create=True)
-    handlers = {_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()}
+        max_to_keep=keep, enable_async_checkpointing=async_save and self.stream_bytes is None,
+        cleanup_tmp_directories=True, save_interval_steps=1, create=True)
+    handlers = {_STATE: _state_handler(ocp, self.stream_bytes), _META: ocp.JsonCheckpointHandler()}
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._last_saved = self._manager.latest_step()
 
@@ -118,13 +175,46 @@ class Checkpointer:
     """Saves `state` (a pytree of arrays) and JSON `meta` at `step` if due (or `force`); True if saved."""
     if not (force or self.should_save(step)) or self._last_saved == step:
       return False
+    self.wait()  # the previous save done (orbax would wait too), so the disk's free space is true
+    flat = flatten_state(keys_to_data(state))
+    need, free = storage.needed_bytes(storage.state_bytes(flat)), storage.free_bytes(self.directory)
+    if free < need:
+      raise StorageError(f"checkpoint of step {step} not written: it needs {format_bytes(need)} "
+                         f"and {self.directory} has {format_bytes(free)} free; {self._kept()}; "
+                         f"free space or set checkpoint.dir to a larger disk")
+    check_finite(flat, f"checkpoint of step {step} in {self.directory}")
     args = self._ocp.args.Composite(**{
-        _STATE: self._ocp.args.StandardSave(flatten_state(keys_to_data(state))),
+        _STATE: self._ocp.args.StandardSave(flat),
         _META: self._ocp.args.JsonSave(meta),
     })
-    self._manager.save(step, args=args, force=True)
+    self._pending = step  # until written: a failure removes this step's partial directory
+    self._write_guard(lambda: self._manager.save(step, args=args, force=True))
     self._last_saved = step
     return True
+
+  def _kept(self) -> str:
+    steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) \
+        if self.directory.is_dir() else []
+    return (f"the checkpoint of step {steps[-1]} is intact" if steps
+            else "no earlier checkpoint exists")
+
+  def _write_guard(self, fn) -> Any:
+    """Runs `fn`; a write that fails on a full or read-only disk removes the pending save's
+    partial directory and raises StorageError (one line)."""
+    try:
+      return fn()
+    except Exception as e:
+      if not storage.is_disk_error(e):
+        raise
+      step, self._pending = self._pending, None
+      try:  # the save's other writers finish (or fail) before its directory goes
+        self._manager.wait_until_finished()
+      except Exception:
+        pass
+      removed = storage.remove_partial(self.directory, step) if step is not None else []
+      raise StorageError(f"writing the checkpoint of step {step} to {self.directory} failed: "
+                         f"{storage.disk_error_reason(e)}; its partial directory was removed "
+                         f"({', '.join(removed) or 'none left'}); {self._kept()}") from e
 
   def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any], int]:
     """Restores `step` (default: the latest) into `template`'s structure, dtypes and shardings.
@@ -177,7 +267,7 @@ class Checkpointer:
       except CheckpointMismatch:
         raise  # readable, but another run's layout: stop, rename nothing
       except Exception as e:  # orbax/tensorstore/json raise many types; all mean "unreadable" here
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        reason = unreadable_reason(e)
         tried.append(f"step {s} ({reason})")
         log(f"[checkpoint] step {s} in {self.directory} is unreadable: {reason}")
         if step is None:
@@ -192,15 +282,38 @@ class Checkpointer:
     self._last_saved = self._manager.latest_step()
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for a pending save (StorageError when its write failed on the disk)."""
+    if self._manager is not None:
+      self._write_guard(self._manager.wait_until_finished)
+    self._pending = None
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager (safe to call twice)."""
     if self._manager is None:
       return
-    self._manager.wait_until_finished()
-    self._manager.close()
-    self._manager = None
+    manager = self._manager
+    try:
+      self.wait()
+    finally:
+      self._manager = None
+      try:
+        manager.close()
+      except Exception:  # the failed save was reported by wait(); closing must not hide it
+        pass
+
+
+def _state_handler(ocp, batch_bytes: int | None):
+  """Orbax's handler of the state: as is, or with saves and restores in batches of at most
+  `batch_bytes` (the device-to-host copy and the write, so the host holds a few arrays at a
+  time)."""
+  if batch_bytes is None:
+    return ocp.StandardCheckpointHandler()
+  gb = batch_bytes / 1e9
+  handler = ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb)
+  # The standard handler takes no device-to-host limit; the PyTree handler under it does.
+  handler._impl = ocp.PyTreeCheckpointHandler(
+      save_concurrent_gb=gb, restore_concurrent_gb=gb, save_device_host_concurrent_gb=gb)
+  return handler
 
 
 class CheckpointMismatch(ValueError):

@@ -5,9 +5,12 @@ fields and every value against the field's annotation (bool, int, float, str, li
 nested dataclasses); ints widen to floats. `load(cls, path, overrides, validate)` reads a YAML file,
 applies overrides one by one and names the source of any error: the file, or the override.
 
-YAML numbers: PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string. `YamlLoader` adds a
-YAML 1.2-style float resolver, so `lr: 1e-3` in a file and `--set optimizer.lr=1e-3` both give
-0.001.
+YAML files are read by the YAML 1.2 core schema (PyYAML alone follows YAML 1.1): `1e-3` is a
+float, `010` is ten (not octal eight), `1:30` and `yes` are strings, `0o10`/`0x10` are octal/hex.
+A key given twice in one mapping and aliases (`*name`, which can expand without bound) are errors.
+
+`--set` values are read by the type of their key (`parse_typed`): a string key takes the text as
+given (`#` included; surrounding quotes removed), numbers and bools the YAML 1.2 core forms.
 """
 from __future__ import annotations
 
@@ -24,20 +27,78 @@ import yaml
 
 T = TypeVar("T")
 
-_FLOAT = re.compile(r"""^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$
-                        |^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$""", re.X)
+_NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
+_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT = re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
+                        |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)
+
+
+def _to_int(text: str) -> int:
+  if text.startswith(("0o", "0x")):
+    return int(text[2:], 8 if text[1] == "o" else 16)
+  return int(text, 10)   # leading zeros are decimal: 010 is 10
+
+
+def _to_float(text: str) -> float:
+  lowered = text.lower()
+  if lowered.endswith(".inf"):
+    return float("-inf") if lowered.startswith("-") else float("inf")
+  if lowered == ".nan":
+    return float("nan")
+  return float(text)
 
 
 class YamlLoader(yaml.SafeLoader):
-  """SafeLoader that also reads `1e-3`, `5E+2`, `.5` as floats (YAML 1.2 numbers)."""
+  """SafeLoader with the YAML 1.2 core schema's scalars (null, true/false, ints, floats; all else a
+  string), no duplicate keys and no aliases."""
+
+  yaml_implicit_resolvers: dict = {}
+
+  def compose_node(self, parent, index):
+    if self.check_event(yaml.AliasEvent):
+      raise yaml.composer.ComposerError(
+          None, None, "YAML aliases (*name) are not allowed in a run config",
+          self.peek_event().start_mark)
+    return super().compose_node(parent, index)
+
+  def construct_mapping(self, node, deep=False):
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=True)
+      if isinstance(key, typing.Hashable) and key in seen:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and "
+            f"{key_node.start_mark.line + 1})", key_node.start_mark)
+      if isinstance(key, typing.Hashable):
+        seen[key] = key_node.start_mark.line
+    return super().construct_mapping(node, deep)
 
 
-# Ints still resolve first (PyYAML tries resolvers in order and the int one was added earlier).
-YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+class YamlDumper(yaml.SafeDumper):
+  """SafeDumper that quotes every string `YamlLoader` would read as something else."""
+
+  yaml_implicit_resolvers: dict = {}
+
+
+for _cls in (YamlLoader, YamlDumper):
+  _cls.add_implicit_resolver("tag:yaml.org,2002:null", _NULL, ["~", "n", "N", ""])
+  _cls.add_implicit_resolver("tag:yaml.org,2002:bool", _BOOL, list("tTfF"))
+  _cls.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+  _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+YamlLoader.add_constructor("tag:yaml.org,2002:int",
+                           lambda loader, node: _to_int(loader.construct_scalar(node)))
+YamlLoader.add_constructor("tag:yaml.org,2002:float",
+                           lambda loader, node: _to_float(loader.construct_scalar(node)))
 
 
 def parse_yaml(text: str) -> Any:
   return yaml.load(text, Loader=YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def dump_yaml(data: Any) -> str:
+  """`data` as YAML that `parse_yaml` reads back to the same values."""
+  return yaml.dump(data, Dumper=YamlDumper, sort_keys=False)
 
 
 def suggest(name: str, choices) -> str:
@@ -105,20 +166,71 @@ def build(cls: type[T], raw: Any, where: str = "") -> T:
   return cls(**kwargs)
 
 
-def parse_override_value(text: str) -> Any:
-  """A `--set` value read as YAML (3e-4 -> float, true -> bool, [a, b] -> list); else the text."""
-  try:
-    return parse_yaml(text)
-  except yaml.YAMLError:
-    return text
+def _unquote(text: str) -> str:
+  if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+    return text[1:-1]
+  return text
 
 
-def apply_override(cls: type, raw: dict[str, Any], item: str) -> dict[str, Any]:
+def parse_typed(text: str, annotation: Any, key: str) -> Any:
+  """A `--set` value read by its key's type annotation (YAML 1.2 core forms, nothing else):
+
+  str: the text as given (`#`, `:` and digits included), a pair of surrounding quotes removed;
+  int: decimal digits (`010` is ten), `0o17` octal, `0x1f` hex; float: `3e-4`, `.5`, `.inf`;
+  bool: true/false; an optional key: also `null` or `~`; a list: `[a, b]` (items read by the
+  item type) or one item. Raises ValueError naming the key.
+  """
+  origin = typing.get_origin(annotation)
+  if origin in (typing.Union, types.UnionType):
+    args = typing.get_args(annotation)
+    if type(None) in args and _NULL.match(text.strip()):
+      return None
+    options = sorted((o for o in args if o is not type(None)), key=lambda o: o is str)
+    errors = []
+    for option in options:
+      try:
+        return parse_typed(text, option, key)
+      except ValueError as e:
+        errors.append(e)
+    raise errors[0]
+  if origin is list:
+    (item_type,) = typing.get_args(annotation)
+    if not text.strip().startswith("["):
+      return [parse_typed(text, item_type, f"{key}[0]")]
+    try:
+      items = yaml.load(text, Loader=yaml.BaseLoader)  # noqa: S506 (structure only, all strings)
+    except yaml.YAMLError as e:
+      raise ValueError(f"config key {key!r}: not a list ({' '.join(str(e).split())})") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+      raise ValueError(f"config key {key!r} must be a list like [a, b], got {text!r}")
+    return [parse_typed(i, item_type, f"{key}[{n}]") for n, i in enumerate(items)]
+  value = text.strip()
+  if annotation is str:
+    return _unquote(text)
+  if annotation is bool and _BOOL.match(value):
+    return value.lower() == "true"
+  if annotation is int and _INT.match(value):
+    return _to_int(value)
+  if annotation is float and (_INT.match(value) or _FLOAT.match(value)):
+    return float(_to_int(value)) if _INT.match(value) else _to_float(value)
+  what = {bool: "a bool (true/false)", int: "an int", float: "a number"}.get(annotation)
+  if what is None:
+    raise TypeError(f"unsupported annotation {annotation!r} for {key!r}")
+  raise ValueError(f"config key {key!r} must be {what}, got {text!r}")
+
+
+def apply_override(cls: type, raw: dict[str, Any], item: str | tuple[str, Any]) -> dict[str, Any]:
   """A copy of mapping `raw` with one `section.key=value` applied; the key and the value's type are
-  checked against the schema `cls` here (a typo fails even where the file has no such section)."""
-  if not isinstance(item, str) or "=" not in item:
+  checked against the schema `cls` here (a typo fails even where the file has no such section).
+  `item` is a `--set` string (its value read by `parse_typed`) or a (dotted key, value) pair
+  whose value is taken as it is (e.g. a path from `--out-dir`)."""
+  if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+    dotted, literal = item
+  elif isinstance(item, str) and "=" in item:
+    dotted, text = item.split("=", 1)
+    literal = None
+  else:
     raise ValueError(f"expected key=value, got {item!r}")
-  dotted, text = item.split("=", 1)
   parts = dotted.strip().split(".")
   raw = copy.deepcopy(raw)
   node, where = raw, ""
@@ -137,7 +249,8 @@ def apply_override(cls: type, raw: dict[str, Any], item: str) -> dict[str, Any]:
     elif not last:
       raise _unknown_key(".".join(parts[i + 1:]), f"{where}{part}.", [])
     else:
-      node[part] = check_value(parse_override_value(text), annotation, where + part)
+      value = literal if literal is not None else parse_typed(text, annotation, where + part)
+      node[part] = check_value(value, annotation, where + part)
   return raw
 
 
@@ -183,7 +296,11 @@ def load(cls: type[T], path: str | Path | None, overrides, validate: Callable[[T
 
   error, blame = check(cfg), source
   for item in overrides:
-    shown = item if isinstance(item, str) and item.isprintable() else repr(item)
+    if isinstance(item, tuple) and len(item) == 2:
+      item_text = f"{item[0]}={item[1]}"
+    else:
+      item_text = item
+    shown = item_text if isinstance(item_text, str) and item_text.isprintable() else repr(item_text)
     try:
       raw = apply_override(cls, raw, item)
       cfg = build(cls, raw)

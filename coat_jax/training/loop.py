@@ -11,13 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -27,7 +24,11 @@ import numpy as np
 from coat_jax.training import checkpoint as ckpt_lib
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import metrics as metrics_lib
-from coat_jax.training.build import Built, build, dataset_from_config
+from coat_jax.training import plan as plan_lib
+from coat_jax.training import run_dir
+from coat_jax.training.build import Built, dataset_from_config, use_compile_cache
+from coat_jax.training.divergence import NonFiniteGuard
+from coat_jax.errors import BadInputError, OutOfMemoryError, RunError
 from coat_jax.training.schema import RunConfig
 from coat_jax.training.step_log import StepLogger, summary_line
 
@@ -48,7 +49,9 @@ class StopRequest:
   def _handler(self, signum, frame):
     if self.reason is not None:  # second signal: stop now
       self.uninstall()
-      raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+      interrupt = KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+      interrupt.signum = signum  # train.py exits with 128 + signum
+      raise interrupt
     self.request(signal.Signals(signum).name)
 
   def install(self) -> None:
@@ -74,31 +77,6 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
   return out
 
 
-def earlier_run(out_dir: Path, ckpt_dir: Path) -> list[str]:
-  """What of an earlier run lies in these directories: metrics.jsonl and checkpoint steps."""
-  found = [str(out_dir / "metrics.jsonl")] if (out_dir / "metrics.jsonl").is_file() else []
-  if ckpt_dir.is_dir():
-    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
-    if steps:
-      found.append(f"checkpoints {', '.join(map(str, steps))} in {ckpt_dir}")
-  return found
-
-
-def clear_earlier_run(out_dir: Path, ckpt_dir: Path, overwrite: bool) -> None:
-  """Refuses (ValueError) a fresh run into an earlier run's directories, or with `overwrite`
-  deletes that run's checkpoints and logs."""
-  found = earlier_run(out_dir, ckpt_dir)
-  if not found:
-    return
-  if not overwrite:
-    raise ValueError(f"{out_dir} holds an earlier run ({'; '.join(found)}): continue it with "
-                     f"--resume, choose a new --out-dir, or replace it with --overwrite")
-  shutil.rmtree(ckpt_dir, ignore_errors=True)
-  shutil.rmtree(out_dir / "tb", ignore_errors=True)
-  for name in ("metrics.jsonl", "summary.json", "loss.png", "config.yaml"):
-    (out_dir / name).unlink(missing_ok=True)
-
-
 def first_train_loss(records: list[dict], history: dict[int, float]) -> float | None:
   """The run's first logged one-batch loss: from the metrics records (which survive resumes),
   else the earliest step of `history`."""
@@ -116,55 +94,72 @@ def exit_status(summary: dict) -> int:
   return 0
 
 
-def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
-  """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set)."""
-  if not directory or jax.config.jax_compilation_cache_dir:
-    return
-  path = Path(os.path.expanduser(directory))
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError as e:  # a read-only home must not stop training
-    say(f"[run] compilation cache off: cannot create {path} ({e})")
-    return
-  jax.config.update("jax_compilation_cache_dir", str(path))
-
-
 def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         devices: list[jax.Device] | None = None, log: Callable[[str], None] = print,
         on_step: Callable[[int, "StopRequest"], None] | None = None,
         stop: StopRequest | None = None, overwrite: bool = False,
-        resume_from: int | None = None) -> dict:
+        resume_from: int | None = None, allow_steps_change: bool = False) -> dict:
   """Trains per `cfg`; returns a summary dict (final losses, throughput, memory, per-step losses).
 
   Args:
     resume: continue from the newest intact checkpoint in the checkpoint directory (fresh start if
-      none at all; unreadable ones are reported and skipped). resume_from: that step (implies resume).
+      there is no earlier run at all; unreadable ones are reported and set aside; with none left
+      but an earlier run's metrics, BadInputError). resume_from: that step (implies resume).
     stop_after: stop once this many steps are done (checkpointing), keeping `run.steps`' schedule.
     devices: devices for the mesh (default: all).
     on_step: called as on_step(step, stop) after every step; `stop.request(reason)` ends the run
       with a checkpoint, as a signal does.
     stop: a StopRequest to use (its signal handlers are installed for the duration of the run).
     overwrite: a fresh run (no `resume`) replaces an earlier run's checkpoints and logs in its
-      directories; without it such a run is refused (ValueError), and nothing is deleted.
+      directories (run_dir.clear_earlier_run: only what a run wrote); without it such a run is
+      refused (BadInputError), and nothing is deleted.
+    allow_steps_change: resume a checkpoint written with another `run.steps` (the learning-rate
+      schedule is recomputed for the new length); without it that is refused.
+
+  The output directory is locked for the run (run_dir.DirLock): a second run on it stops with
+  BadInputError. Errors carry their exit status (errors.py): a non-finite loss DivergedError,
+  an output directory that is gone or full StorageError / OSError.
   """
-  t_start = time.time()
   resume = resume or resume_from is not None
+  out_dir = run_dir.expand(cfg.run.out_dir)
+  ckpt_dir = run_dir.expand(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+  dirs = run_dir.RunDirs(out_dir, ckpt_dir, is_main=jax.process_index() == 0)
+  try:
+    dirs.lock()
+    if not resume:
+      run_dir.clear_earlier_run(out_dir, ckpt_dir, overwrite)
+    return _run(cfg, dirs, resume=resume, stop_after=stop_after, devices=devices, log=log,
+                on_step=on_step, stop=stop, resume_from=resume_from,
+                allow_steps_change=allow_steps_change)
+  finally:
+    dirs.release()
+
+
+def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int | None,
+         devices: list[jax.Device] | None, log: Callable[[str], None],
+         on_step: Callable[[int, "StopRequest"], None] | None, stop: StopRequest | None,
+         resume_from: int | None, allow_steps_change: bool) -> dict:
+  t_start = time.time()
   is_main = jax.process_index() == 0
-  out_dir = Path(cfg.run.out_dir)
+  out_dir, ckpt_dir = dirs.out_dir, dirs.ckpt_dir
   say = log if is_main else (lambda _: None)
   total_steps = cfg.run.steps
   end_step = total_steps if stop_after is None else min(total_steps, stop_after)
-  ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
-  if not resume:
-    clear_earlier_run(out_dir, ckpt_dir, overwrite)
 
   use_compile_cache(cfg.run.compile_cache, say)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say)
-  built = build(cfg, mesh, vocab_size=dataset.vocab_size)
+  # The step compiled on abstract shapes and checked against the device before anything is
+  # allocated; `auto` settings resolved (plan.py). The run calls that executable.
+  planner = plan_lib.Planner(cfg, mesh, dataset.vocab_size, log=say)
+  chosen = planner.choose(sample_batch=dataset.train_batch(0))
+  cfg, built = chosen.cfg, chosen.built
   llama_cfg = built.llama_cfg
   dataset.check_vocab(llama_cfg.vocab_size)
   out_dir.mkdir(parents=True, exist_ok=True)  # only once the data and model config are good
+  dirs.lock(create=True)
+  if not resume:  # another run may have written here since the check (then released its lock)
+    run_dir.clear_earlier_run(out_dir, ckpt_dir, overwrite=False)
   from coat_jax.models import llama as llama_lib
 
   n_params = llama_lib.num_params(llama_cfg)
@@ -175,15 +170,17 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
   say(f"[run] model {cfg.model.preset} ({n_params / 1e6:.2f}M params, precision {cfg.precision}), "
       f"optimizer {cfg.optimizer.name}, mesh {dict(mesh.shape)} on {mesh.devices.size} "
       f"{mesh.devices.flat[0].platform} device(s)")
-  train_step, eval_step = built.train_step, built.eval_step
+  train_step, eval_step = chosen.compiled, built.eval_step
 
   # Resources opened from here on are closed on errors too (close() is idempotent).
   with contextlib.ExitStack() as cleanup:
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir, cfg.checkpoint.every, cfg.checkpoint.keep,
-                                         cfg.checkpoint.async_save)
+                                         cfg.checkpoint.async_save,
+                                         state_template=built.abstract_state())
     cleanup.callback(checkpointer.close)
-    params, opt_state, rest, start_step, run_key = restore_or_init(cfg, checkpointer, built,
-                                                                    resume, say, resume_from)
+    params, opt_state, rest, start_step, run_key = restore_or_init(
+        cfg, checkpointer, built, resume, say, resume_from, allow_steps_change,
+        earlier=run_dir.earlier_run(out_dir, ckpt_dir) + run_dir.set_aside(ckpt_dir))
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
     metrics = None
     if is_main:
@@ -210,12 +207,22 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
       return checkpointer.save(step, {"params": params, "opt_state": opt_state, "rest": rest}, meta,
                                force=force)
 
+    def out_of_memory(e: Exception, during: str) -> OutOfMemoryError:
+      """The one-line error for a device out of memory met `during` a step or an evaluation."""
+      checkpointer.wait()
+      last = checkpointer.latest_step()
+      kept = (f"the checkpoint of step {last} in {ckpt_dir} is intact" if last is not None
+              else "no checkpoint was written")
+      return OutOfMemoryError(plan_lib.runtime_oom_message(planner, chosen, e, during, kept))
+
     from tqdm import tqdm
 
     bar = tqdm(total=end_step, initial=start_step, disable=not (cfg.run.progress and is_main),
                dynamic_ncols=True, desc="train", file=sys.stderr)
+    guard = NonFiniteGuard(cfg.run.on_nonfinite, cfg.run.max_nonfinite_steps, str(ckpt_dir),
+                           lambda line: (say if bar.disable else bar.write)(line))
     logger = StepLogger(metrics, bar, say, built.schedule, flops_per_token, tokens_per_step, devices_used,
-                        dataset.epoch_of)
+                        dataset.epoch_of, check=guard.check)
     eval_history: dict[int, float] = {}
     step, interrupted = start_step, None
     stop = stop or StopRequest()
@@ -230,23 +237,35 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
           eval_history[step] = evaluate(step)
           if eval_history[step] is not None:  # None: no held-out batches configured
             (say if bar.disable else bar.write)(f"[eval] step {step}: loss {eval_history[step]:.4f}")
+        if checkpointer.should_save(step):
+          logger.sync()  # the losses up to here are finite (or skipped) before a checkpoint
         save(step, force=False)
         if on_step is not None:
           on_step(step, stop)
         if stop:
           interrupted = stop.reason
           break
+    except Exception as e:
+      if isinstance(e, RunError) or not plan_lib.is_out_of_memory(e):
+        raise
+      params = opt_state = rest = tokens = None  # donated to the failed step; free the rest
+      raise out_of_memory(e, f"step {step + 1}") from e
     finally:
       bar.close()
       stop.uninstall()
 
-    # The end (normal, early stop or signal): final eval, checkpoint, logs, plot.
+    # The end (normal, early stop or signal): checkpoint, final eval, logs, plot.
     logger.flush()
-    final_eval = evaluate(step)
-    if final_eval is not None:
-      eval_history[step] = final_eval
     if save(step, force=True):
       say(f"[run] checkpoint at step {step} in {ckpt_dir}")
+    try:
+      final_eval = evaluate(step)
+    except Exception as e:
+      if not plan_lib.is_out_of_memory(e):
+        raise
+      raise out_of_memory(e, "the final evaluation") from e
+    if final_eval is not None:
+      eval_history[step] = final_eval
     checkpointer.close()
     mem, mem_kind = metrics_lib.peak_memory_bytes(devices_used)
     tokens_per_s = logger.median_tokens_per_s()
@@ -260,7 +279,8 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
         "mfu": metrics_lib.mfu(flops_per_token, tokens_per_s, devices_used) if tokens_per_s else None,
         "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,
         "flops_per_token": flops_per_token, "wall_s": time.time() - t_start,
-        "first_step_s": logger.first_step_s,
+        "first_step_s": logger.first_step_s, "compile_s": planner.compile_s,
+        "nonfinite_steps_skipped": guard.skipped,
         "losses": history, "eval_losses": eval_history, "out_dir": str(out_dir),
         "checkpoint_dir": str(ckpt_dir),
     }
@@ -276,9 +296,18 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
 
 
 def restore_or_init(cfg: RunConfig, checkpointer, built: Built, resume: bool, say,
-                    resume_from: int | None = None):
-  """(params, opt_state, rest, start_step, run_key): from the latest checkpoint or freshly made."""
+                    resume_from: int | None = None, allow_steps_change: bool = False,
+                    earlier: list[str] = ()):
+  """(params, opt_state, rest, start_step, run_key): from the latest checkpoint or freshly made.
+
+  `earlier`: what of an earlier run the directories hold (run_dir.earlier_run, set-aside
+  checkpoints); a resume that finds no checkpoint refuses to start afresh over it.
+  """
   if not (resume and (checkpointer.latest_step() is not None or resume_from is not None)):
+    if resume and earlier:
+      raise BadInputError(f"--resume: no intact checkpoint in {checkpointer.directory}, but an "
+                          f"earlier run is there ({'; '.join(earlier)}); starting afresh would "
+                          f"replace its logs: use --overwrite for that, or a new --out-dir")
     if resume:
       say(f"[run] --resume: no checkpoint in {checkpointer.directory}, starting from scratch")
     params, opt_state, rest = built.init()
@@ -289,6 +318,12 @@ def restore_or_init(cfg: RunConfig, checkpointer, built: Built, resume: bool, sa
     raise ValueError(f"checkpoint {checkpointer.directory}/{step} was written with seed "
                      f"{meta.get('seed')} at data position {meta.get('data_position')}; this run "
                      f"has seed {cfg.run.seed}: resuming would not continue the same run")
+  steps_then = meta.get("config", {}).get("run", {}).get("steps", cfg.run.steps)
+  if steps_then != cfg.run.steps and not allow_steps_change:
+    raise BadInputError(f"checkpoint {checkpointer.directory}/{step} is of a run of run.steps="
+                        f"{steps_then}; this run has run.steps={cfg.run.steps}, which changes the "
+                        f"learning-rate schedule: resume with run.steps={steps_then}, or pass "
+                        f"--allow-steps-change to continue on the new schedule")
   ignore = ("run", "checkpoint")
   diff = config_diff({k: v for k, v in meta.get("config", {}).items() if k not in ignore},
                       {k: v for k, v in cfg.to_dict().items() if k not in ignore})

@@ -18,6 +18,8 @@ from typing import Any, Iterable
 
 import jax
 
+from coat_jax.errors import StorageError
+
 # Dense BF16 peak FLOP/s per device, matched on `device.device_kind` (first match wins).
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H200", 989e12),
@@ -149,7 +151,9 @@ class MetricsLog:
   """Appends metric records to `out_dir/metrics.jsonl` and TensorBoard.
 
   On resume from step `s`, records after `s` (from a run that went further before stopping) are
-  dropped first, so the log describes the resumed run exactly once.
+  dropped first, so the log describes the resumed run exactly once. `flush` raises StorageError
+  when metrics.jsonl is no longer the file being written (the output directory was deleted or
+  the file replaced): writing on would lose every record from then on without a word.
   """
 
   def __init__(self, out_dir: str | os.PathLike, tensorboard: bool = True, resume_step: int | None = None,
@@ -181,6 +185,13 @@ class MetricsLog:
     self._file.flush()
     if self._tb is not None:
       self._tb.flush()
+    try:
+      same = os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+    except FileNotFoundError:
+      same = False
+    if not same:
+      raise StorageError(f"{self.path} was removed while the run wrote it (was {self.out_dir} "
+                         f"deleted?): stopping, the logs from here on would be lost")
 
   def close(self) -> None:
     """Closes the files (safe to call twice)."""

@@ -18,17 +18,16 @@ config_io.py does the generic part (types, YAML, overrides), this file the value
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from coat_jax import optim
 from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_AXIS, OPTIMIZER_GROUP_SIZE
 from coat_jax.kernels import KernelConfig
-from coat_jax.models.llama import LlamaConfig
+from coat_jax.models.llama import REMAT_POLICIES, LlamaConfig
 from coat_jax.ops.attention import ATTENTION_RESIDUALS
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
@@ -38,8 +37,13 @@ from coat_jax.training.accumulate import ACCUM_DTYPES, GRAD_DTYPES
 OPTIMIZERS = ("adamw", "coat_adamw")
 SCHEDULES = ("cosine", "constant", "linear")
 DATA_KINDS = ("stdlib", "tokens", "text", "jsonl")
+ON_NONFINITE = ("stop", "skip")
+MAX_INT = 2**63 - 1        # every int setting fits int64 (a seed up to this is a valid JAX key)
+MAX_BATCH_TOKENS = 2**31   # tokens of one batch (batch_size x (seq_len + 1)): int32 positions
 TOKEN_DTYPES = ("uint16", "uint32")
 FP8_STATE_FORMATS = ("e4m3", "e5m2", "int8")
+AUTO = "auto"   # model.remat / optimizer.accumulate: chosen by coat_jax.training.plan
+REMAT_CHOICES = (*REMAT_POLICIES, AUTO)
 
 
 # LlamaConfig's fields a run config sets under `model:`, all but these two: `precision` is the
@@ -64,7 +68,9 @@ ModelConfig = dataclasses.make_dataclass(
   `coat_jax.models.LlamaConfig`, whose docstring documents them. Beyond that: `vocab_size=None`
   takes the data's tokenizer vocabulary when the data has one (stdlib, text, jsonl) and the
   preset's otherwise (pre-tokenized files); `dtype` "auto" is bfloat16 on accelerators and float32
-  on CPU, where bfloat16 matmuls are slow; `remat` also takes a bool."""})
+  on CPU, where bfloat16 matmuls are slow; `remat` also takes a bool, or "auto": the fastest
+  policy whose step fits the device, chosen before the first step by XLA's memory prediction
+  (`coat_jax.training.plan`)."""})
 
 
 @dataclasses.dataclass
@@ -80,7 +86,8 @@ class OptimizerConfig:
   `decay_1d=False` leaves 1-D parameters (norm scales, biases) out of weight decay.
   `accumulate`: microbatches per optimizer step (gradient accumulation); `data.batch_size` is the
   global batch of one step and is split into `accumulate` microbatches, run one after another, with
-  the gradient sum kept in `accumulate_dtype` ("float32" or "bfloat16").
+  the gradient sum kept in `accumulate_dtype` ("float32" or "bfloat16"); "auto": the fewest
+  microbatches whose step fits the device (`coat_jax.training.plan`).
   `master_rounding`: how coat_adamw's step stores bfloat16 master weights
   (`model.param_dtype: bfloat16`): "nearest", "stochastic" rounding (`coat_jax.rounding`), or
   "kahan" (nearest plus a bfloat16 compensation buffer in the optimizer state, 2 B/param;
@@ -119,7 +126,7 @@ class OptimizerConfig:
   expand: bool = True
   expand_min: int = optim.DEFAULT_EXPAND_MIN
   min_quantized_size: int = optim.DEFAULT_MIN_QUANTIZED_SIZE
-  accumulate: int = 1
+  accumulate: int | str = 1
   accumulate_dtype: str = "float32"
   master_rounding: str = "nearest"
   grad_dtype: str = "param"
@@ -177,6 +184,16 @@ class RunSettings:
   `compile_cache`: JAX's persistent compilation cache directory ("" = off). A restarted or
   resumed run then skips the compile (minutes for coat mode on the GPU: every FP8 GEMM call site
   is a Pallas kernel of its own).
+  `on_nonfinite`: what a non-finite loss or gradient norm does: "stop" (default: the run ends
+  with exit status 3, writing no checkpoint of the diverged state) or "skip" (the step leaves
+  params and optimizer state as they were; `max_nonfinite_steps` such steps in a row stop the run
+  as "stop" does). `out_dir` and `checkpoint.dir` may start with `~`.
+  `device_memory_limit`: the bytes a device may hold, for the check before the first step
+  (`coat_jax.training.plan`): 0 = the device's own (`bytes_limit` of its memory stats on a GPU;
+  none on a CPU, where the check is off), else a size such as 80e9 or "75GiB" (a smaller budget,
+  or a stand-in device on a CPU). `plan_timed_steps`: with `model.remat` or `optimizer.accumulate`
+  "auto", time this many steps of each candidate that fits and take the fastest (null: 2 on
+  accelerators, 0 on a CPU: the first in the order fastest-first by rule).
   """
   steps: int = 300
   seed: int = 0
@@ -187,6 +204,10 @@ class RunSettings:
   tensorboard: bool = True
   plot: bool = True
   compile_cache: str = "~/.cache/coat_jax/xla"
+  on_nonfinite: str = "stop"
+  max_nonfinite_steps: int = 10
+  device_memory_limit: int | float | str = 0
+  plan_timed_steps: int | None = None
 
 
 @dataclasses.dataclass
@@ -205,7 +226,7 @@ class RunConfig:
     return dataclasses.asdict(self)
 
   def to_yaml(self) -> str:
-    return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    return config_io.dump_yaml(self.to_dict())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,8 +239,21 @@ def _one_of(value: str, choices, key: str) -> None:
                      f"got {value!r}{config_io.suggest(value, choices)}")
 
 
+def _check_numbers(node: Any, where: str = "") -> None:
+  """Every float setting finite, every int one within int64 (`MAX_INT`)."""
+  for f in dataclasses.fields(node):
+    value, key = getattr(node, f.name), where + f.name
+    if dataclasses.is_dataclass(value):
+      _check_numbers(value, key + ".")
+    elif isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f"config key {key!r} must be a finite number, got {value!r}")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+      raise ValueError(f"config key {key!r} is out of range (at most 2**63 - 1), got {value}")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
   """Checks values (choices and ranges) that types alone do not catch; returns `cfg`."""
+  _check_numbers(cfg)
   _one_of(cfg.precision, PRECISIONS, "precision")
   o = cfg.optimizer
   _one_of(o.name, OPTIMIZERS, "optimizer.name")
@@ -233,12 +267,16 @@ def validate(cfg: RunConfig) -> RunConfig:
   if o.master_rounding != "nearest" and o.name != "coat_adamw":
     raise ValueError(f"optimizer.master_rounding={o.master_rounding!r} needs "
                      f"optimizer.name='coat_adamw' (got {o.name!r})")
+  if o.accumulate != AUTO and not (isinstance(o.accumulate, int) and o.accumulate > 0):
+    raise ValueError(f"config key 'optimizer.accumulate' must be an int > 0 or 'auto', "
+                     f"got {o.accumulate!r}")
   positive = {"optimizer.lr": o.lr, "optimizer.group_size": o.group_size,
-              "optimizer.expand_min": o.expand_min, "optimizer.accumulate": o.accumulate,
+              "optimizer.expand_min": o.expand_min,
               "data.seq_len": cfg.data.seq_len, "data.batch_size": cfg.data.batch_size,
               "data.vocab_size": cfg.data.vocab_size, "data.corpus_max_bytes": cfg.data.corpus_max_bytes,
               "run.steps": cfg.run.steps, "run.log_every": cfg.run.log_every,
-              "checkpoint.keep": cfg.checkpoint.keep}
+              "checkpoint.keep": cfg.checkpoint.keep,
+              "run.max_nonfinite_steps": cfg.run.max_nonfinite_steps}
   non_negative = {"optimizer.warmup": o.warmup, "optimizer.weight_decay": o.weight_decay,
                   "optimizer.clip": o.clip, "optimizer.eps": o.eps,
                   "optimizer.min_lr_ratio": o.min_lr_ratio, "data.eval_batches": cfg.data.eval_batches,
@@ -253,7 +291,11 @@ def validate(cfg: RunConfig) -> RunConfig:
   for key, value in (("optimizer.b1", o.b1), ("optimizer.b2", o.b2)):
     if not 0.0 <= value < 1.0:
       raise ValueError(f"config key {key!r} must be in [0, 1), got {value!r}")
+  _one_of(cfg.run.on_nonfinite, ON_NONFINITE, "run.on_nonfinite")
   d = cfg.data
+  if d.batch_size * (d.seq_len + 1) > MAX_BATCH_TOKENS:
+    raise ValueError(f"data.batch_size={d.batch_size} x (data.seq_len + 1 = {d.seq_len + 1}) "
+                     f"tokens per batch is more than 2**31")
   _one_of(d.kind, DATA_KINDS, "data.kind")
   _one_of(d.dtype, TOKEN_DTYPES, "data.dtype")
   if not 0.0 <= d.eval_fraction < 1.0:
@@ -268,7 +310,13 @@ def validate(cfg: RunConfig) -> RunConfig:
       raise ValueError(f"config key {key!r} must be a positive size or -1 (fill), got {value}")
   if sum(v == -1 for v in sizes.values()) > 1:
     raise ValueError(f"at most one mesh axis may be -1 (fill), got {sizes}")
+  parse_bytes(cfg.run.device_memory_limit, "run.device_memory_limit")
+  if cfg.run.plan_timed_steps is not None and cfg.run.plan_timed_steps < 0:
+    raise ValueError(f"config key 'run.plan_timed_steps' must be >= 0 or null, "
+                     f"got {cfg.run.plan_timed_steps}")
   m = cfg.model
+  if isinstance(m.remat, str):
+    _one_of(m.remat, REMAT_CHOICES, "model.remat")
   if m.dtype is not None:
     _one_of(m.dtype, DTYPES + (AUTO_DTYPE,), "model.dtype")
   if m.attention_residuals is not None:
@@ -279,6 +327,24 @@ def validate(cfg: RunConfig) -> RunConfig:
     if value is not None and value <= 0:
       raise ValueError(f"config key 'model.{f}' must be > 0, got {value}")
   return cfg
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str, key: str) -> int:
+  """A byte count from 80e9, 80000000000, "75GiB", "80 GB" (ValueError naming `key` otherwise)."""
+  number, unit = value, ""
+  if isinstance(value, str):
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+      raise ValueError(f"config key {key!r} must be a byte count such as 80e9 or '75GiB', "
+                       f"got {value!r}")
+    number, unit = float(m.group(1)), m.group(2).lower()
+  if not number >= 0:
+    raise ValueError(f"config key {key!r} must be >= 0, got {value!r}")
+  return int(number * _BYTE_UNITS[unit])
 
 
 def from_dict(raw: dict[str, Any]) -> RunConfig:

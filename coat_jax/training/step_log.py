@@ -13,19 +13,24 @@ from coat_jax.training import metrics as metrics_lib
 class StepLogger:
   """Collects per-step outputs without blocking, and every `log_now` step fetches them and logs
   `loss_mean` (over the steps since the last log, `loss_mean_steps` of them; the progress bar's
-  `loss_meanN`), `loss_last` (the last batch's), grad norm, lr, tokens/s, MFU and peak memory."""
+  `loss_meanN`), `loss_last` (the last batch's), grad norm, lr, tokens/s, MFU and peak memory.
+  `check(records)`, if given, sees every step's fetched (step, {"loss", "grad_norm"}) once, in
+  order: after a log step's record is written, and at `sync()` (before a checkpoint)."""
 
-  def __init__(self, metrics, bar, say, schedule, flops_per_token, tokens_per_step, devices, epoch_of):
+  def __init__(self, metrics, bar, say, schedule, flops_per_token, tokens_per_step, devices, epoch_of,
+               check=None):
     self.metrics, self.bar, self.say, self.schedule = metrics, bar, say, schedule
     self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
     self.devices, self.epoch_of = devices, epoch_of
     self.history: dict[int, float] = {}
     self.window_tokens_per_s: list[float] = []
     self._pending: list[tuple[int, dict]] = []
+    self._fetched = 0   # _pending[:_fetched] hold host values already checked
+    self.check = check
     self._throughput = metrics_lib.Throughput()
     self._compiled = False
     self._started = time.perf_counter()
-    self.first_step_s: float | None = None   # this process' first step: trace, compile and run
+    self.first_step_s: float | None = None   # this process' first step (compiled by plan.py)
 
   def step_done(self, step: int, out: dict, log_now: bool) -> None:
     self._pending.append((step, out))
@@ -34,7 +39,7 @@ class StepLogger:
       jax.block_until_ready(out["loss"])
       self.first_step_s = time.perf_counter() - self._started
       (self.say if self.bar.disable else self.bar.write)(
-          f"[run] first step in {self.first_step_s:.1f} s (tracing and compiling included)")
+          f"[run] first step in {self.first_step_s:.1f} s (compiled before it: [plan])")
       self._throughput.reset()
       self._compiled = True
       log_now = log_now or step == 1  # log the starting loss
@@ -43,24 +48,39 @@ class StepLogger:
     if log_now:
       self._log(step)
 
+  def sync(self, check: bool = True) -> None:
+    """Fetches the outputs not fetched yet (one transfer) and passes them to `check`."""
+    new = self._pending[self._fetched:]
+    if not new:
+      return
+    fetched = [(s, o) for (s, _), o in zip(new, jax.device_get([o for _, o in new]))]
+    self._pending[self._fetched:] = fetched
+    for s, o in fetched:
+      self.history[s] = float(o["loss"])
+    if check:
+      self._check_new()
+
+  def _check_new(self) -> None:
+    new, self._fetched = self._pending[self._fetched:], len(self._pending)
+    if self.check is not None and new:
+      self.check(new)
+
   def flush(self) -> None:
-    if self._pending:
-      for (s, _), o in zip(self._pending, jax.device_get([o for _, o in self._pending])):
-        self.history[s] = float(o["loss"])
-      self._pending.clear()
+    self.sync()
+    self._pending.clear()
+    self._fetched = 0
 
   def median_tokens_per_s(self) -> float:
     return float(np.median(self.window_tokens_per_s)) if self.window_tokens_per_s else 0.0
 
   def _log(self, step: int) -> None:
-    fetched = jax.device_get([o for _, o in self._pending])
+    self.sync(check=False)  # the record is written first: a diverged step shows in the logs
+    fetched = [o for _, o in self._pending]
     tps = self._throughput.tokens_per_s()
     if tps > 0:
       self.window_tokens_per_s.append(tps)
     mfu = metrics_lib.mfu(self.flops_per_token, tps, self.devices) if tps > 0 else None
     mem, _ = metrics_lib.peak_memory_bytes(self.devices)
-    for (s, _), o in zip(self._pending, fetched):
-      self.history[s] = float(o["loss"])
     loss = float(np.mean([o["loss"] for o in fetched]))
     if self.metrics:
       self.metrics.write(step, "train", {
@@ -76,8 +96,12 @@ class StepLogger:
     self.bar.set_postfix(postfix, refresh=False)
     if self.bar.disable:
       self.say(f"[step {step}] " + " ".join(f"{k} {v}" for k, v in postfix.items()))
-    self._pending.clear()
     self._throughput.reset()
+    try:
+      self._check_new()
+    finally:
+      self._pending.clear()
+      self._fetched = 0
 
 
 def summary_line(s: dict) -> str:

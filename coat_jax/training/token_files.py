@@ -2,22 +2,23 @@
 
 "tokens": `.npy` files, or raw little-endian `uint16`/`uint32` files (OLMo/Dolma-style shards, which
 are raw even when named `.npy`). "text"/"jsonl": text files or JSON lines (a `text_field`)
-tokenized with a local tokenizer.json; the ids are cached per file (keyed by path, size, mtime and
-the tokenizer's hash). Every error names the file (and line, for JSON lines).
+tokenized with a local tokenizer.json in bounded pieces (text_stream.py: memory independent of
+file and line size); the ids are cached per file as raw little-endian ids (keyed by path, size,
+mtime and the tokenizer's hash). Every error names the file (and line, for text and JSON lines).
 """
 from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from coat_jax.training.corpus import (atomic_save_npy, cache_dir, eos_id, load_tokenizer,
-                                      token_dtype, tokenize_documents)
+from coat_jax.training import text_stream
+from coat_jax.training.corpus import cache_dir, eos_id, load_tokenizer, token_dtype
 
 
 def expand_paths(patterns: Sequence[str]) -> list[Path]:
@@ -72,23 +73,41 @@ def load_token_file(path: Path, dtype: str) -> np.ndarray:
   return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
 
 
-def read_jsonl(path: Path, field: str) -> list[str]:
-  """The `field` strings of a JSON-lines file; errors name the file and line."""
-  texts = []
-  with open(path, "rb") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-      if not isinstance(record, dict) or field not in record:
-        raise ValueError(f"{path}:{lineno}: record has no {field!r} field")
-      if not isinstance(record[field], str):
-        raise ValueError(f"{path}:{lineno}: field {field!r} is {type(record[field]).__name__}, not a string")
-      texts.append(record[field])
-  return texts
+def tokenize_file(path: Path, kind: str, text_field: str, tokenizer, eos: int | None,
+                  dtype: np.dtype, out: Path) -> int:
+  """Tokenizes text or JSON-lines file `path` into raw little-endian `dtype` ids at `out`
+  (written through a temp file and a rename); returns the number of ids."""
+  dtype = np.dtype(dtype).newbyteorder("<")
+  limit = np.iinfo(dtype).max
+  count = 0
+  fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      def sink(ids: np.ndarray) -> None:
+        nonlocal count
+        if ids.size and ids.max() >= limit:
+          raise ValueError(f"token id {int(ids.max())} does not fit {dtype.name}")
+        f.write(ids.astype(dtype).tobytes())
+        count += ids.size
+      stream = text_stream.StreamTokenizer(tokenizer, eos, sink)
+      if kind == "jsonl":
+        text_stream.jsonl_file(path, text_field, stream)
+      else:
+        text_stream.text_file(path, stream)
+      stream.finish()
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return count
+
+
+def load_ids(path: Path, dtype: np.dtype) -> np.ndarray:
+  """Memory-maps raw little-endian ids written by `tokenize_file`."""
+  dtype = np.dtype(dtype).newbyteorder("<")
+  if path.stat().st_size == 0:
+    return np.zeros((0,), dtype)
+  return np.memmap(path, dtype=dtype, mode="r")
 
 
 def text_tokens(patterns: Sequence[str], tokenizer_path: str, kind: str, text_field: str,
@@ -107,17 +126,10 @@ def text_tokens(patterns: Sequence[str], tokenizer_path: str, kind: str, text_fi
   for f in files:
     st = f.stat()
     key = hashlib.sha256(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{kind}|{text_field}|{tok_hash}".encode()).hexdigest()[:20]
-    ids_path = directory / f"text-{key}.ids.npy"
-    if ids_path.is_file():
-      ids = np.load(ids_path, mmap_mode="r")
-    else:
-      if kind == "jsonl":
-        texts = read_jsonl(f, text_field)
-      else:
-        texts = [f.read_bytes().decode("utf-8", errors="replace")]
-      log(f"[data] tokenizing {f} ({len(texts)} documents)")
-      ids = tokenize_documents(tokenizer, texts, eos, dtype)
-      atomic_save_npy(ids_path, ids)
-    arrays.append(ids)
+    ids_path = directory / f"text-{key}.ids.{np.dtype(dtype).name}"
+    if not ids_path.is_file():
+      log(f"[data] tokenizing {f}")
+      tokenize_file(f, kind, text_field, tokenizer, eos, dtype, ids_path)
+    arrays.append(load_ids(ids_path, dtype))
     names.append(str(f))
   return arrays, names, tokenizer

@@ -1,41 +1,30 @@
 """Fused COAT AdamW step as a Triton kernel called through jax-triton (GPU only).
 
-Per group of G elements, the step of the reference (coat_jax.adam_math.adam_step_reference, with
-coat_jax.expansion's compact form of the moments: codes q, group amax mx, k = k_code / expand_min):
-
-  load:   x = sign(q) * mx * (|q| / fmax)^(1/k)      (exactly q * mx / fmax where k = 1)
-  Adam:   g = clamp(g * grad_scale, +-grad_clamp) where finite (NaN and inf pass)
-          m = b1 m + (1-b1) g,  v = b2 v + (1-b2) g^2,  denom = (sqrt(v) / sqrt(bc2) + eps) * bc1
-          out = p - lr (m / denom + wd p)   (output="param")   or   -lr (m / denom + wd p)
-  store:  mx = max|x| + floor,  mn = min non-zero |x| + floor (mx if none),
-          k = clip(floor(log2(R) / log2(mx / mn) * expand_min), 1, max_k) / expand_min,
-          q = cast(clamp(sign(x) * fmax * 2^(k * (log2|x| - log2 mx)), +-fmax))
-with bc1 = 1 - b1^t, bc2 = 1 - b2^t and R the format's expansion range. Not bit-exact with the
-reference: log2(|x| / mx) is log2|x| - log2(mx), 1/sqrt(bc2) multiplies instead of dividing and
-fast_math uses the hardware's approximate log2 / exp2, so a few FP8 codes may move by one.
+The step of coat_jax.adam_math's reference (`adam_step_reference`) on one parameter, in one pass
+over memory: per element read the param, gradient and FP8 codes, write the param (or update)
+and codes; per group of G read and write the metadata (amax, k code).
 
 Written with the official Triton language and called with `jax_triton.triton_call`, so it does
 not use the deprecated Pallas Triton backend. The per-element math and the per-tile body
-(`adam_tile`, built from `new_moments`, `store_param`, `group_meta`, `quantize`) live in
-pallas_kernels/adam/adam_tile_triton.py; this file holds the kernels and their launcher.
+(`adam_tile`) live in pallas_kernels/adam/adam_tile_triton.py; this file holds the kernels and their
+launcher.
 
 Two layouts of the groups (`group_axis`):
   -1 (`adam_rows`): G consecutive elements of the last axis; a program takes BLOCK rows of G, the
      metadata (..., N / G) one value per row.
   -2 (`adam_cols`, COAT's layout for a Flax (in, out) kernel): G consecutive rows of each column
      of a (..., in, out) leaf, viewed as (R * G, out) with R = size / (G * out) row groups (in % G
-     == 0, so no group straddles a stacked leaf's layers); a program takes a tile of G rows x
-     BLOCK columns (coalesced along the rows, reduced over them) and the metadata (..., in / G,
-     out) one value per column of a row group. No transposes: the moments stay in the param's
-     layout. COLS_CHUNK > 0: the tile is streamed in chunks of rows in two passes
-     (`_adam_cols_chunked`: a [CHUNK, BLOCK] tile in registers, so wide tiles do not spill).
+     == 0, so no group straddles a stacked leaf's layers); a program takes a whole G-row x
+     BLOCK-column tile (contiguous along the columns, each column's G rows reduced in the tile)
+     and the metadata (..., in / G, out) one value per column of a row group. No transposes:
+     the moments stay in the param's layout.
 The leaf size is a runtime int argument (SIZE_ARG "runtime": one Triton compile serves every leaf
 size), with a constexpr EVEN (rows / columns a multiple of BLOCK: no masks at all; else the last
 program's rows / columns are masked) and, for columns, the row stride's power-of-two factor as a
 constexpr CDIV (aligned, vectorized loads); `launch_plan` picks them.
 Needs triton >= 3.6 and jax-triton 0.3.1 (`pip install .[gpu]`); jax-triton cannot run on CPU,
 so `available()` says whether `adam_step` can be called. With triton alone, Triton's interpreter
-(TRITON_INTERPRET=1) runs the kernel on host buffers (tests/test_kernels_adam_triton.py).
+(TRITON_INTERPRET=1) runs the kernels on host buffers (tests/test_kernels_adam_triton.py).
 Imports jax, numpy and (optionally) triton only.
 """
 from __future__ import annotations
@@ -55,9 +44,7 @@ try:  # the kernels need triton only (they compile without a GPU); calling them 
 except ImportError:  # pragma: no cover - CPU machines
   triton = tl = None
 if triton is not None:
-  from pallas_kernels.adam.adam_tile_triton import (adam_tile, group_meta, load_meta, load_scalars,
-                                               new_moments, nonzero_or_inf, quantize, store_meta,
-                                               store_param)
+  from pallas_kernels.adam.adam_tile_triton import adam_tile
 try:  # GPU machines only
   import jax_triton as jt
 except ImportError:  # pragma: no cover - CPU machines
@@ -72,16 +59,11 @@ def available() -> bool:
 
 
 GROUP_AXES = (-1, -2)
-# Default tiles (read when adam_step is traced; benchmarks/step/bench_optimizer.py --cols-tiles
-# sweeps the column ones, calling jax.clear_caches() between settings).
+# Default tiles (read when adam_step is traced; benchmarks/step/bench_optimizer.py --cols-tiles sweeps
+# the column ones, calling jax.clear_caches() between settings).
 ROWS_BLOCK, ROWS_WARPS = 16, 4   # group_axis -1: rows of G per program, warps
-COLS_BLOCK, COLS_WARPS = 32, 8   # group_axis -2: columns per G-row tile (32 FP8 bytes: one DRAM
-                                 # sector per row), warps
-COLS_CHUNK = 16                  # group_axis -2: 0, the G x BLOCK tile at once; else rows per
-                                 # chunk of the streamed two-pass tile (`_adam_cols_chunked`).
-# H100, 1.21e9 params (docs/benchmarks.md, ninth session): 32 x 16 x 8 streamed 10.22-10.24 ms,
-# 32 x 16 x 4 12.56-12.59 ms, every other tile tried 12.9-24.8 ms (sixth and ninth sessions);
-# the row kernel 6.71 ms.
+COLS_BLOCK, COLS_WARPS = 32, 8   # group_axis -2: columns per G-row tile, warps
+COLS_VEC = 4                     # group_axis -2: contiguity the accesses are told (`adam_cols`)
 # How the leaf size reaches the kernel (read when adam_step is traced; benchmarks A/B them):
 #   "runtime": an int argument, one Triton compile for every leaf size; EVEN tiles (rows / cols
 #     a multiple of BLOCK) build no masks;
@@ -124,10 +106,10 @@ if triton is not None:
                 V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr,
                 EXPAND: tl.constexpr, EM: tl.constexpr, MAX_K: tl.constexpr,
                 FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr,
-                GCLAMP: tl.constexpr, EVEN: tl.constexpr = False):
+                GCLAMP: tl.constexpr, EVEN: tl.constexpr = False, meta0=0):
     """The step on row block `blk` (BLOCK rows of G) of a leaf of `rows` rows, weight decay `wd`:
-    the body of the one-leaf kernels. EVEN: rows % BLOCK == 0 (no
-    masks; `rows` unused)."""
+    the body of the row kernel. EVEN: rows % BLOCK == 0 (no masks; `rows` unused). meta0: the
+    leaf's first metadata group in packed moments (0 otherwise), added to the metadata index."""
     rows_idx = blk * BLOCK + tl.arange(0, BLOCK)
     offs = rows_idx[:, None].to(tl.int64) * G + tl.arange(0, G)[None, :]
     if EVEN:
@@ -136,72 +118,10 @@ if triton is not None:
     else:
       meta_mask = rows_idx < rows
       mask = meta_mask[:, None]
-    adam_tile(offs, rows_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+    adam_tile(offs, rows_idx + meta0, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
                mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
                vao_ptr, vko_ptr, 1, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
                EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
-
-  @triton.jit
-  def _adam_cols_chunked(cols, cols_idx, meta_idx, cmask, wd, s_ptr, p_ptr, g_ptr,
-                         mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr,
-                         mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, G: tl.constexpr,
-                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_PARAM: tl.constexpr,
-                         OUT_PARAM: tl.constexpr, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
-                         M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr, EXPAND: tl.constexpr,
-                         EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
-                         NOEXP_K: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    """The step on the G-row x BLOCK-column tile at columns cols_idx (column mask cmask, None:
-    none) of the G x cols row group the element pointers start at, streamed in G / CHUNK chunks
-    of CHUNK rows (a [CHUNK, BLOCK] tile in registers instead of [G, BLOCK]), in two passes:
-      1. per chunk the new m, v (`new_moments`); elementwise running max |x| and min nonzero
-         |x| in [CHUNK, BLOCK] accumulators (the first chunk starts them), reduced over the rows
-         once after the loop: each column's max / min over its G rows, its new metadata
-         (`group_meta`);
-      2. per chunk the new m, v again (the same loads, mostly L2 hits), the param written
-         (`store_param`) and the codes with the column's new metadata (`quantize`).
-    Same per-element math as `adam_tile`; max / min are order-free, so the metadata equals
-    the one-tile kernel's."""
-    lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = load_scalars(s_ptr)
-    m_mx, m_code = load_meta(ma_ptr, mk_ptr, meta_idx, cmask, 0)
-    v_mx, v_code = load_meta(va_ptr, vk_ptr, meta_idx, cmask, 0)
-    if cmask is None:
-      mask = None
-    else:
-      mask = cmask[None, :]
-    chunk_rows = tl.arange(0, CHUNK)[:, None]
-    offs = chunk_rows * cols + cols_idx[None, :]
-    m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale,
-                        b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
-    m_max = tl.abs(m)
-    v_max = tl.abs(v)
-    m_min = nonzero_or_inf(m_max)
-    v_min = nonzero_or_inf(v_max)
-    for c in range(1, G // CHUNK):
-      offs = (chunk_rows + c * CHUNK) * cols + cols_idx[None, :]
-      m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code,
-                          gscale, b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
-      m_max = tl.maximum(m_max, tl.abs(m))
-      v_max = tl.maximum(v_max, tl.abs(v))
-      m_min = tl.minimum(m_min, nonzero_or_inf(tl.abs(m)))
-      v_min = tl.minimum(v_min, nonzero_or_inf(tl.abs(v)))
-    m_new_mx, m_steps = group_meta(tl.max(m_max, axis=0), tl.min(m_min, axis=0), M_LOG2R,
-                                    EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
-    v_new_mx, v_steps = group_meta(tl.max(v_max, axis=0), tl.min(v_min, axis=0), V_LOG2R,
-                                    EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
-    m_mx_t, m_steps_t = tl.expand_dims(m_new_mx, 0), tl.expand_dims(m_steps, 0)
-    v_mx_t, v_steps_t = tl.expand_dims(v_new_mx, 0), tl.expand_dims(v_steps, 0)
-    for c in range(0, G // CHUNK):
-      offs = (chunk_rows + c * CHUNK) * cols + cols_idx[None, :]
-      m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code,
-                          gscale, b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
-      store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1, HAS_PARAM,
-                   OUT_PARAM, FAST)
-      m_codes = quantize(m, m_mx_t, m_steps_t, M_FMAX, EXPAND, EM, FAST)
-      v_codes = quantize(v, v_mx_t, v_steps_t, V_FMAX, EXPAND, EM, FAST)
-      tl.store(mqo_ptr + offs, m_codes.to(mqo_ptr.dtype.element_ty), mask=mask)
-      tl.store(vqo_ptr + offs, v_codes.to(vqo_ptr.dtype.element_ty), mask=mask)
-    store_meta(m_new_mx, m_steps, mao_ptr, mko_ptr, meta_idx, cmask)
-    store_meta(v_new_mx, v_steps, vao_ptr, vko_ptr, meta_idx, cmask)
 
   @triton.jit
   def adam_cols(blk, cols, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr,
@@ -211,17 +131,19 @@ if triton is not None:
                 V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr,
                 EXPAND: tl.constexpr, EM: tl.constexpr, MAX_K: tl.constexpr,
                 FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr,
-                GCLAMP: tl.constexpr, EVEN: tl.constexpr = False, CHUNK: tl.constexpr = 0,
+                GCLAMP: tl.constexpr, EVEN: tl.constexpr = False, VEC: tl.constexpr = 4,
                 meta0=0, data0=0):
     """The step on tile `blk` of a leaf viewed as (R * G, cols), grouped along its rows: row
     group blk // nc, columns (blk % nc) * BLOCK + [0, BLOCK) with nc = ceil(cols / BLOCK) (the
-    column tiles of one row group are neighbouring programs: they share DRAM sectors). EVEN:
-    cols % BLOCK == 0 (no masks). CHUNK: 0, the whole G x BLOCK tile at once (`adam_tile`),
-    else streamed in chunks of CHUNK rows (`_adam_cols_chunked`). meta0, data0: the leaf's
-    slot in packed moments (first metadata group, first code; 0 otherwise), added to the
-    metadata index and to the row group's start rather than moving more pointers (sm_90,
-    default tile: 48 registers per thread either way; moving the 12 moment pointers took 56
-    and ran 10 % slower on the H100)."""
+    column tiles of one row group are neighbouring programs: they share DRAM pages), the whole
+    G x BLOCK tile in one pass (`adam_tile`, groups along tile axis 0: each column's G rows
+    reduced in the tile). EVEN: cols % BLOCK == 0 (no masks). VEC: the contiguity the loads
+    and stores are told (0: what Triton proves, 16 FP8 columns); 4 lays the tile out as 4
+    columns x several rows per thread for every operand (16-byte float32 and 4-byte FP8
+    accesses): each thread's per-column work (metadata, coefficients) serves several rows, and
+    no layout conversion separates the float32 and FP8 operands. meta0, data0: the leaf's slot
+    in packed moments (first metadata group, first code; 0 otherwise), added to the metadata
+    index and to the row group's start rather than moving more pointers."""
     nc = tl.cdiv(cols, BLOCK)
     grp = blk // nc
     cols_idx = (blk % nc) * BLOCK + tl.arange(0, BLOCK)
@@ -238,18 +160,13 @@ if triton is not None:
     else:
       cmask = cols_idx < cols
       mask = cmask[None, :]
-    if CHUNK == 0:
-      offs = tl.arange(0, G)[:, None] * cols + cols_idx[None, :]
-      adam_tile(offs, meta_idx, mask, cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
-                 mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
-                 vao_ptr, vko_ptr, 0, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
-                 EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
-    else:
-      _adam_cols_chunked(cols, cols_idx, meta_idx, cmask, wd, s_ptr, p_ptr, g_ptr,
-                         mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr,
-                         mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, G, BLOCK, CHUNK,
-                         HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R, EXPAND, EM,
-                         MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
+    offs = tl.arange(0, G)[:, None] * cols + cols_idx[None, :]
+    if VEC > 0:
+      offs = tl.max_contiguous(offs, [1, VEC])
+    adam_tile(offs, meta_idx, mask, cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+              mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
+              vao_ptr, vko_ptr, 0, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
+              EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
   @triton.jit
   def _slot_start(seg_arg, SEG: tl.constexpr, G: tl.constexpr):
@@ -261,21 +178,21 @@ if triton is not None:
     return meta, meta * G
 
   @triton.jit
-  def _segment(seg_arg, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr,
-               mko_ptr, vqo_ptr, vao_ptr, vko_ptr, SEG: tl.constexpr, G: tl.constexpr):
-    """The row kernel's moment pointers moved to the leaf's slot (`_slot_start`; the column
-    kernel adds the slot to its indices instead, `adam_cols`). SEG 0: unmoved. Packed moments
-    are always written in place (adam_step aliases them), so the outputs take the moved input
-    pointers: 6 moved pointers, not 12 (sm_90 row kernel: 79 registers per thread, as 80
-    unmoved; moving all 12 took 95 and ran 2.5 % slower on the H100)."""
+  def _segment(seg_arg, mq_ptr, vq_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr,
+               ma_ptr, mk_ptr, va_ptr, vk_ptr, SEG: tl.constexpr, G: tl.constexpr):
+    """The row kernel's slot in packed buffers (`_slot_start`; SEG 0: none): the two code
+    pointers moved to the slot's first code, its first metadata group returned as an index
+    offset (as the column kernel adds it). Packed moments are always written in place
+    (adam_step aliases them), so the outputs take the (moved) input pointers. Returns (meta0,
+    mq, vq, mqo, mao, mko, vqo, vao, vko)."""
     if SEG > 0:
       meta, data = _slot_start(seg_arg, SEG, G)
       mq_ptr, vq_ptr = mq_ptr + data, vq_ptr + data
-      ma_ptr, mk_ptr, va_ptr, vk_ptr = ma_ptr + meta, mk_ptr + meta, va_ptr + meta, vk_ptr + meta
       mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr = (mq_ptr, ma_ptr, mk_ptr, vq_ptr,
                                                               va_ptr, vk_ptr)
-    return (mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
-            vao_ptr, vko_ptr)
+    else:
+      meta = 0
+    return meta, mq_ptr, vq_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr
 
   @triton.jit
   def _adam_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
@@ -293,20 +210,20 @@ if triton is not None:
       rows = ROWS
     else:
       rows = rows_arg
-    (mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr,
-     vko_ptr) = _segment(seg_arg, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, mqo_ptr,
-                         mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, SEG, G)
+    meta0, mq_ptr, vq_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr = _segment(
+        seg_arg, mq_ptr, vq_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr, vko_ptr, ma_ptr,
+        mk_ptr, va_ptr, vk_ptr, SEG, G)
     adam_rows(tl.program_id(0), rows, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
-              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN)
+              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN, meta0)
 
   @triton.jit
   def _adam_cols_kernel(s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr,
                         cols_arg, seg_arg, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr, vao_ptr,
                         vko_ptr,
                         COLS: tl.constexpr, CDIV: tl.constexpr, EVEN: tl.constexpr,
-                        CHUNK: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                        VEC: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
                         M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                         V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
@@ -328,7 +245,7 @@ if triton is not None:
     adam_cols(tl.program_id(0), cols, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
-              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN, CHUNK, meta0, data0)
+              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN, VEC, meta0, data0)
 
 else:  # pragma: no cover - CPU machines: launch_plan still plans (tests)
   _adam_kernel = _adam_cols_kernel = None
@@ -347,20 +264,18 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale=None) -> jax.A
   return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
 
 
-def parse_cols_tiles(text: str) -> list[tuple[int, int, int]]:
-  """Column tiles for benchmarks' sweeps: 'BLOCKxWARPS' (the G x BLOCK tile at once) or
-  'BLOCKxCHUNKxWARPS' (streamed in chunks of CHUNK rows), comma-separated -> [(COLS_BLOCK,
-  COLS_CHUNK, COLS_WARPS), ...]."""
+def parse_cols_tiles(text: str) -> list[tuple[int, int]]:
+  """Column tiles for benchmarks' sweeps: 'BLOCKxWARPS' (G rows x BLOCK columns, WARPS warps),
+  comma-separated -> [(COLS_BLOCK, COLS_WARPS), ...]."""
   tiles = []
   for t in filter(None, (s.strip() for s in text.split(","))):
     try:
       v = [int(x) for x in t.split("x")]
     except ValueError:
       v = []
-    if len(v) not in (2, 3) or min(v) <= 0 or any(x & (x - 1) for x in v):
-      raise ValueError(f"column tile {t!r} is not BLOCKxWARPS or BLOCKxCHUNKxWARPS (powers of "
-                       f"two)")
-    tiles.append((v[0], 0, v[1]) if len(v) == 2 else tuple(v))
+    if len(v) != 2 or min(v) <= 0 or any(x & (x - 1) for x in v):
+      raise ValueError(f"column tile {t!r} is not BLOCKxWARPS (powers of two)")
+    tiles.append(tuple(v))
   return tiles
 
 
@@ -373,12 +288,12 @@ def pow2_divisor(n: int, cap: int = 16) -> int:
 
 
 def launch_plan(shape, group_size: int, group_axis: int = -1, block: int | None = None,
-                chunk: int | None = None, size_arg: str | None = None) -> tuple:
+                size_arg: str | None = None, vec: int | None = None) -> tuple:
   """How `adam_step` launches on a leaf of `shape`: (kernel, grid size, size operand, size
   constexprs). The size operand (an int argument before the outputs) is the leaf's rows of G
   (`_adam_kernel`) or its column count / CDIV (`_adam_cols_kernel`); the constexprs are ROWS /
   COLS (0 unless size_arg is "constexpr"), EVEN, and for columns CDIV (pow2_divisor(cols)) and
-  CHUNK. block, chunk, size_arg: None reads ROWS_BLOCK / COLS_BLOCK, COLS_CHUNK, SIZE_ARG."""
+  VEC. block, size_arg, vec: None reads ROWS_BLOCK / COLS_BLOCK, SIZE_ARG, COLS_VEC."""
   size_arg = SIZE_ARG if size_arg is None else size_arg
   if size_arg not in SIZE_ARGS:
     raise ValueError(f"adam_step_triton: size_arg must be one of {SIZE_ARGS}, got {size_arg!r}")
@@ -390,14 +305,11 @@ def launch_plan(shape, group_size: int, group_axis: int = -1, block: int | None 
                   EVEN=size_arg == "runtime" and rows % block == 0)
     return _adam_kernel, -(-rows // block), rows, consts
   block = COLS_BLOCK if block is None else block
-  chunk = COLS_CHUNK if chunk is None else chunk
-  if chunk < 0 or chunk & (chunk - 1) or chunk > group_size:
-    raise ValueError(f"adam_step_triton: cols_chunk {chunk} must be 0 or a power of two <= the "
-                     f"group size {group_size}")
+  vec = COLS_VEC if vec is None else vec
   cols = shape[-1]
   cdiv = pow2_divisor(cols)
   consts = dict(COLS=cols if size_arg == "constexpr" else 0, CDIV=cdiv,
-                EVEN=size_arg == "runtime" and cols % block == 0, CHUNK=chunk)
+                EVEN=size_arg == "runtime" and cols % block == 0, VEC=vec)
   return _adam_cols_kernel, (size // (group_size * cols)) * -(-cols // block), cols // cdiv, consts
 
 
@@ -418,32 +330,30 @@ def kernel_constants(group_size: int, block: int, *, has_param: bool, output: st
 @functools.partial(jax.jit, static_argnames=(
     "m_fmax", "v_fmax", "m_log2_range", "v_log2_range", "group_size", "expand", "expand_min",
     "max_k_code", "amax_floor", "output", "block", "num_warps", "alias", "fast_math",
-    "grad_clamp", "group_axis", "cols_chunk", "packed_at", "segment"))
+    "grad_clamp", "group_axis", "packed_at", "segment"))
 def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, b2, eps,
               weight_decay, count, m_fmax: float, v_fmax: float, m_log2_range: float,
               v_log2_range: float, group_size: int, expand: bool, expand_min: int,
               max_k_code: int = 255, amax_floor: float = 1e-30, output: str = "param",
               block: int | None = None, num_warps: int | None = None, alias: bool = False,
               fast_math: bool = False, grad_clamp: float = 2.0**63, group_axis: int = -1,
-              grad_scale=None, cols_chunk: int | None = None, packed_at: int | None = None,
-              segment: int = 16):
-  """One fused step over one parameter (plain arrays in, plain arrays out; the math: the module
-  docstring).
+              grad_scale=None, packed_at: int | None = None, segment: int = 16):
+  """One fused step over one parameter: (new param or update, m codes, m amax, m k codes, v codes,
+  v amax, v k codes), as coat_jax.adam_math.adam_step_reference.
 
-  param: float (..., N); None only with output="update" (no decay term). grad: param's shape.
-  m_q, v_q: FP8 moment codes (param's shape); m_amax, v_amax float32 and m_code, v_code uint8 of
-  the metadata shape: the compact expansion form. lr, b1, b2, eps, weight_decay: float scalars
-  (may be traced); count: the step t >= 1. m_fmax, v_fmax: the formats' largest values;
-  m_log2_range, v_log2_range: log2 of each format's expansion range R; max_k_code, amax_floor:
-  the stored form's limits. Returns (new param or update, m_q, m_amax, m_code, v_q, v_amax,
-  v_code).
+  param, grad: the leaf (param None only with output="update": no decay term); m_q / v_q: FP8
+  codes of the leaf's shape, m_amax / m_code, v_amax / v_code: float32 / uint8 metadata
+  (coat_jax.expansion.ExpandedMoment); lr, b1, b2, eps, weight_decay: Python numbers or float32
+  scalars, count: the step number t >= 1; m_fmax / v_fmax, m_log2_range / v_log2_range,
+  expand, expand_min, max_k_code, amax_floor: the formats' limits (coat_jax.kernels.adam
+  .adam_kernel_limits); output: "param" (param.dtype) or "update" (grad.dtype).
+
   group_axis: -1 (groups of G along the last axis, metadata (..., N / G)) or -2 (G consecutive
   rows of each column of a (..., in, out) param, metadata (..., in / G, out): COAT's layout).
   block, num_warps: per program, rows of G (group_axis -1, default ROWS_BLOCK) or columns of a
   G-row tile (group_axis -2, default COLS_BLOCK), a power of two, and its warps (ROWS_WARPS /
-  COLS_WARPS); cols_chunk (group_axis -2): 0, the G x BLOCK tile at once, or the rows per chunk
-  of the streamed two-pass tile (default COLS_CHUNK; `launch_plan`; the leaf size reaches the
-  kernel as SIZE_ARG says). alias: write the new param and moments into the old ones' buffers
+  COLS_WARPS; `launch_plan`; the leaf size reaches the kernel as SIZE_ARG says). alias: write
+  the new param and moments into the old ones' buffers
   (pays off when the caller donates them); fast_math: MUFU approximations for the per-element
   log2 / exp2 / sqrt / division (adam_tile_triton's `_approx`); grad_clamp: finite gradients
   are clamped to +-grad_clamp first (default the reference's 2^63: g^2 stays finite; inf: none);
@@ -474,7 +384,7 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
     block = COLS_BLOCK if block is None else block
     num_warps = COLS_WARPS if num_warps is None else num_warps
   kernel, grid, size_operand, size_consts = launch_plan(like.shape, group_size, group_axis,
-                                                        block, cols_chunk)
+                                                        block)
   out_dtype = grad.dtype if output == "update" else param.dtype
   p_arg = grad if param is None else param
   operands = [step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale), p_arg, grad, m_q,

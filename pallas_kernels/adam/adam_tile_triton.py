@@ -2,10 +2,24 @@
 dequantize / requantize with dynamic range expansion, the step on one 2-D tile (`adam_tile`).
 
 adam_step_triton.py's row and column kernels are built from these; the math per group of G
-elements is adam_step_triton.py's docstring and coat_jax.adam_math's reference. Precise math: libdevice exp2 / log2 (as XLA), IEEE sqrt
-(`sqrt_rn`), Triton's `/` (div.full.f32, what XLA:GPU emits); FAST: one MUFU instruction each.
-A tile's groups run along its axis AXIS (1: rows of G, 0: columns of G) with one metadata value
-per group at `meta_idx`; masks None build no mask at all (EVEN tiles).
+elements is coat_jax.adam_math's and coat_jax.expansion's. A tile's groups run along its axis AXIS (1: rows of G, 0: columns of
+G) with one metadata value per group at `meta_idx`; masks None build no mask at all (EVEN tiles).
+
+Written for few instructions per element (the step is as much issue-bound as memory-bound on
+Hopper: ~10 MUFU operations per element): everything that is per group (the dequantize and
+quantize coefficients, the new metadata) is computed once per group value a thread holds, and
+per element
+  decayed old moment  b x = sign(q) exp2(a log2(|q| / FMAX) + log2(b mx))   (a = 1 / k)
+  new moment          m' = b1 m + (1 - b1) g  (one FFMA),  v' = b2 v + ((1 - b2) g) g
+  param               p - lr (m' / (sqrt(v') A + B) + wd p),  A = bc1 / sqrt(bc2), B = eps bc1
+  code                sign(x) min(exp2(k log2|x| + log2 FMAX - k log2 mx), FMAX)
+with the sign copied bitwise. Equal to the reference up to float32 rounding (the power form is
+the reference's `exp2(log2 mx + log2(|q| / FMAX) / k)`; it also takes k = 1 groups, which the
+reference scales linearly). Precise math: libdevice exp2 / log2 (as XLA), IEEE sqrt
+(`sqrt_rn`), Triton's `/` (div.full.f32, what XLA:GPU emits); FAST: one MUFU instruction each,
+also for the per-group log2 of the new metadata (log2(mx / mn) as log2 mx - log2 mn: a group
+whose max / min is within ~2^-20 of 1 may get k = 1 where the reference gets the largest k; both
+store the same codes).
 Imports triton only (absent on CPU machines without it: then nothing here is defined).
 """
 from __future__ import annotations
@@ -22,7 +36,7 @@ if triton is not None:
   @triton.jit
   def _approx(x, PTX: tl.constexpr):
     """One MUFU instruction per element (lg2 / ex2 / sqrt / rcp .approx.ftz: relative error
-    ~2^-22, as the Pallas kernel's fast_math): PTX is its inline-asm line."""
+    ~2^-22): PTX is its inline-asm line."""
     return tl.inline_asm_elementwise(PTX, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
   @triton.jit
@@ -55,6 +69,12 @@ if triton is not None:
       return x / y
 
   @triton.jit
+  def _copysign(mag, like):
+    """mag (>= 0, or NaN) with the sign bit of like (float32): one bitwise instruction."""
+    bits = mag.to(tl.uint32, bitcast=True) | (like.to(tl.uint32, bitcast=True) & 0x80000000)
+    return bits.to(tl.float32, bitcast=True)
+
+  @triton.jit
   def _load(ptr, mask, other):
     """tl.load masked (`other` where the mask is off), or unmasked where mask is None (EVEN
     tiles build no mask at all)."""
@@ -73,23 +93,23 @@ if triton is not None:
             tl.load(s_ptr + 9))
 
   @triton.jit
-  def load_meta(a_ptr, k_ptr, meta_idx, meta_mask, AXIS: tl.constexpr):
-    """A moment's per-group metadata (amax, k code as float32) at meta_idx (1-D), expanded
-    along tile axis AXIS (the groups' axis) to broadcast over the tile."""
-    mx = tl.expand_dims(_load(a_ptr + meta_idx, meta_mask, 1.0), AXIS)
-    code = tl.expand_dims(_load(k_ptr + meta_idx, meta_mask, 1).to(tl.float32), AXIS)
-    return mx, code
+  def load_meta(a_ptr, k_ptr, meta_idx, meta_mask, log2_decay, EM: tl.constexpr,
+                AXIS: tl.constexpr, FAST: tl.constexpr):
+    """A moment's per-group dequantize coefficients from its metadata (amax mx, k code) at
+    meta_idx (1-D), expanded along tile axis AXIS (the groups' axis) to broadcast over the tile:
+    (a, c) = (EM / code = 1 / k, log2(decay mx)), log2_decay = log2 of the moment's beta."""
+    mx = _load(a_ptr + meta_idx, meta_mask, 1.0)
+    code = _load(k_ptr + meta_idx, meta_mask, 1).to(tl.float32)
+    a = _div(EM, code, FAST)
+    c = _log2(mx, FAST) + log2_decay
+    return tl.expand_dims(a, AXIS), tl.expand_dims(c, AXIS)
 
   @triton.jit
-  def _dequant(q, mx, code, FMAX: tl.constexpr, EM: tl.constexpr, FAST: tl.constexpr):
-    """Codes q (float32) of groups with amax mx and k code `code` (broadcast) as values:
-    |x| = mx (|q| / FMAX)^(EM / code), or |q| mx / FMAX where code == EM (k = 1)."""
-    qa = tl.abs(q)
-    inv_fmax = 1.0 / FMAX
-    powered = mx * _exp2((EM / code) * _log2(qa * inv_fmax, FAST), FAST)
-    linear = qa * (mx * inv_fmax)
-    mag = tl.where(code == EM, linear, powered)
-    return tl.where(q < 0, -mag, mag)
+  def _decayed(q, a, c, FMAX: tl.constexpr, FAST: tl.constexpr):
+    """decay x for codes q (float32) of groups with coefficients a, c (`load_meta`):
+    sign(q) exp2(a log2(|q| / FMAX) + c)."""
+    mag = _exp2(a * _log2(tl.abs(q) * (1.0 / FMAX), FAST) + c, FAST)
+    return _copysign(mag, q)
 
   @triton.jit
   def nonzero_or_inf(a):
@@ -97,36 +117,55 @@ if triton is not None:
     return tl.where(a > 0, a, float("inf"))
 
   @triton.jit
-  def group_meta(amax, amin_nz, LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-                  MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr):
+  def group_ranges(m, v, AXIS: tl.constexpr):
+    """Per group along tile axis AXIS: max |m|, smallest nonzero |m| (inf: none), the same of
+    v."""
+    ma = tl.abs(m)
+    va = tl.abs(v)
+    return (tl.max(ma, axis=AXIS), tl.min(nonzero_or_inf(ma), axis=AXIS), tl.max(va, axis=AXIS),
+            tl.min(nonzero_or_inf(va), axis=AXIS))
+
+  @triton.jit
+  def group_meta(amax, amin_nz, log2_fmax, FMAX: tl.constexpr, LOG2R: tl.constexpr,
+                 EXPAND: tl.constexpr, EM: tl.constexpr, MAX_K: tl.constexpr,
+                 FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr):
     """New metadata of groups with max |x| amax and smallest nonzero |x| amin_nz (inf: none):
     mx = amax + FLOOR and the k code steps = clamp(floor(EM LOG2R / log2(mx / mn)), 1, MAX_K),
     mn = amin_nz + FLOOR (steps = EM where mx == mn or no nonzero: k = 1); NOEXP_K without
-    expansion."""
+    expansion. Also the quantize coefficients (k, c) = (steps / EM, log2_fmax - k log2 mx), or
+    without expansion (1, FMAX / mx) (`quantize`). Returns (mx, steps, k, c)."""
     mx = amax + FLOOR
     if EXPAND:
       mn = tl.where(amin_nz == float("inf"), mx, amin_nz + FLOOR)
-      lr = libdevice.log2(mx / mn)
+      if FAST:
+        log2_mx = _log2(mx, FAST)
+        lr = log2_mx - _log2(mn, FAST)
+      else:
+        log2_mx = libdevice.log2(mx)
+        lr = libdevice.log2(mx / mn)
       ok = lr > 0
-      steps = tl.floor(LOG2R / tl.where(ok, lr, 1.0) * EM)
+      steps = tl.floor(_div(LOG2R, tl.where(ok, lr, 1.0), FAST) * EM)
       steps = tl.where(ok, steps, EM)
       steps = tl.minimum(tl.maximum(steps, 1.0), MAX_K)
+      k = steps * (1.0 / EM)
+      c = log2_fmax - k * log2_mx
     else:
       steps = tl.zeros_like(mx) + NOEXP_K
-    return mx, steps
+      k = tl.zeros_like(mx) + 1.0
+      c = FMAX / mx
+    return mx, steps, k, c
 
   @triton.jit
-  def quantize(x, mx, steps, FMAX: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-                FAST: tl.constexpr):
-    """x's codes (float32, clamped to +-FMAX, NaN kept) in groups with metadata mx, steps
-    (broadcast): sign(x) FMAX (|x| / mx)^(steps / EM), or x FMAX / mx without expansion."""
+  def quantize(x, k, c, FMAX: tl.constexpr, EXPAND: tl.constexpr, FAST: tl.constexpr):
+    """x's codes (float32, at most FMAX in magnitude, NaN kept) in groups with quantize
+    coefficients k, c (`group_meta`, broadcast): sign(x) exp2(k log2|x| + c) = sign(x) FMAX
+    (|x| / mx)^k, or x FMAX / mx without expansion."""
     if EXPAND:
-      k = steps * (1.0 / EM)
-      mag = FMAX * _exp2(k * (_log2(tl.abs(x), FAST) - libdevice.log2(mx)), FAST)
-      y = tl.where(x < 0, -mag, mag)
+      mag = _exp2(k * _log2(tl.abs(x), FAST) + c, FAST)
     else:
-      y = x / (mx * (1.0 / FMAX))
-    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+      mag = tl.abs(x) * c
+    mag = tl.minimum(mag, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    return _copysign(mag, x)
 
   @triton.jit
   def store_meta(mx, steps, a_ptr, k_ptr, meta_idx, meta_mask):
@@ -134,40 +173,26 @@ if triton is not None:
     tl.store(k_ptr + meta_idx, steps.to(tl.uint8), mask=meta_mask)
 
   @triton.jit
-  def _requant(x, q_ptr, a_ptr, k_ptr, offs, meta_idx, mask, meta_mask, FMAX: tl.constexpr,
-               LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
-               MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
-               FAST: tl.constexpr = False, AXIS: tl.constexpr = 1):
-    """Stores tile x quantized per group along tile axis AXIS (as `load_meta`); a group lies
-    wholly inside or outside the mask."""
-    a = tl.abs(x)
-    mx, steps = group_meta(tl.max(a, axis=AXIS), tl.min(nonzero_or_inf(a), axis=AXIS), LOG2R,
-                            EXPAND, EM, MAX_K, FLOOR, NOEXP_K)
-    y = quantize(x, tl.expand_dims(mx, AXIS), tl.expand_dims(steps, AXIS), FMAX, EXPAND, EM,
-                  FAST)
-    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
-    store_meta(mx, steps, a_ptr, k_ptr, meta_idx, meta_mask)
-
-  @triton.jit
-  def new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale, b1,
-                   omb1, b2, omb2, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
-                   EM: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    """m' = b1 m + (1 - b1) g and v' = b2 v + (1 - b2) g^2 on a tile, the old moments' codes
-    dequantized with their (broadcast) metadata. g: the gradient times gscale (fused global-norm
-    clipping: 1 without), finite values clamped to +-GCLAMP (NaN and inf pass), as
-    coat_jax.adam_math.adam_moments."""
-    m = _dequant(_load(mq_ptr + offs, mask, 0.0).to(tl.float32), m_mx, m_code, M_FMAX, EM, FAST)
-    v = _dequant(_load(vq_ptr + offs, mask, 0.0).to(tl.float32), v_mx, v_code, V_FMAX, EM, FAST)
+  def new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_a, m_c, v_a, v_c, gscale, omb1, omb2,
+                  M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, FAST: tl.constexpr,
+                  GCLAMP: tl.constexpr):
+    """m' = b1 m + (1 - b1) g and v' = b2 v + (1 - b2) g^2 on a tile, b1 m and b2 v the old
+    codes dequantized with their decayed coefficients (`load_meta`). g: the gradient times gscale
+    (fused global-norm clipping: 1 without), finite values clamped to +-GCLAMP (NaN and inf
+    pass), as coat_jax.adam_math.adam_moments."""
+    m = _decayed(_load(mq_ptr + offs, mask, 0.0).to(tl.float32), m_a, m_c, M_FMAX, FAST)
+    v = _decayed(_load(vq_ptr + offs, mask, 0.0).to(tl.float32), v_a, v_c, V_FMAX, FAST)
     g = _load(g_ptr + offs, mask, 0.0).to(tl.float32) * gscale
     g = tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -GCLAMP), GCLAMP), g)
-    return b1 * m + omb1 * g, b2 * v + omb2 * (g * g)
+    return omb1 * g + m, (omb2 * g) * g + v
 
   @triton.jit
-  def store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1,
-                   HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr, FAST: tl.constexpr):
+  def store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, den_a, den_b,
+                  HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr, FAST: tl.constexpr):
     """Stores the new param p - lr (d + wd p) (OUT_PARAM) or the update -lr (d + wd p), with
-    d = m / ((sqrt(v) / sqrt(bc2) + eps) bc1) (no wd p without a param)."""
-    direction = _div(m, (_sqrt(v, FAST) * inv_sqrt_bc2 + eps) * bc1, FAST)
+    d = m / (sqrt(v) den_a + den_b) (den_a = bc1 / sqrt(bc2), den_b = eps bc1; no wd p without
+    a param)."""
+    direction = _div(m, _sqrt(v, FAST) * den_a + den_b, FAST)
     if HAS_PARAM:
       p = _load(p_ptr + offs, mask, 0.0).to(tl.float32)
       direction = direction + wd * p
@@ -180,24 +205,37 @@ if triton is not None:
     tl.store(o_ptr + offs, out.to(o_ptr.dtype.element_ty), mask=mask)
 
   @triton.jit
+  def _store_codes(x, q_ptr, offs, mask, k, c, FMAX: tl.constexpr, EXPAND: tl.constexpr,
+                   AXIS: tl.constexpr, FAST: tl.constexpr):
+    y = quantize(x, tl.expand_dims(k, AXIS), tl.expand_dims(c, AXIS), FMAX, EXPAND, FAST)
+    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+
+  @triton.jit
   def adam_tile(offs, meta_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
-                 mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
-                 vao_ptr, vko_ptr, AXIS: tl.constexpr, HAS_PARAM: tl.constexpr,
-                 OUT_PARAM: tl.constexpr, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
-                 M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr, EXPAND: tl.constexpr,
-                 EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
-                 NOEXP_K: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
+                mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
+                vao_ptr, vko_ptr, AXIS: tl.constexpr, HAS_PARAM: tl.constexpr,
+                OUT_PARAM: tl.constexpr, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
+                M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr, EXPAND: tl.constexpr,
+                EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
+                NOEXP_K: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
     """The step on one 2-D tile (element offsets `offs`, groups along tile axis AXIS with their
-    metadata at `meta_idx`; masks None: none), weight decay `wd`: `new_moments`,
-    `store_param`, then each moment requantized per group (`_requant`)."""
+    metadata at `meta_idx`; masks None: none), weight decay `wd`, in one pass: `new_moments`,
+    `store_param`, each moment's group ranges (`group_ranges`) and new metadata
+    (`group_meta`), the codes (`quantize`). A group lies wholly inside or outside the mask."""
     lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = load_scalars(s_ptr)
-    m_mx, m_code = load_meta(ma_ptr, mk_ptr, meta_idx, meta_mask, AXIS)
-    v_mx, v_code = load_meta(va_ptr, vk_ptr, meta_idx, meta_mask, AXIS)
-    m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_mx, m_code, v_mx, v_code, gscale,
-                        b1, omb1, b2, omb2, M_FMAX, V_FMAX, EM, FAST, GCLAMP)
-    store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, eps, inv_sqrt_bc2, bc1, HAS_PARAM,
-                 OUT_PARAM, FAST)
-    _requant(m, mqo_ptr, mao_ptr, mko_ptr, offs, meta_idx, mask, meta_mask, M_FMAX, M_LOG2R,
-             EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, AXIS)
-    _requant(v, vqo_ptr, vao_ptr, vko_ptr, offs, meta_idx, mask, meta_mask, V_FMAX, V_LOG2R,
-             EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, AXIS)
+    m_a, m_c = load_meta(ma_ptr, mk_ptr, meta_idx, meta_mask, _log2(b1, FAST), EM, AXIS, FAST)
+    v_a, v_c = load_meta(va_ptr, vk_ptr, meta_idx, meta_mask, _log2(b2, FAST), EM, AXIS, FAST)
+    m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_a, m_c, v_a, v_c, gscale, omb1,
+                       omb2, M_FMAX, V_FMAX, FAST, GCLAMP)
+    store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, inv_sqrt_bc2 * bc1, eps * bc1,
+                HAS_PARAM, OUT_PARAM, FAST)
+    m_hi, m_lo, v_hi, v_lo = group_ranges(m, v, AXIS)
+    one = tl.zeros_like(b1) + 1.0
+    m_mx, m_steps, m_k, m_c = group_meta(m_hi, m_lo, _log2(one * M_FMAX, FAST), M_FMAX, M_LOG2R,
+                                         EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST)
+    v_mx, v_steps, v_k, v_c = group_meta(v_hi, v_lo, _log2(one * V_FMAX, FAST), V_FMAX, V_LOG2R,
+                                         EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST)
+    _store_codes(m, mqo_ptr, offs, mask, m_k, m_c, M_FMAX, EXPAND, AXIS, FAST)
+    _store_codes(v, vqo_ptr, offs, mask, v_k, v_c, V_FMAX, EXPAND, AXIS, FAST)
+    store_meta(m_mx, m_steps, mao_ptr, mko_ptr, meta_idx, meta_mask)
+    store_meta(v_mx, v_steps, vao_ptr, vko_ptr, meta_idx, meta_mask)

@@ -1,0 +1,436 @@
+"""Write the results tables of docs/results.md (and the README's table) from the raw files.
+
+Every number in a results table is read here, at generation time, from the file that recorded it
+(`docs/gpu_results/`), or, where no raw file was kept, from the `values` of its source in
+`docs/results/sources.json`, which says so. Each source names its GPU, date and command; each
+table row shows them. A table sits in a markdown file between
+
+    <!-- results:NAME:begin -->
+    <!-- results:NAME:end -->
+
+and is replaced there. `tests/test_results_tables.py` fails when a committed table differs from
+what this script writes, so a number cannot change in one place and not the other.
+
+Usage:
+  python scripts/results_tables.py            # rewrite the tables in place
+  python scripts/results_tables.py --check    # exit 1 and name each table that is out of date
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = REPO / "docs" / "results" / "sources.json"
+RAW_DIR = REPO / "docs" / "gpu_results"
+# Files whose tables are generated; a file missing or without markers is skipped.
+TARGETS = ("docs/results.md", "docs/results_table.md", "docs/README_draft.md", "README.md")
+MARKER = re.compile(r"<!-- results:([a-z0-9_]+):begin -->\n.*?<!-- results:\1:end -->", re.S)
+
+
+class Sources:
+  """The sources of sources.json and their raw files, each read once."""
+
+  def __init__(self, path: Path = SOURCES):
+    self.meta = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    self._raw: dict[str, object] = {}
+
+  def raw(self, sid: str):
+    if sid not in self._raw:
+      path = REPO / self.meta[sid]["raw"]
+      text = path.read_text()
+      self._raw[sid] = json.loads(text) if path.suffix == ".json" else text
+    return self._raw[sid]
+
+  def value(self, sid: str, sel: str):
+    """`sel`: a key of the source's `values`; "re:PATTERN" (group 1 of the raw text); or a
+    dotted path into the raw JSON ("equal_batch.0.tokens_per_s")."""
+    src = self.meta[sid]
+    if not src.get("raw"):
+      return src["values"][sel]
+    data = self.raw(sid)
+    if sel.startswith("re:"):
+      m = re.search(sel[3:], data)
+      if m is None:
+        raise ValueError(f"{sid}: pattern {sel[3:]!r} not found in {src['raw']}")
+      return float(m.group(1).replace(",", ""))
+    for key in sel.split("."):
+      data = data[int(key)] if isinstance(data, list) else data[key]
+    return data
+
+  def where(self, sid: str, short: bool = False) -> tuple[str, str, str, str]:
+    """GPU, date, command and raw file (or why there is none) of a source."""
+    s = self.meta[sid]
+    if s.get("raw"):
+      raw = f"[{Path(s['raw']).name}](gpu_results/{Path(s['raw']).name})"
+    else:
+      raw = "raw log not kept" if short else s.get("raw_note", "raw log not kept")
+    return s["gpu"], s["date"], s["command"], raw
+
+
+def fmt(x, spec: str) -> str:
+  if isinstance(x, str):
+    return x
+  if isinstance(x, float) and math.isnan(x):
+    return "n/a"
+  return format(x, spec)
+
+
+def ratio(kind: str, bf16, coat) -> str:
+  """coat against bf16: "faster" (a rate: coat / bf16), "time" (bf16 / coat), "less" (memory)."""
+  if isinstance(bf16, str) or isinstance(coat, str):
+    return ""
+  if kind == "faster":
+    r = coat / bf16
+  elif kind in ("time", "less"):
+    r = bf16 / coat
+  elif kind == "pct":
+    return f"{100 * (coat - bf16) / bf16:+.2f} %"
+  else:
+    raise ValueError(kind)
+  if kind == "less":
+    return f"{r:.2f}x less" if r >= 1 else f"{1 / r:.2f}x more"
+  return f"{r:.2f}x" + ("" if r >= 1 else " (slower)")
+
+
+def _optimizer_row(name: str, column: int) -> str:
+  """A selector for column `column` (1 = wall ms) of bench_optimizer's table row `name`."""
+  return r"re:\| " + re.escape(name) + r" \|" + r" [\d.x]+ \|" * (column - 1) + r" ([\d.]+)"
+
+
+OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name)
+  ("optax.adamw (XLA)", "optax.adamw"),
+  ("coat_adamw_apply, default (`group_axis=\"coat\"`, column kernel), per leaf",
+   "coat_adamw_apply, per leaf, groups along axis -2 (column kernel), tile 32 cols x 8 warps"),
+  ("same, `state_layout=\"packed\"`",
+   "coat_adamw_apply, packed state, groups along axis -2 (column kernel), tile 32 cols x 8 warps"),
+  ("coat_adamw_apply, `group_axis=\"last\"` (row kernel), per leaf", "coat_adamw_apply, per leaf"),
+  ("same, `state_layout=\"packed\"`", "coat_adamw_apply, packed state"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# The tables. A headline row: (claim, source, bf16 selector, coat selector, number format,
+# ratio kind); a selector None means the cell's text is given in the source's values instead.
+
+HEADLINE = [
+  ("OLMo-1B shape, batch 8 x 2048, layers unrolled: tokens/s", "olmo1b_e2e_h200",
+   "bf16_tokens_unrolled", "coat_tokens_unrolled", ",.0f", "faster"),
+  ("same: peak memory (GB)", "olmo1b_e2e_h200", "bf16_peak_gb", "coat_peak_gb", ".2f", "less"),
+  ("same, layers scanned (the default): tokens/s", "olmo1b_e2e_h200",
+   "bf16_tokens_scanned", "coat_tokens_scanned", ",.0f", "faster"),
+  ("OLMo-1B shape, each mode at its largest batch (bf16 22, coat 36): tokens/s",
+   "olmo1b_largest_batch_h100",
+   r"re:bf16\+adamw \(unrolled\) batch 22: ok in \d+ s, ([\d,]+) tokens/s",
+   r"re:coat\+coat_adamw \(unrolled\) batch 36: ok in \d+ s, ([\d,]+) tokens/s", ",.0f", "faster"),
+  ("Llama-2-7B decoder layer, batch 8 x 2048, forward + backward (ms)", "layer7b_h200",
+   "bf16_ms", "coat_ms", ".2f", "time"),
+  ("same: activations held for the backward (MB)", "layer7b_h200",
+   "bf16_held_mb", "coat_held_mb", ".1f", "less"),
+  ("optimizer step, 1.21e9 params: wall ms (optax.adamw vs coat_adamw_apply, defaults)",
+   "optimizer_step_h200", _optimizer_row("optax.adamw", 1), _optimizer_row(OPTIMIZER_ROWS[1][1], 1),
+   ".2f", "time"),
+  ("optimizer state, bytes per parameter", "optimizer_step_h200", _optimizer_row("optax.adamw", 6),
+   _optimizer_row(OPTIMIZER_ROWS[1][1], 6), ".2f", "less"),
+  ("llama-125m, 2000 steps on real text: final eval loss", "accuracy_llama125m_h100",
+   "runs.bf16+adamw.final_eval_loss", "runs.coat+coat_adamw.final_eval_loss", ".4f", "pct"),
+]
+
+
+def headline(src: Sources) -> list[str]:
+  out = ["| claim | bf16 + optax.adamw | coat + coat_adamw | coat vs bf16 | GPU, date | command "
+         "| raw |",
+         "|---|---|---|---|---|---|---|"]
+  for claim, sid, sel_b, sel_c, spec, kind in HEADLINE:
+    b, c = src.value(sid, sel_b), src.value(sid, sel_c)
+    gpu, date, cmd, raw = src.where(sid, short=True)
+    out.append(f"| {claim} | {fmt(b, spec)} | {fmt(c, spec)} | {ratio(kind, b, c)} | {gpu}, {date} "
+               f"| `{cmd}` | {raw} |")
+  # The models that only coat fits on one GPU.
+  for claim, sid, bf16_text, tok_sel, peak_sel in [
+      ("Llama-2-7B on one 80 GB GPU, batch 8 x 2048, remat full: tokens/s (peak)",
+       "llama2_7b_b8_h100", "does not fit (107.8 GB of weights, gradients and Adam state)",
+       "equal_batch.0.tokens_per_s", "equal_batch.0.peak_bytes"),
+      ("Llama-2-13B on one 141 GB GPU, batch 16 x 2048, remat full: tokens/s (peak)",
+       "llama2_13b_h200", "does not fit (208 GB of weights, gradients and Adam state)",
+       "max_batch.coat+coat_adamw.1.tokens_per_s", "max_batch.coat+coat_adamw.1.peak_bytes")]:
+    gpu, date, cmd, raw = src.where(sid, short=True)
+    coat = f"{src.value(sid, tok_sel):,.0f} ({src.value(sid, peak_sel) / 1e9:.2f} GB)"
+    out.append(f"| {claim} | {bf16_text} | {coat} | | {gpu}, {date} | `{cmd}` | {raw} |")
+  return out
+
+
+def source_line(src: Sources, sid: str) -> str:
+  gpu, date, cmd, raw = src.where(sid)
+  setting = src.meta[sid].get("setting", "")
+  return f"{gpu}, {date}; {setting}. Command: `{cmd}`. Raw: {raw}."
+
+
+def rows_table(src: Sources, sid: str, header: list[str], rows: list[tuple]) -> list[str]:
+  """rows: (label, [(selector, format) or literal text, ...])."""
+  out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for label, cells in rows:
+    text = [c if isinstance(c, str) else fmt(src.value(sid, c[0]), c[1]) for c in cells]
+    out.append("| " + " | ".join([label] + text) + " |")
+  return out + ["", source_line(src, sid)]
+
+
+def e2e(src: Sources) -> list[str]:
+  sid = "olmo1b_e2e_h200"
+  v = lambda k: src.value(sid, k)
+  rows = [("bf16 + optax.adamw", [("bf16_tokens_unrolled", ",.0f"), ("bf16_tokens_scanned", ",.0f"),
+                                  ("bf16_peak_gb", ".2f"), ("bf16_compile_unrolled_s", ".1f"),
+                                  ("bf16_compile_scanned_s", ".1f")]),
+          ("coat + coat_adamw", [("coat_tokens_unrolled", ",.0f"), ("coat_tokens_scanned", ",.0f"),
+                                 ("coat_peak_gb", ".2f"), ("coat_compile_unrolled_s", ".1f"),
+                                 ("coat_compile_scanned_s", ".1f")]),
+          ("coat vs bf16", [ratio("faster", v("bf16_tokens_unrolled"), v("coat_tokens_unrolled")),
+                            ratio("faster", v("bf16_tokens_scanned"), v("coat_tokens_scanned")),
+                            ratio("less", v("bf16_peak_gb"), v("coat_peak_gb")),
+                            f"{v('coat_compile_unrolled_s') / v('bf16_compile_unrolled_s'):.2f}x",
+                            f"{v('coat_compile_scanned_s') / v('bf16_compile_scanned_s'):.2f}x"])]
+  return rows_table(src, sid, ["", "tokens/s, unrolled", "tokens/s, scanned", "peak GB",
+                               "compile s, unrolled", "compile s, scanned"], rows)
+
+
+def train_py(src: Sources) -> list[str]:
+  sid = "olmo1b_train_py_h200"
+  v = lambda k: src.value(sid, k)
+  rows = [("bf16 + adamw", [("bf16_tokens", ",.0f"), ("bf16_peak_gib", ".2f")]),
+          ("coat + coat_adamw", [("coat_tokens", ",.0f"), ("coat_peak_gib", ".2f")]),
+          ("coat vs bf16", [ratio("faster", v("bf16_tokens"), v("coat_tokens")),
+                            ratio("less", v("bf16_peak_gib"), v("coat_peak_gib"))])]
+  return rows_table(src, sid, ["", "tokens/s", "peak GiB"], rows)
+
+
+def largest_batch(src: Sources) -> list[str]:
+  sid = "olmo1b_largest_batch_h100"
+  pat = r"re:{} \(unrolled\) batch {}: ok in \d+ s, ([\d,]+) tokens/s, peak ([\d.]+) GB"
+  rows = []
+  for mode, batch in (("bf16+adamw", 22), ("coat+coat_adamw", 32), ("coat+coat_adamw", 36)):
+    p = pat.format(re.escape(mode), batch)
+    peak = p.replace(r"([\d,]+) tokens/s", r"[\d,]+ tokens/s")
+    rows.append((f"{mode}, batch {batch}", [(p, ",.0f"), (peak, ".2f")]))
+  b, c = (src.value(sid, r[1][0][0]) for r in (rows[0], rows[2]))
+  rows.append(("coat (36) vs bf16 (22)", [ratio("faster", b, c), ""]))
+  return rows_table(src, sid, ["", "tokens/s", "peak GB"], rows)
+
+
+def layer(src: Sources) -> list[str]:
+  sid = "layer7b_h200"
+  v = lambda k: src.value(sid, k)
+  rows = [("bf16 (coat-jax)", [("bf16_ms", ".2f"), ("bf16_ms_back_to_back", ".2f"),
+                               ("bf16_held_mb", ".1f")]),
+          ("coat (coat-jax)", [("coat_ms", ".2f"), ("coat_ms_back_to_back", ".2f"),
+                               ("coat_held_mb", ".1f")]),
+          ("BF16 (COAT's PyTorch)", [("COAT_bf16_ms", ".2f"), "", ("COAT_bf16_held_mb", ".1f")]),
+          ("COAT (PyTorch + Triton)", [("COAT_ms", ".2f"), "", ("COAT_held_mb", ".1f")]),
+          ("coat vs bf16 (coat-jax)", [ratio("time", v("bf16_ms"), v("coat_ms")), "",
+                                       ratio("less", v("bf16_held_mb"), v("coat_held_mb"))])]
+  return rows_table(src, sid, ["", "fwd + bwd ms", "back to back ms", "held MB"], rows)
+
+
+def layer_fp8_attention(src: Sources) -> list[str]:
+  sid = "layer7b_fp8_attention_residuals_h100"
+  r = src.value(sid, "results.0")
+  out = ["| | fwd + bwd ms | held MB |", "|---|---|---|",
+         f"| coat, `attention_residuals: fp8` | {r['fwd_bwd_ms']:.2f} "
+         f"| {r['held_bytes'] / 1e6:.1f} |"]
+  return out + ["", source_line(src, sid)]
+
+
+def optimizer(src: Sources) -> list[str]:
+  sid = "optimizer_step_h200"
+  # bench_optimizer's columns: wall 1, pipelined 2, kernel 3, ..., state B/param 6, wall/floor 9,
+  # kernel/floor 10
+  cells = [(1, ".2f"), (3, ".2f"), (6, ".2f"), (9, ".2f"), (10, ".2f")]
+  rows = [(label, [(_optimizer_row(name, c), f) for c, f in cells])
+          for label, name in OPTIMIZER_ROWS]
+  out = rows_table(src, sid, ["optimizer", "wall ms", "GPU kernel ms", "state B/param",
+                              "wall / floor", "kernel / floor"], rows)
+  floor = src.value(sid, r"re:floor at ([\d.]+) TB/s")
+  out += ["", f"Floor: {floor:.3f} TB/s read + write, measured in the same run."]
+  anchors = [("torch.optim.AdamW, fused", "torch_fused_ms", "torch_bytes"),
+             ("torchao AdamW8bit", "torchao_8bit_ms", "torchao_8bit_bytes"),
+             ("torchao AdamWFp8", "torchao_fp8_ms", "torchao_fp8_bytes"),
+             ("bitsandbytes AdamW8bit", "bnb_8bit_ms", "bnb_8bit_bytes"),
+             ("COAT's FP8 AdamW (its CUDA kernel)", "COAT_ms", "COAT_bytes")]
+  out += [""] + rows_table(src, "optimizer_anchors_h200", ["PyTorch optimizer", "ms",
+                                                           "state B/param"],
+                           [(label, [(t, ".2f"), (b, ".2f")]) for label, t, b in anchors])
+  return out
+
+
+def big_models(src: Sources) -> list[str]:
+  out = ["| model | GPU | recipe | batch | peak GB | tokens/s | MFU | date | raw |",
+         "|---|---|---|---|---|---|---|---|---|"]
+  def row(model, sid, recipe, base):
+    gpu, date, _, raw = src.where(sid, short=True)
+    v = lambda k: src.value(sid, f"{base}.{k}")
+    out.append(f"| {model} | {gpu} | {recipe} | {v('batch')} | {v('peak_bytes') / 1e9:.2f} | "
+               f"{v('tokens_per_s'):,.0f} | {100 * v('mfu'):.1f} % | {date} | {raw} |")
+  sr = "coat, bf16 master weights + stochastic rounding, remat full"
+  row("Llama-2-7B", "llama2_7b_b8_h100", sr, "equal_batch.0")
+  row("Llama-2-7B", "llama2_7b_b16_h100", sr, "equal_batch.0")
+  row("Llama-2-7B", "llama2_7b_b8_unrolled_h100", sr + ", layers unrolled", "equal_batch.0")
+  gpu, date, _, raw = src.where("llama2_7b_bf16_h200", short=True)
+  v = lambda k: src.value("llama2_7b_bf16_h200", k)
+  for b in (4, 8):
+    mfu = v("b8_mfu") if b == 8 else ""
+    out.append(f"| Llama-2-7B | {gpu} | bf16 + optax.adamw, float32 master weights, remat full "
+               f"| {b} | {v(f'b{b}_peak_gb'):.2f} | {v(f'b{b}_tokens'):,.0f} | {mfu} | {date} "
+               f"| {raw} |")
+  for i in (0, 1):
+    row("Llama-2-13B", "llama2_13b_h200", sr, f"max_batch.coat+coat_adamw.{i}")
+  out += ["", "Commands:", ""]
+  for sid in ("llama2_7b_b8_h100", "llama2_7b_b16_h100", "llama2_7b_b8_unrolled_h100",
+              "llama2_7b_bf16_h200", "llama2_13b_h200"):
+    out.append(f"- `{src.where(sid)[2]}`")
+  return out
+
+
+def accuracy(src: Sources) -> list[str]:
+  sid = "accuracy_llama125m_h100"
+  runs = src.value(sid, "runs")
+  b, c = runs["bf16+adamw"]["final_eval_loss"], runs["coat+coat_adamw"]["final_eval_loss"]
+  fp8 = src.value("accuracy_llama125m_fp8_attention_residuals_h100", r"re:\n\s+2000\s+([\d.]+)\n")
+  out = ["| run | final eval loss (step 2000) | vs bf16 |", "|---|---|---|",
+         f"| bf16 + adamw | {b:.4f} | |",
+         f"| coat + coat_adamw | {c:.4f} | {ratio('pct', b, c)} |",
+         f"| coat + coat_adamw, `attention_residuals: fp8` | {fp8:.4f} | {ratio('pct', b, fp8)} |",
+         "", source_line(src, sid),
+         "The FP8 attention residuals run: " + source_line(
+             src, "accuracy_llama125m_fp8_attention_residuals_h100")]
+  return out
+
+
+def stability(src: Sources) -> list[str]:
+  sid = "stability_h100"
+  runs = src.value(sid, "runs")
+  out = ["| mode | peak lr | diverged (of 3 seeds) | final train loss, mean over seeds |",
+         "|---|---|---|---|"]
+  for mode in ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw"):
+    for lr in (0.003, 0.03, 0.3):
+      rs = [r for r in runs if r["mode"] == mode and r["lr"] == lr]
+      div = sum(bool(r["diverged"]) for r in rs)
+      mean = sum(r["final_loss"] for r in rs) / len(rs)
+      out.append(f"| {mode} | {lr:g} | {div} of {len(rs)} | {mean:.4f} |")
+  return out + ["", source_line(src, sid)]
+
+
+def formats(src: Sources) -> list[str]:
+  sid = "state_formats_h100"
+  f = src.value(sid, "formats")
+  out = ["| format | expansion | m rel. MSE | v rel. MSE | v flushed to 0 | final train loss |",
+         "|---|---|---|---|---|---|"]
+  for r in f["rows"]:
+    out.append(f"| {r['format']} | {'on' if r['expand'] else 'off'} | {r['m_rel_mse_geomean']:.2e} "
+               f"| {r['v_rel_mse_geomean']:.2e} | {100 * r['v_flushed_frac']:.2f} % "
+               f"| {fmt(r['final_loss'], '.4f')} |")
+  return out + ["", source_line(src, sid)]
+
+
+def master_weights(src: Sources) -> list[str]:
+  sid = "master_weights_h100"
+  out = ["| variant | eval loss, step 2000 | vs float32 master | bytes per parameter |",
+         "|---|---|---|---|"]
+  for r in src.value(sid, "rows"):
+    out.append(f"| {r['variant']} | {r['eval_loss']:.4f} | {r['diff_pct']:+.3f} % "
+               f"| {r['bytes_per_param']['total']:.2f} |")
+  return out + ["", source_line(src, sid)]
+
+
+def group_axis(src: Sources) -> list[str]:
+  out = ["| seed | eval loss, `group_axis: last` | eval loss, `group_axis: coat` | coat vs last |",
+         "|---|---|---|---|"]
+  for seed, sid, last, coat in ((0, "group_axis_loss_seed0_h100", "f32_master", "coat_group_axis"),
+                                (1, "group_axis_loss_seed1_h100", "group_axis_last", "f32_master")):
+    loss = {r["variant"]: r["eval_loss"] for r in src.value(sid, "rows")}
+    out.append(f"| {seed} | {loss[last]:.4f} | {loss[coat]:.4f} | "
+               f"{ratio('pct', loss[last], loss[coat])} |")
+  return out + ["", source_line(src, "group_axis_loss_seed0_h100"),
+                "Seed 1: " + source_line(src, "group_axis_loss_seed1_h100")]
+
+
+def step_floor(src: Sources) -> list[str]:
+  sid = "step_floor_h100"
+  text = src.raw(sid)
+  table = text[text.index("ms per step            bf16 floor"):]
+  lines = table.splitlines()
+  out = ["| ms per step | bf16 floor | bf16 measured | coat floor | coat measured |",
+         "|---|---|---|---|---|"]
+  for line in lines[2:11]:
+    name, nums = line[:23].strip(), line[23:]
+    cells = [nums[i:i + 11].strip() for i in range(0, 44, 11)]
+    out.append("| " + " | ".join([name] + cells) + " |")
+  notes = [line for line in lines[11:] if line.strip()]
+  notes = notes[:notes.index(next(n for n in notes if n.startswith("===")))]
+  for note in notes:
+    out += ["", note]
+  out += ["", source_line(src, sid)]
+  return out
+
+
+TABLES = {
+  "headline": headline, "e2e": e2e, "train_py": train_py, "largest_batch": largest_batch,
+  "layer": layer, "layer_fp8_attention": layer_fp8_attention, "optimizer": optimizer,
+  "big_models": big_models, "accuracy": accuracy, "stability": stability, "formats": formats,
+  "master_weights": master_weights, "group_axis": group_axis, "step_floor": step_floor,
+}
+
+
+def render(text: str, src: Sources, rel_prefix: str) -> str:
+  """The markdown text with every marked table regenerated; links to raw files are made relative
+  to the file's directory (`rel_prefix` + "gpu_results/...")."""
+  def table(m):
+    name = m.group(1)
+    if name not in TABLES:
+      raise ValueError(f"unknown results table {name!r}; known: {', '.join(TABLES)}")
+    body = "\n".join(TABLES[name](src)).replace("](gpu_results/", f"]({rel_prefix}gpu_results/")
+    return f"<!-- results:{name}:begin -->\n{body}\n<!-- results:{name}:end -->"
+  return MARKER.sub(table, text)
+
+
+def targets() -> list[tuple[Path, str]]:
+  out = []
+  for rel in TARGETS:
+    path = REPO / rel
+    prefix = "" if path.parent == REPO / "docs" else "docs/"
+    if path.is_file() and MARKER.search(path.read_text()):
+      out.append((path, prefix))
+  return out
+
+
+def unused_raw_files(src: Sources) -> list[str]:
+  """Files in docs/gpu_results that no source names: a claim's raw file or a leftover."""
+  named = {Path(s["raw"]).name for s in src.meta.values() if s.get("raw")}
+  return sorted(p.name for p in RAW_DIR.iterdir() if p.name not in named)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--check", action="store_true", help="report out-of-date tables, change nothing")
+  args = p.parse_args(argv)
+  src = Sources()
+  stale = []
+  for path, prefix in targets():
+    old = path.read_text()
+    new = render(old, src, prefix)
+    if new != old:
+      stale.append(str(path.relative_to(REPO)))
+      if not args.check:
+        path.write_text(new)
+  if args.check and stale:
+    print("out of date (run python scripts/results_tables.py): " + ", ".join(stale))
+    return 1
+  if not args.check and stale:
+    print("rewrote: " + ", ".join(stale))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
