@@ -81,7 +81,8 @@ def save_llama(model: Llama, directory, *, dtype: str = "bfloat16",
   existing = _model_files(directory)
   if existing and not overwrite:
     raise ValueError(f"save_llama: {directory} already holds a model ({', '.join(existing)}); "
-                     f"choose another directory or pass overwrite=True")
+                     f"choose another directory or replace its model files (overwrite=True, "
+                     f"python -m coat_jax.export --overwrite)")
   tensors = hf_tensors(model, dtype)
   assert sorted(tensors) == sorted(hf_tensor_names(model.cfg))
   directory.mkdir(parents=True, exist_ok=True)

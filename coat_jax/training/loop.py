@@ -28,6 +28,7 @@ from coat_jax.training import checkpoint as ckpt_lib
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import metrics as metrics_lib
 from coat_jax.training.build import Built, build, dataset_from_config
+from coat_jax.training.run_model import write_run_files
 from coat_jax.training.schema import RunConfig
 from coat_jax.training.step_log import StepLogger, summary_line
 
@@ -160,7 +161,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
 
   use_compile_cache(cfg.run.compile_cache, say)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-  dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say)
+  dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say, init_from=cfg.model.init_from)
   built = build(cfg, mesh, vocab_size=dataset.vocab_size)
   llama_cfg = built.llama_cfg
   dataset.check_vocab(llama_cfg.vocab_size)
@@ -172,7 +173,8 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   say(f"[run] {dataset.description}: {dataset.num_tokens:,} tokens, {dataset.n_train:,} train / "
       f"{dataset.n_eval:,} eval windows of {cfg.data.seq_len}")
-  say(f"[run] model {cfg.model.preset} ({n_params / 1e6:.2f}M params, precision {cfg.precision}), "
+  say(f"[run] model {cfg.model.init_from or cfg.model.preset} ({n_params / 1e6:.2f}M params, "
+      f"precision {cfg.precision}), "
       f"optimizer {cfg.optimizer.name}, mesh {dict(mesh.shape)} on {mesh.devices.size} "
       f"{mesh.devices.flat[0].platform} device(s)")
   train_step, eval_step = built.train_step, built.eval_step
@@ -185,6 +187,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
     params, opt_state, rest, start_step, run_key = restore_or_init(cfg, checkpointer, built,
                                                                     resume, say, resume_from)
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    write_run_files(out_dir, llama_cfg, dataset.tokenizer)   # model.json, tokenizer.json
     metrics = None
     if is_main:
       metrics = metrics_lib.MetricsLog(out_dir, cfg.run.tensorboard,
