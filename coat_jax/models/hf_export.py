@@ -146,8 +146,11 @@ def _atomic(path: Path, write) -> None:
   """Calls write(temp file name), then renames the temp file to `path`."""
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
   os.close(fd)
+  umask = os.umask(0)
+  os.umask(umask)
   try:
     write(tmp)
+    os.chmod(tmp, 0o666 & ~umask)   # as a plain open() would make it (mkstemp makes 0600)
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):

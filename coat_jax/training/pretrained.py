@@ -98,6 +98,8 @@ def tokenizer_path(data, init_from: str) -> str:
   """data.tokenizer, else init_from's tokenizer.json (BadInputError when it has none)."""
   if data.tokenizer or not init_from:
     return data.tokenizer
+  if not Path(init_from).expanduser().is_dir():
+    raise BadInputError(f"model.init_from: {init_from} is not a directory")
   path = Path(init_from).expanduser() / "tokenizer.json"
   if not path.is_file():
     raise BadInputError(f"data.tokenizer is not set and model.init_from {init_from} has no "
