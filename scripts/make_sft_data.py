@@ -7,7 +7,7 @@ Each example asks for a function's body given its signature and docstring:
 and every fourth is written in the chat form ({"messages": [user, assistant]}) so both record
 kinds of `data.kind: sft` are exercised. Deterministic (files and functions in sorted order).
 
-  python scripts/make_sft_data.py --out runs/sft.jsonl [--examples 2000] [--max-chars 1500]
+  python scripts/make_sft_data.py --out runs/sft.jsonl [--examples 2000] [--max-chars 350]
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, type=Path)
   parser.add_argument("--examples", type=int, default=2000)
-  parser.add_argument("--max-chars", type=int, default=1500,
+  parser.add_argument("--max-chars", type=int, default=350,
                       help="longest example (prompt + response) in characters")
   args = parser.parse_args()
   args.out.parent.mkdir(parents=True, exist_ok=True)

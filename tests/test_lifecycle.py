@@ -216,3 +216,14 @@ def test_document_masking_loss_equals_each_document_alone(rng):
   assert abs(float(got) - want) < 1e-5 * want
   plain = float(nnx.jit(build_lib.batch_loss)(model, jnp.asarray(batch["tokens"])))
   assert abs(plain - want) > 1e-3
+
+
+@pytest.mark.parametrize("items,match", [
+    (["data.kind=tokens", "data.paths=[x.npy]", "data.document_mask=true"], "needs 'data.eos_id'"),
+    (["data.kind=sft", "data.paths=[x.jsonl]"], "needs 'data.tokenizer' .* or 'model.init_from'"),
+    (["data.kind=sft"], "needs 'data.paths'"),
+    (["data.eos_id=-2"], "data.eos_id"),
+])
+def test_config_checks(items, match):
+  with pytest.raises(ValueError, match=match):
+    schema.load(None, items)
