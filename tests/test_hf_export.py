@@ -110,8 +110,11 @@ def test_refuses_a_directory_holding_a_model(exported, tmp_path):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_transformers_logits_and_greedy_generation(name, exported):
   directory, model = exported[name]
-  # The weights as stored (bf16-rounded for the bf16 export), computed in float32.
-  stored = load_llama(directory, dtype="float32")
+  # The exported model itself, its weights rounded as stored (bf16 for the bf16 export).
+  stored = nnx.clone(model)
+  if VARIANTS[name][1] == "bfloat16":
+    state = nnx.state(stored, nnx.Param)
+    nnx.update(stored, jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), state))
   tokens = np.load(directory / "tokens.npy")
   err = max_rel_err(stored(jnp.asarray(tokens)), np.load(directory / "hf_logits.npy"))
   print(f"{name}: max relative logit error vs transformers {err:.2e}")
@@ -123,7 +126,9 @@ def test_transformers_logits_and_greedy_generation(name, exported):
 def test_generation_compiles_once_per_shape_and_matches_full_forward(exported, rng):
   """Greedy ids equal argmax over the full (uncached) forward of the growing sequence; the
   decode step traces once for all its tokens and not again for another call of that shape."""
-  _, model = exported["gqa"]
+  # Default init (std 0.02): flat logits, so a wrong cache position or mask flips the argmax.
+  model = Llama(LlamaConfig(**dict(VARIANTS["gqa"][0], scan_layers=True), dtype="float32"),
+                rngs=nnx.Rngs(int(rng.integers(1 << 30))))
   prompt = jnp.asarray(rng.integers(0, 211, (2, 5)), jnp.int32)
   before = dict(decode.TRACES)
   ids = generate(model, prompt, 6)
