@@ -20,10 +20,12 @@ from coat_jax.training.errors import EXIT_BAD_INPUT, EXIT_STORAGE
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m coat_jax.export", description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(prog="python -m coat_jax.export",
+                              description=__doc__.split("\n\n")[0])
   p.add_argument("run_dir", help="a train.py run directory (run.out_dir)")
   p.add_argument("hf_dir", help="the Hugging Face directory to write")
-  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest intact)")
+  p.add_argument("--step", type=int, default=None,
+                 help="checkpoint step (default: the newest intact)")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                  help="storage dtype of the weights (default bfloat16)")
   p.add_argument("--max-shard-gb", type=float, default=5.0,

@@ -19,7 +19,8 @@ from coat_jax.training.errors import EXIT_BAD_INPUT
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m coat_jax.sample", description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(prog="python -m coat_jax.sample",
+                              description=__doc__.split("\n\n")[0])
   p.add_argument("model_dir", help="a Hugging Face Llama directory with tokenizer.json")
   p.add_argument("--prompt", required=True, help="the text to continue")
   p.add_argument("--max-new-tokens", type=int, default=64)
@@ -43,6 +44,8 @@ def sample(model_dir, prompt: str, *, max_new_tokens=64, temperature=0.0, top_k=
   from coat_jax.training.corpus import eos_id, load_tokenizer
 
   model_dir = Path(model_dir)
+  if not model_dir.is_dir():
+    raise ValueError(f"model directory {model_dir} does not exist")
   if not (model_dir / "tokenizer.json").is_file():
     raise ValueError(f"{model_dir} has no tokenizer.json (export the run with "
                      f"python -m coat_jax.export, which copies the run's tokenizer)")

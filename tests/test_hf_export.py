@@ -81,7 +81,8 @@ def exported(tmp_path_factory):
 def test_files_and_round_trip(exported):
   """The files transformers expects, and load_llama reads back the exported weights exactly."""
   gqa, _ = exported["gqa"]
-  assert (gqa / "model.safetensors").exists() and not (gqa / "model.safetensors.index.json").exists()
+  assert (gqa / "model.safetensors").exists()
+  assert not (gqa / "model.safetensors.index.json").exists()
   llama3, model = exported["llama3_tied"]
   index = json.loads((llama3 / "model.safetensors.index.json").read_text())
   shards = sorted(set(index["weight_map"].values()))

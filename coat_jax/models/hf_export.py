@@ -22,7 +22,7 @@ from coat_jax.models.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, hf_tensor_n
 from coat_jax.models.llama import Llama, LlamaConfig, layer_params
 
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
-DEFAULT_SHARD_BYTES = 5 * 1024 ** 3   # transformers' default max_shard_size ("5GB")
+DEFAULT_SHARD_BYTES = 5 * 10 ** 9   # transformers' default max_shard_size ("5GB")
 _MODEL_FILES = (CONFIG_FILE, SINGLE_FILE, INDEX_FILE)
 
 

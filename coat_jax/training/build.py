@@ -216,7 +216,8 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
 def batch_loss(model, batch) -> jax.Array:
   """The training loss of a batch (dataset.py's formats): next-token cross-entropy of tokens
   (B, S + 1); for a dict batch over the labels whose loss_mask is 1 and that lie in their
-  input's segment, with attention and positions per segment (`Llama.loss`)."""
+  input's segment, with attention and positions per segment (`Llama.loss`). With gradient
+  accumulation each microbatch's mean counts equally, whatever its number of counted tokens."""
   if not isinstance(batch, dict):
     return model.loss(batch[:, :-1], batch[:, 1:])
   tokens, segments = batch["tokens"], batch["segment_ids"]
