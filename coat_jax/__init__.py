@@ -11,6 +11,7 @@ __all__ = [
 
 from coat_jax.optim import coat_adamw, coat_adamw_apply, optimizer_state_bytes, state_shardings  # noqa: E402
 from coat_jax.models.llama import Llama, LlamaConfig  # noqa: E402
+from coat_jax.models.decode import generate  # noqa: E402
 
 __all__ += ["coat_adamw", "coat_adamw_apply", "optimizer_state_bytes", "state_shardings", "Llama",
-            "LlamaConfig"]
+            "LlamaConfig", "generate"]

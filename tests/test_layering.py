@@ -1,6 +1,7 @@
 """Import layering: the documented layer order, read from the source.
 
-Data flows one way (README, "Layout"): train.py -> coat_jax.training -> coat_jax.models ->
+Data flows one way (README, "Layout"): train.py (and the other command lines, coat_jax.export
+and coat_jax.sample) -> coat_jax.training -> coat_jax.models ->
 coat_jax.nn -> coat_jax.ops (and, beside them, the optimizer) -> coat_jax.kernels (the dispatch)
 -> pallas_kernels/ or the numerics and jnp references; coat_jax.errors (the exit statuses)
 below them all. Every module belongs to one layer of
@@ -146,7 +147,7 @@ def test_pallas_kernels_import_only_jax_numpy_stdlib_and_themselves():
 
 # (rank, layer, module prefixes), top to bottom. A module imports its own layer and lower ranks.
 LAYERS = (
-    (6, "cli", ("train",)),
+    (6, "cli", ("train", "coat_jax.export", "coat_jax.sample")),   # command lines
     (5, "training", ("coat_jax.training",)),
     (4, "models", ("coat_jax.models",)),
     (3, "nn", ("coat_jax.nn",)),
@@ -180,8 +181,12 @@ def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
   for src, deps in sorted(graph.items()):
     if src == FACADE:
       continue
+    if _layer(src) is None:   # test_every_module_has_a_layer names it
+      continue
     (rank, layer) = _layer(src)
     for dst in sorted(deps - {FACADE}):
+      if _layer(dst) is None:
+        continue
       dst_rank, dst_layer = _layer(dst)
       if dst_layer != layer and dst_rank >= rank:
         bad.append(f"{src} ({layer}) imports {dst} ({dst_layer})")

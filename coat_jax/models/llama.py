@@ -301,13 +301,20 @@ class Llama(nnx.Module):
     return ops.rope_frequencies(self.cfg.head_dim, seq_len, theta=self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)
 
-  def hidden_states(self, tokens: jax.Array) -> jax.Array:
-    """tokens (B, S) int -> final normalized hidden states (B, S, D) in the compute dtype."""
+  def hidden_states(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """tokens (B, S) int -> final normalized hidden states (B, S, D) in the compute dtype.
+
+    segment_ids (B, S) ints: several examples packed into each row; attention stays within an
+    example and positions restart at each (`segment_positions`)."""
     if tokens.ndim != 2:
       raise ValueError(f"Llama: tokens must be (batch, seq), got shape {tokens.shape}")
     if tokens.shape[1] > self.cfg.max_seq_len:
       raise ValueError(f"Llama: sequence length {tokens.shape[1]} exceeds max_seq_len "
                        f"{self.cfg.max_seq_len}")
+    if segment_ids is not None and segment_ids.shape != tokens.shape:
+      raise ValueError(f"Llama: segment_ids shape {segment_ids.shape} must equal tokens shape "
+                       f"{tokens.shape}")
+    positions = None if segment_ids is None else segment_positions(segment_ids)
     cos, sin = self.rope(tokens.shape[1])
     x = self.embed(tokens)
     policy = REMAT_POLICIES[self.cfg.remat]
@@ -315,7 +322,7 @@ class Llama(nnx.Module):
       graphdef, stacked = nnx.split(self.layers)
 
       def block(x, layer_params):
-        return nnx.merge(graphdef, layer_params)(x, cos, sin)
+        return nnx.merge(graphdef, layer_params)(x, cos, sin, positions, segment_ids)
 
       if self.cfg.remat != "none":
         block = jax.checkpoint(block, policy=policy, prevent_cse=False)
@@ -326,7 +333,7 @@ class Llama(nnx.Module):
                             unroll=self.cfg.scan_unroll)
     else:
       def run_block(block, x):
-        return block(x, cos, sin)
+        return block(x, cos, sin, positions, segment_ids)
 
       if self.cfg.remat != "none":
         run_block = nnx.remat(run_block, policy=policy)
@@ -335,34 +342,52 @@ class Llama(nnx.Module):
     h, _ = self.norm(x)
     return h
 
-  def logits(self, tokens: jax.Array) -> jax.Array:
+  def logits(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """tokens (B, S) int32 -> logits (B, S, vocab_size) in the compute dtype, as the LM head
     writes them: what the training loss reads (ops.softmax_cross_entropy computes in float32
     and writes its gradient in this dtype). Same values and gradients as the float32 logits of
     `__call__`; on the H100 XLA fuses that cast away anyway (same peak and step time, measured
-    on OLMo-1B), so this only keeps the loss from depending on it."""
-    h = self.hidden_states(tokens)
+    on OLMo-1B), so this only keeps the loss from depending on it. segment_ids: as
+    `hidden_states`."""
+    h = self.hidden_states(tokens, segment_ids)
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
-  def loss(self, tokens: jax.Array, labels: jax.Array) -> jax.Array:
+  def loss(self, tokens: jax.Array, labels: jax.Array, *, mask: jax.Array | None = None,
+           segment_ids: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross-entropy (nats, float32 scalar) of tokens (B, S) against labels (B, S).
 
     `cfg.loss_impl` (resolve_loss_impl) picks how: "fused" never holds all logits
     (`ops.lm_head_loss`, chunks of `cfg.loss_chunk_tokens`); "logits" is `logits` and then
-    `ops.softmax_cross_entropy`. Same values and gradients to float32 rounding."""
+    `ops.softmax_cross_entropy`. Same values and gradients to float32 rounding.
+    mask (B, S), 0/1: the mean runs over the labels it counts (`ops.masked_mean`; supervised
+    fine-tuning counts response tokens only). segment_ids: as `hidden_states`."""
     if labels.shape != tokens.shape:
       raise ValueError(f"Llama.loss: labels shape {labels.shape} must equal tokens shape "
                        f"{tokens.shape}")
+    if mask is not None and mask.shape != labels.shape:
+      raise ValueError(f"Llama.loss: mask shape {mask.shape} must equal labels shape "
+                       f"{labels.shape}")
     if resolve_loss_impl(self.cfg, labels.size) == "logits":
-      return ops.softmax_cross_entropy(self.logits(tokens), labels).mean()
-    h, chunk = self.hidden_states(tokens), self.cfg.loss_chunk_tokens
+      per_token = ops.softmax_cross_entropy(self.logits(tokens, segment_ids), labels)
+      return ops.masked_mean(per_token, mask)
+    h, chunk = self.hidden_states(tokens, segment_ids), self.cfg.loss_chunk_tokens
     if self.lm_head is None:
-      return self.embed.attend_loss(h, labels, chunk)
-    return self.lm_head.loss(h, labels, chunk)
+      return self.embed.attend_loss(h, labels, chunk, mask)
+    return self.lm_head.loss(h, labels, chunk, mask)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """tokens (B, S) int32 -> logits (B, S, vocab_size) float32."""
-    return self.logits(tokens).astype(jnp.float32)
+    return self.logits(tokens, segment_ids).astype(jnp.float32)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+  """(B, S) segment ids -> (B, S) int32 positions that restart at 0 where the id changes."""
+  s = segment_ids.shape[1]
+  index = jnp.arange(s, dtype=jnp.int32)
+  changed = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  start = jax.lax.cummax(jnp.where(changed, index, 0), axis=1)
+  return index - start
 
 
 def stack_blocks(blocks: list[layers.DecoderBlock]) -> layers.DecoderBlock:

@@ -98,11 +98,12 @@ class Embedding(nnx.Module):
     """h: (..., D) -> logits (..., V) = h @ embedding^T, in `dtype` (`ops.lm_head`, tied)."""
     return ops.lm_head(h.astype(self.dtype), self.embedding[...], tied=True)
 
-  def attend_loss(self, h: jax.Array, labels: jax.Array, chunk_tokens: int) -> jax.Array:
-    """Mean cross-entropy of `attend(h)` against labels, never holding all logits
-    (`ops.lm_head_loss`, tied)."""
+  def attend_loss(self, h: jax.Array, labels: jax.Array, chunk_tokens: int,
+                  mask: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of `attend(h)` against labels (over the tokens `mask` counts), never
+    holding all logits (`ops.lm_head_loss`, tied)."""
     return ops.lm_head_loss(h.astype(self.dtype), self.embedding[...], labels, tied=True,
-                            chunk_tokens=chunk_tokens)
+                            chunk_tokens=chunk_tokens, mask=mask)
 
 
 class LMHead(nnx.Module):
@@ -120,11 +121,12 @@ class LMHead(nnx.Module):
     """h: (..., features) -> logits (..., vocab) in `dtype`."""
     return ops.lm_head(h.astype(self.dtype), self.kernel[...])
 
-  def loss(self, h: jax.Array, labels: jax.Array, chunk_tokens: int) -> jax.Array:
-    """Mean cross-entropy of `self(h)` against labels, never holding all logits
-    (`ops.lm_head_loss`)."""
+  def loss(self, h: jax.Array, labels: jax.Array, chunk_tokens: int,
+           mask: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of `self(h)` against labels (over the tokens `mask` counts), never
+    holding all logits (`ops.lm_head_loss`)."""
     return ops.lm_head_loss(h.astype(self.dtype), self.kernel[...], labels,
-                            chunk_tokens=chunk_tokens)
+                            chunk_tokens=chunk_tokens, mask=mask)
 
 
 class Attention(nnx.Module):
@@ -152,8 +154,11 @@ class Attention(nnx.Module):
     self.o_proj = Linear(num_heads * head_dim, hidden_size, **kw)
 
   def __call__(self, x: jax.Array, x_q, cos: jax.Array, sin: jax.Array,
-               positions: jax.Array | None = None) -> jax.Array:
-    """x: (B, S, D) normalized input, x_q its FP8 copy or None; cos/sin: (max_len, Dh // 2)."""
+               positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    """x: (B, S, D) normalized input, x_q its FP8 copy or None; cos/sin: (max_len, Dh // 2);
+    positions (B, S) for RoPE (None: 0..S-1); segment_ids (B, S): packed examples, attention
+    stays within each (`ops.attention`)."""
     b, s, _ = x.shape
     q, k, v = _linears(x, x_q, (self.q_proj, self.k_proj, self.v_proj))
     q = q.reshape(b, s, self.num_heads, self.head_dim)
@@ -162,7 +167,7 @@ class Attention(nnx.Module):
     q = ops.apply_rope(q, cos, sin, positions)
     k = ops.apply_rope(k, cos, sin, positions)
     o = ops.attention(q, k, v, causal=True, implementation=self.attention_impl,
-                      residuals=self.attention_residuals)
+                      residuals=self.attention_residuals, segment_ids=segment_ids)
     return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -203,10 +208,12 @@ class DecoderBlock(nnx.Module):
     self.mlp = MLP(hidden_size, intermediate_size, rngs=rngs, **kw)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               positions: jax.Array | None = None) -> jax.Array:
-    """x: (B, S, D) residual stream in `dtype` -> (B, S, D)."""
+               positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    """x: (B, S, D) residual stream in `dtype` -> (B, S, D); positions, segment_ids: as
+    `Attention`."""
     x = x.astype(self.dtype)
     h, h_q = self.input_layernorm(x)
-    x = ops.residual_add(x, self.self_attn(h, h_q, cos, sin, positions))
+    x = ops.residual_add(x, self.self_attn(h, h_q, cos, sin, positions, segment_ids))
     h, h_q = self.post_attention_layernorm(x)
     return ops.residual_add(x, self.mlp(h, h_q))

@@ -1,6 +1,7 @@
 """Precision-mode ops ("bf16", "fp8_linear", "coat") used by the models."""
-from coat_jax.ops.attention import ATTENTION_RESIDUALS, attention, check_attention_residuals
-from coat_jax.ops.cross_entropy import softmax_cross_entropy
+from coat_jax.ops.attention import (ATTENTION_RESIDUALS, attention, check_attention_residuals,
+                                   segment_mask)
+from coat_jax.ops.cross_entropy import masked_mean, softmax_cross_entropy
 from coat_jax.ops.linear_layer import FP8_RESIDUALS, linear, linears, quantize_input
 from coat_jax.ops.lm_head import lm_head
 from coat_jax.ops.lm_head_loss import lm_head_loss

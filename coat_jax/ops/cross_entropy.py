@@ -71,3 +71,14 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """
   _check(logits, labels)
   return _cross_entropy(logits, labels)
+
+
+def masked_mean(loss: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """The mean of per-token `loss` over the tokens `mask` counts: sum(m l) / max(sum(m), 1)
+  (float32; the plain mean when mask is None; 0 when no token counts)."""
+  if mask is None:
+    return loss.mean()
+  if mask.shape != loss.shape:
+    raise ValueError(f"masked_mean: mask shape {mask.shape} must equal loss shape {loss.shape}")
+  m = mask.astype(jnp.float32)
+  return jnp.sum(loss * m) / jnp.maximum(jnp.sum(m), 1.0)

@@ -7,6 +7,10 @@ For N tokens h_i (D,), labels y_i, and the head W (D, V) (or the tied embedding 
   dz_i  = (softmax(z_i) - onehot(y_i)) / N          (float32, written in h's dtype)
   dh_i  = dz_i . W^T        dW = sum_i h_i^T dz_i   (dW accumulated in float32 over the chunks)
 
+With a loss mask m (one 0/1 weight per token: supervised fine-tuning counts the response tokens
+only) the mean runs over the counted tokens, loss = sum_i m_i l_i / max(sum_i m_i, 1), and
+dz_i = m_i (softmax(z_i) - onehot(y_i)) / max(sum_i m_i, 1); the GEMMs are the same.
+
 The unfused path writes all N x V logits, keeps them for the backward and writes their N x V
 gradient there: for OLMo-1B (V = 50,304) at batch 8 x 2048 two bf16 arrays of 1.65 GB, both
 live when the backward starts, where the step's memory peaks. Here the forward runs over chunks
@@ -36,7 +40,7 @@ from coat_jax.ops.cross_entropy import logits_gradient, loss_and_lse
 from coat_jax.ops.lm_head import head_gradients, head_logits
 
 
-def _check(h, w, labels, tied, chunk_tokens):
+def _check(h, w, labels, mask, tied, chunk_tokens):
   d = w.shape[1] if tied else w.shape[0]
   if w.ndim != 2 or h.ndim < 2 or h.shape[-1] != d:
     raise ValueError(f"lm_head_loss: h shape {h.shape} does not match "
@@ -47,6 +51,9 @@ def _check(h, w, labels, tied, chunk_tokens):
                      f"without its last (feature) axis")
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise ValueError(f"lm_head_loss: labels must be integers, got {labels.dtype}")
+  if mask is not None and mask.shape != labels.shape:
+    raise ValueError(f"lm_head_loss: mask shape {mask.shape} must equal labels shape "
+                     f"{labels.shape}")
   for name, x in (("h", h), ("w", w)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"lm_head_loss: {name} must be floating, got {x.dtype}")
@@ -54,17 +61,19 @@ def _check(h, w, labels, tied, chunk_tokens):
     raise ValueError(f"lm_head_loss: chunk_tokens must be a positive int, got {chunk_tokens!r}")
 
 
-def _chunk_loss(h, wc, y, tied):
-  """Summed loss of one chunk (float32) and what its gradient needs: z (T, V), lse (T,)."""
+def _chunk_loss(h, wc, y, m, tied):
+  """Summed (masked, m not None) loss of one chunk (float32) and what its gradient needs:
+  z (T, V), lse (T,)."""
   z = head_logits(h, wc, tied)
   loss, lse = loss_and_lse(z, y)
-  return jnp.sum(loss), z, lse
+  return jnp.sum(loss if m is None else loss * m), z, lse
 
 
-def _chunk_grads(h, wc, y, tied, inv_n):
+def _chunk_grads(h, wc, y, m, tied, inv_n):
   """One chunk: (summed loss, dh (T, D) in h's dtype, dW float32 in W's layout)."""
-  loss, z, lse = _chunk_loss(h, wc, y, tied)
-  dh, dw = head_gradients(h, wc, logits_gradient(z, y, lse, inv_n), tied)
+  loss, z, lse = _chunk_loss(h, wc, y, m, tied)
+  g = inv_n if m is None else m * inv_n
+  dh, dw = head_gradients(h, wc, logits_gradient(z, y, lse, g), tied)
   return loss, dh, dw
 
 
@@ -75,22 +84,24 @@ def _chunks(n, chunk):
   return first, k, tail
 
 
-def _run(h, w, labels, tied, chunk, with_grads):
+def _run(h, w, labels, mask, tied, chunk, with_grads):
   """The forward over chunks: loss (float32 scalar) and, with_grads, (dh, dW float32)."""
   d = h.shape[-1]
   hf, yf = h.reshape(-1, d), labels.reshape(-1).astype(jnp.int32)
+  mf = None if mask is None else mask.reshape(-1).astype(jnp.float32)
   n = hf.shape[0]
   wc = w.astype(h.dtype)
-  inv_n = 1.0 / n
+  inv_n = 1.0 / n if mf is None else 1.0 / jnp.maximum(jnp.sum(mf), 1.0)
   first, k, tail = _chunks(n, chunk)
 
   def one(start, size):
     """(summed loss, dh rows, dW part) of the chunk at `start`; (loss, None, None) without grads."""
     hc = jax.lax.dynamic_slice_in_dim(hf, start, size)
     yc = jax.lax.dynamic_slice_in_dim(yf, start, size)
+    mc = None if mf is None else jax.lax.dynamic_slice_in_dim(mf, start, size)
     if with_grads:
-      return _chunk_grads(hc, wc, yc, tied, inv_n)
-    return _chunk_loss(hc, wc, yc, tied)[0], None, None
+      return _chunk_grads(hc, wc, yc, mc, tied, inv_n)
+    return _chunk_loss(hc, wc, yc, mc, tied)[0], None, None
 
   loss, dh, dw = one(0, first)   # the first chunk outside the loop: dW needs no zero fill
   dh_parts = [dh]
@@ -114,27 +125,27 @@ def _run(h, w, labels, tied, chunk, with_grads):
   return loss, (dh.reshape(h.shape), dw)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _lm_head_loss(h, w, labels, tied, chunk):
-  return _run(h, w, labels, tied, chunk, with_grads=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _lm_head_loss(h, w, labels, mask, tied, chunk):
+  return _run(h, w, labels, mask, tied, chunk, with_grads=False)
 
 
-def _fwd(h, w, labels, tied, chunk):
-  loss, (dh, dw) = _run(h, w, labels, tied, chunk, with_grads=True)
+def _fwd(h, w, labels, mask, tied, chunk):
+  loss, (dh, dw) = _run(h, w, labels, mask, tied, chunk, with_grads=True)
   return loss, (dh, dw.astype(w.dtype))
 
 
 def _bwd(tied, chunk, res, g):
   del tied, chunk
   dh, dw = res
-  return (g.astype(dh.dtype) * dh, g.astype(dw.dtype) * dw, None)
+  return (g.astype(dh.dtype) * dh, g.astype(dw.dtype) * dw, None, None)
 
 
 _lm_head_loss.defvjp(_fwd, _bwd)
 
 
 def lm_head_loss(h: jax.Array, w: jax.Array, labels: jax.Array, *, tied: bool = False,
-                 chunk_tokens: int = 4096) -> jax.Array:
+                 chunk_tokens: int = 4096, mask: jax.Array | None = None) -> jax.Array:
   """Mean cross-entropy (nats, float32 scalar) of the logits h @ W against `labels` (module docstring).
 
   The values of `softmax_cross_entropy(lm_head(h, w, tied=tied), labels).mean()` and its
@@ -147,6 +158,8 @@ def lm_head_loss(h: jax.Array, w: jax.Array, labels: jax.Array, *, tied: bool = 
     labels: (...) integers in [0, V) (like the unfused path, an index outside gives no error).
     chunk_tokens: tokens per chunk (the last chunk may be shorter); larger chunks hold more
       logits at once, smaller ones add dW read-modify-writes.
+    mask: None, or labels' shape: 1 counts a token, 0 leaves it out (module docstring); the
+      values of `masked_mean(softmax_cross_entropy(...), mask)`.
   """
-  _check(h, w, labels, tied, chunk_tokens)
-  return _lm_head_loss(h, w, labels, bool(tied), chunk_tokens)
+  _check(h, w, labels, mask, tied, chunk_tokens)
+  return _lm_head_loss(h, w, labels, mask, bool(tied), chunk_tokens)

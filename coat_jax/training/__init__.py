@@ -18,5 +18,12 @@
   step_log.py     per-step metrics and the summary line
   checkpoint.py   orbax checkpoints (async, exact resume)
   storage.py      host memory and disk for checkpoints (streamed saves, full disks)
+  run_model.py    a run's model outside train.py: `load_run_model(run_dir, step)`
+  pretrained.py   starting from a Hugging Face directory (`model.init_from`)
+  sft.py          supervised fine-tuning data: chat/prompt-response examples, masked and packed
   metrics.py      throughput, MFU, peak memory, metrics.jsonl + TensorBoard, loss plot
 """
+
+from coat_jax.training.run_model import load_run_model  # noqa: E402
+
+__all__ = ["load_run_model"]

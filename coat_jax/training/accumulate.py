@@ -92,7 +92,7 @@ def _accumulated(loss_fn, num_microbatches, accum_dtype):
   acc_dtype = jnp.dtype(accum_dtype)
 
   def fn(params, state, batch):
-    micro = split_microbatches(batch, num_microbatches)
+    micro = jax.tree.map(lambda b: split_microbatches(b, num_microbatches), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), params)
 
     def body(carry, mb):

@@ -25,7 +25,7 @@ from flax import nnx
 
 from coat_jax import kernels, ops
 from coat_jax.precision import resolve_dtype
-from coat_jax.training import corpus, mesh as mesh_lib, token_files
+from coat_jax.training import corpus, mesh as mesh_lib, pretrained, sft, token_files
 from coat_jax.training.accumulate import accumulated_value_and_grad
 from coat_jax.training.dataset import TokenDataset
 from coat_jax.training.schema import AUTO, DataConfig, OptimizerConfig, RunConfig
@@ -44,25 +44,43 @@ def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
   jax.config.update("jax_compilation_cache_dir", str(path))
 
 
-def dataset_from_config(data: DataConfig, seed: int, log=print) -> TokenDataset:
-  """The dataset `data` names (tokenizing and caching as needed)."""
+def dataset_from_config(data: DataConfig, seed: int, log=print, init_from: str = ""):
+  """The dataset `data` names (tokenizing and caching as needed): a TokenDataset, or for
+  kind "sft" an sft.PackedDataset. init_from: `model.init_from`, whose tokenizer.json is the
+  tokenizer when data.tokenizer is unset."""
   common = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=seed,
                 eval_fraction=data.eval_fraction)
+  tokenizer = pretrained.tokenizer_path(data, init_from) if data.kind != "stdlib" else ""
+  if data.kind == "sft":
+    return sft.sft_dataset(data.paths, tokenizer, eos_override=data.eos_id,
+                           cache=data.cache_dir, log=log, **common)
+
+  def eos(tok) -> dict:
+    """TokenDataset's eos_id with document masking: data.eos_id or the tokenizer's."""
+    if not data.document_mask:
+      return {}
+    found = data.eos_id if data.eos_id >= 0 else (corpus.eos_id(tok) if tok else None)
+    if found is None:
+      raise ValueError("data.document_mask: the tokenizer has no end-of-text token; set "
+                       "data.eos_id")
+    return {"eos_id": found}
+
   if data.kind == "stdlib":
     ids, tok, name = corpus.stdlib_tokens(data.vocab_size, data.corpus_max_bytes, data.cache_dir, log)
     return TokenDataset([ids], [name], vocab_size=tok.get_vocab_size(), tokenizer=tok,
-                        description=f"{name}, byte-level BPE vocab {tok.get_vocab_size()}", **common)
+                        description=f"{name}, byte-level BPE vocab {tok.get_vocab_size()}",
+                        **eos(tok), **common)
   if data.kind == "tokens":
     files = token_files.expand_paths(data.paths)
     arrays = [token_files.load_token_file(f, data.dtype) for f in files]
     return TokenDataset(arrays, [str(f) for f in files], description=f"{len(files)} token files",
-                        **common)
+                        **eos(None), **common)
   if data.kind in ("text", "jsonl"):
-    arrays, names, tok = token_files.text_tokens(data.paths, data.tokenizer, data.kind,
+    arrays, names, tok = token_files.text_tokens(data.paths, tokenizer, data.kind,
                                                  data.text_field, data.cache_dir, log)
     return TokenDataset(arrays, names, vocab_size=tok.get_vocab_size(), tokenizer=tok,
-                        description=f"{len(names)} {data.kind} files, tokenizer {data.tokenizer}",
-                        **common)
+                        description=f"{len(names)} {data.kind} files, tokenizer {tokenizer}",
+                        **eos(tok), **common)
   raise ValueError(f"unknown data.kind {data.kind!r}")
 
 
@@ -73,6 +91,8 @@ def model_config(cfg: RunConfig, data_vocab: int | None):
   overrides = cfg.model.overrides()
   if "dtype" in overrides:
     overrides["dtype"] = resolve_dtype(overrides["dtype"], "model.dtype")
+  if cfg.model.init_from:   # the shape from the directory's config.json
+    return pretrained.model_config(cfg, data_vocab, overrides)
   preset = LlamaConfig.from_name(cfg.model.preset)
   if "vocab_size" not in overrides and data_vocab is not None:
     overrides["vocab_size"] = data_vocab
@@ -208,6 +228,19 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
   return out
 
 
+def batch_loss(model, batch) -> jax.Array:
+  """The training loss of a batch (dataset.py's formats): next-token cross-entropy of tokens
+  (B, S + 1); for a dict batch over the labels whose loss_mask is 1 and that lie in their
+  input's segment, with attention and positions per segment (`Llama.loss`). With gradient
+  accumulation each microbatch's mean counts equally, whatever its number of counted tokens."""
+  if not isinstance(batch, dict):
+    return model.loss(batch[:, :-1], batch[:, 1:])
+  tokens, segments = batch["tokens"], batch["segment_ids"]
+  same = segments[:, 1:] == segments[:, :-1]
+  mask = jnp.where(same, batch["loss_mask"][:, 1:], 0)
+  return model.loss(tokens[:, :-1], tokens[:, 1:], mask=mask, segment_ids=segments[:, :-1])
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Mean next-token cross-entropy (nats) in float32; logits (B, S, V) in the compute dtype
   (`Llama.logits`), labels (B, S) int32 (`ops.softmax_cross_entropy`: float32 math, its gradient
@@ -269,7 +302,8 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
   """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
 
   train_step(params, opt_state, rest, tokens) -> (params, opt_state, rest, {"loss", "grad_norm"});
-  eval_step(params, rest, tokens) -> loss. tokens: (batch, seq_len + 1) int32.
+  eval_step(params, rest, tokens) -> loss. tokens: (batch, seq_len + 1) int32, or a dict of such
+  arrays (document masking, packed sft rows: dataset.py; `batch_loss`).
   apply_fn: (grads, opt_state, params) -> (params, opt_state); default `optax_apply(tx)`.
   accumulate: microbatches per step (training/accumulate.py); the loss is their mean.
   grad_dtype: "param" or "bfloat16" (gradients of a bfloat16 copy of the weights; accumulate.py).
@@ -283,7 +317,7 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
 
   def loss_fn(params, rest, tokens):
     model = parts.merge(params, rest)
-    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    loss = batch_loss(model, tokens)
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
     return loss, nnx.to_pure_dict(new_rest)
 
@@ -369,6 +403,9 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
   llama_cfg = model_config(cfg, vocab_size)
   group = cfg.optimizer.group_size if cfg.optimizer.name == "coat_adamw" else None
   parts, init_params = model_parts(llama_cfg, seed, mesh, group, cfg.optimizer.group_axis)
+  if cfg.model.init_from:   # the directory's weights instead of a random init
+    init_params = pretrained.init_params(cfg.model.init_from, llama_cfg, parts.params_shardings,
+                                         parts.rest_shardings)
   base_tx, schedule = build_optimizer(cfg.optimizer, total_steps or cfg.run.steps)
   base_abstract = jax.eval_shape(base_tx.init, parts.params_abstract)
   axes = None

@@ -352,3 +352,79 @@ def _check_compatible(target: dict[str, Any], stored: Any, where: Path) -> None:
     if dtype is not None and np.dtype(dtype) != np.dtype(want.dtype):
       raise CheckpointMismatch(f"checkpoint {where}: {key} has dtype {np.dtype(dtype)}, this run "
                                f"expects {np.dtype(want.dtype)}{_mismatch_hint(key)}")
+
+
+def read_params(directory: str | os.PathLike, template: Any, step: int | None = None
+                ) -> tuple[Any, dict[str, Any], int]:
+  """Reads only the parameters of a run's checkpoint: (params, meta, step), read-only.
+
+  `template`: the params pytree as arrays or ShapeDtypeStructs (with `.sharding`, else the
+  default device), as the run saved them under "params". step None: the newest checkpoint that
+  reads back (unreadable ones are skipped, and left as they are). The optimizer state is not
+  read. ValueError (one line) when the directory has no checkpoints, `step` is not among them,
+  none is intact, or the stored parameters' names, shapes or dtypes differ from `template`'s.
+  """
+  import orbax.checkpoint as ocp
+
+  _quiet_orbax()
+  directory = Path(directory).absolute()
+  steps = sorted((int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit()),
+                 reverse=True) if directory.is_dir() else []
+  if not steps:
+    raise ValueError(f"no checkpoints in {directory}")
+  if step is not None:
+    if step not in steps:
+      raise ValueError(f"no checkpoint at step {step} in {directory}; steps there: "
+                       f"{', '.join(map(str, sorted(steps)))}")
+    steps = [step]
+  target = flatten_state({"params": jax.tree.map(_abstract, template)})
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  restore_args = jax.tree.map(
+      lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding or default, dtype=a.dtype), target)
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)   # read-only managers warn that they are read-only
+  try:
+    manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={_STATE: ocp.PyTreeCheckpointHandler(), _META: ocp.JsonCheckpointHandler()})
+  finally:
+    absl.setLevel(level)
+  tried = []
+  try:
+    for s in steps:
+      try:
+        stored = dict(manager.item_metadata(s)[_STATE].tree)
+      except Exception as e:  # orbax raises many types for a damaged checkpoint
+        tried.append(f"step {s} ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        continue
+      _check_subset(target, stored, directory / str(s))
+      try:
+        restored = manager.restore(s, args=ocp.args.Composite(**{
+            _STATE: ocp.args.PyTreeRestore(target, restore_args=restore_args,
+                                           partial_restore=True),
+            _META: ocp.args.JsonRestore()}))
+      except Exception as e:
+        tried.append(f"step {s} ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        continue
+      params = unflatten_state({"params": template}, dict(restored[_STATE]))["params"]
+      return params, dict(restored[_META] or {}), s
+  finally:
+    manager.close()
+  raise ValueError(f"no intact checkpoint in {directory}; tried {'; '.join(tried)}")
+
+
+def _check_subset(target: dict[str, Any], stored: dict[str, Any], where: Path) -> None:
+  """CheckpointMismatch unless every target entry is stored with its shape and dtype."""
+  missing = sorted(set(target) - set(stored))
+  if missing:
+    raise CheckpointMismatch(f"checkpoint {where} does not hold this model's parameters: "
+                             f"{len(missing)} missing (e.g. {missing[:3]})")
+  for key, want in target.items():
+    got = stored[key]
+    if tuple(getattr(got, "shape", want.shape)) != tuple(want.shape):
+      raise CheckpointMismatch(f"checkpoint {where}: {key} has shape {tuple(got.shape)}, the "
+                               f"model expects {tuple(want.shape)}")
+    if np.dtype(getattr(got, "dtype", want.dtype)) != np.dtype(want.dtype):
+      raise CheckpointMismatch(f"checkpoint {where}: {key} has dtype {np.dtype(got.dtype)}, the "
+                               f"model expects {np.dtype(want.dtype)}")

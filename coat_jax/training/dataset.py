@@ -9,6 +9,12 @@ Training batch `step` is a pure function of `(seed, step)`: example `k = step * 
 lies in epoch `k // n_train` and takes window `permute(k % n_train)`, where `permute` is a keyed
 Feistel permutation of `[0, n_train)` (constant memory, any size). Resuming at step `s` therefore
 reproduces the uninterrupted run exactly, with no iterator state to save.
+
+A batch is a (batch_size, seq_len + 1) int32 array, or with document masking (`eos_id` set) a
+dict of three such arrays: "tokens", "segment_ids" (1 + the number of end-of-text ids before
+each position in the window: a document ends with its end-of-text id) and "loss_mask" (all 1;
+the step leaves out predictions across a segment boundary: `build.batch_loss`). Packed
+supervised fine-tuning rows (sft.py) come as the same dict.
 """
 from __future__ import annotations
 
@@ -86,6 +92,7 @@ class TokenDataset:
   vocab_size: int | None = None
   description: str = ""
   tokenizer: object = None
+  eos_id: int | None = None
 
   def __post_init__(self):
     if not self.arrays or sum(int(a.shape[0]) for a in self.arrays) == 0:
@@ -147,14 +154,28 @@ class TokenDataset:
       raise ValueError(f"step must be >= 0, got {step}")
     k = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
     epoch, pos = k // self.n_train, k % self.n_train
-    return self._windows(permute(pos, self.n_train, self.seed, epoch))
+    return self._batch(self._windows(permute(pos, self.n_train, self.seed, epoch)))
 
   def eval_batches(self, num_batches: int) -> list[np.ndarray]:
     """`num_batches` fixed evaluation batches from the held-out windows (cycled if there are few)."""
     if self.n_eval == 0 or num_batches == 0:
       return []
     k = np.arange(num_batches * self.batch_size, dtype=np.int64) % self.n_eval + self.n_train
-    return list(self._windows(k).reshape(num_batches, self.batch_size, self.seq_len + 1))
+    windows = self._windows(k).reshape(num_batches, self.batch_size, self.seq_len + 1)
+    return [self._batch(w) for w in windows]
+
+  def _batch(self, windows: np.ndarray):
+    """The windows as a batch: as they are, or with document masking a dict (module docstring)."""
+    if self.eos_id is None:
+      return windows
+    return document_batch(windows, self.eos_id)
 
   def epoch_of(self, step: int) -> float:
     return step * self.batch_size / self.n_train
+
+
+def document_batch(tokens: np.ndarray, eos: int) -> dict[str, np.ndarray]:
+  """{"tokens", "segment_ids", "loss_mask"} of windows whose documents end with `eos`."""
+  is_eos = (tokens == eos).astype(np.int32)
+  segments = 1 + np.cumsum(is_eos, axis=1, dtype=np.int32) - is_eos
+  return {"tokens": tokens, "segment_ids": segments, "loss_mask": np.ones_like(tokens)}

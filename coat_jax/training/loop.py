@@ -29,6 +29,7 @@ from coat_jax.training import run_dir
 from coat_jax.training.build import Built, dataset_from_config, use_compile_cache
 from coat_jax.training.divergence import NonFiniteGuard
 from coat_jax.errors import BadInputError, OutOfMemoryError, RunError
+from coat_jax.training.run_model import write_run_files
 from coat_jax.training.schema import RunConfig
 from coat_jax.training.step_log import StepLogger, summary_line
 
@@ -148,7 +149,7 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
 
   use_compile_cache(cfg.run.compile_cache, say)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-  dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say)
+  dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say, init_from=cfg.model.init_from)
   # The step compiled on abstract shapes and checked against the device before anything is
   # allocated; `auto` settings resolved (plan.py). The run calls that executable.
   planner = plan_lib.Planner(cfg, mesh, dataset.vocab_size, log=say)
@@ -167,7 +168,8 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   say(f"[run] {dataset.description}: {dataset.num_tokens:,} tokens, {dataset.n_train:,} train / "
       f"{dataset.n_eval:,} eval windows of {cfg.data.seq_len}")
-  say(f"[run] model {cfg.model.preset} ({n_params / 1e6:.2f}M params, precision {cfg.precision}), "
+  say(f"[run] model {cfg.model.init_from or cfg.model.preset} ({n_params / 1e6:.2f}M params, "
+      f"precision {cfg.precision}), "
       f"optimizer {cfg.optimizer.name}, mesh {dict(mesh.shape)} on {mesh.devices.size} "
       f"{mesh.devices.flat[0].platform} device(s)")
   train_step, eval_step = chosen.compiled, built.eval_step
@@ -182,6 +184,7 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
         cfg, checkpointer, built, resume, say, resume_from, allow_steps_change,
         earlier=run_dir.earlier_run(out_dir, ckpt_dir) + run_dir.set_aside(ckpt_dir))
     (out_dir / "config.yaml").write_text(cfg.to_yaml())
+    write_run_files(out_dir, llama_cfg, dataset.tokenizer)   # model.json, tokenizer.json
     metrics = None
     if is_main:
       metrics = metrics_lib.MetricsLog(out_dir, cfg.run.tensorboard,

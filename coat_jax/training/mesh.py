@@ -155,10 +155,13 @@ def batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def put_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  """Places a global host batch (identical on every host) onto the mesh; each device takes its slice."""
-  batch = np.asarray(batch)
-  return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+def put_batch(batch, sharding: NamedSharding):
+  """Places a global host batch (identical on every host; an array or a dict of arrays) onto the
+  mesh; each device takes its slice."""
+  def put(array):
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+  return jax.tree.map(put, batch)
 
 
 def optimizer_state_shardings(tx, opt_state: Any, params_shardings: Any, mesh: Mesh,

@@ -36,7 +36,7 @@ from coat_jax.training.accumulate import ACCUM_DTYPES, GRAD_DTYPES
 
 OPTIMIZERS = ("adamw", "coat_adamw")
 SCHEDULES = ("cosine", "constant", "linear")
-DATA_KINDS = ("stdlib", "tokens", "text", "jsonl")
+DATA_KINDS = ("stdlib", "tokens", "text", "jsonl", "sft")
 ON_NONFINITE = ("stop", "skip")
 MAX_INT = 2**63 - 1        # every int setting fits int64 (a seed up to this is a valid JAX key)
 MAX_BATCH_TOKENS = 2**31   # tokens of one batch (batch_size x (seq_len + 1)): int32 positions
@@ -54,12 +54,12 @@ _NOT_MODEL_KEYS = ("precision", "rope_scaling")
 def _model_overrides(self) -> dict[str, Any]:
   """The fields set away from the preset, as `LlamaConfig.from_name` keyword arguments."""
   return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-          if f.name != "preset" and getattr(self, f.name) is not None}
+          if f.name not in ("preset", "init_from") and getattr(self, f.name) is not None}
 
 
 ModelConfig = dataclasses.make_dataclass(
     "ModelConfig",
-    [("preset", str, "tiny")] + [
+    [("preset", str, "tiny"), ("init_from", str, "")] + [
         (f.name, typing.get_type_hints(LlamaConfig)[f.name] | None, None)
         for f in dataclasses.fields(LlamaConfig) if f.name not in _NOT_MODEL_KEYS],
     namespace={"overrides": _model_overrides, "__module__": __name__,
@@ -70,7 +70,13 @@ ModelConfig = dataclasses.make_dataclass(
   preset's otherwise (pre-tokenized files); `dtype` "auto" is bfloat16 on accelerators and float32
   on CPU, where bfloat16 matmuls are slow; `remat` also takes a bool, or "auto": the fastest
   policy whose step fits the device, chosen before the first step by XLA's memory prediction
-  (`coat_jax.training.plan`)."""})
+  (`coat_jax.training.plan`).
+  `init_from`: a local Hugging Face Llama directory (config.json + safetensors, e.g. one that
+  `python -m coat_jax.export` wrote) to start from: the shape comes from its config.json (the
+  preset is not used; a shape key set here must agree with it) and the weights from its files,
+  in any precision mode, with a fresh optimizer state; its tokenizer.json is the data's
+  tokenizer unless `data.tokenizer` names another. A resumed run continues from its checkpoint.
+  """})
 
 
 @dataclasses.dataclass
@@ -143,6 +149,15 @@ class DataConfig:
     "tokens": pre-tokenized files in `paths` (.npy, or raw little-endian `dtype` memmaps).
     "text" / "jsonl": text files (or JSON lines with a `text_field`) tokenized with the
       tokenizer.json at `tokenizer` (a file or a directory holding one).
+    "sft": supervised fine-tuning examples, JSON lines with "prompt" and "response" strings or
+      "messages" (a chat; `coat_jax.training.sft` documents the template); the loss counts the
+      response tokens only, and several examples are packed into each sequence, each seeing
+      only itself (segment ids; positions restart per example).
+  `tokenizer` defaults to `model.init_from`'s tokenizer.json when that is set.
+  document_mask: pretraining data (stdlib, tokens, text, jsonl) as documents separated by an
+    end-of-text id: attention stays within a document, positions restart at each, and the
+    prediction across a boundary is not counted. `eos_id` is that id (-1: the tokenizer's
+    end-of-text token; pre-tokenized files have no tokenizer and need it set).
   eval_fraction: the last fraction of the tokens is held out for evaluation.
   eval_batches: how many batches one evaluation averages over.
   """
@@ -158,6 +173,8 @@ class DataConfig:
   batch_size: int = 16
   eval_fraction: float = 0.02
   eval_batches: int = 4
+  document_mask: bool = False
+  eos_id: int = -1
 
 
 @dataclasses.dataclass
@@ -300,10 +317,17 @@ def validate(cfg: RunConfig) -> RunConfig:
   _one_of(d.dtype, TOKEN_DTYPES, "data.dtype")
   if not 0.0 <= d.eval_fraction < 1.0:
     raise ValueError(f"config key 'data.eval_fraction' must be in [0, 1), got {d.eval_fraction!r}")
-  if d.kind in ("tokens", "text", "jsonl") and not d.paths:
+  if d.kind in ("tokens", "text", "jsonl", "sft") and not d.paths:
     raise ValueError(f"data.kind={d.kind!r} needs 'data.paths' (a list of files or glob patterns)")
-  if d.kind in ("text", "jsonl") and not d.tokenizer:
-    raise ValueError(f"data.kind={d.kind!r} needs 'data.tokenizer' (a tokenizer.json file or its directory)")
+  if d.kind in ("text", "jsonl", "sft") and not (d.tokenizer or cfg.model.init_from):
+    raise ValueError(f"data.kind={d.kind!r} needs 'data.tokenizer' (a tokenizer.json file or "
+                     f"its directory) or 'model.init_from' (a directory with a tokenizer.json)")
+  if d.eos_id < -1:
+    raise ValueError(f"config key 'data.eos_id' must be >= 0 or -1 (the tokenizer's), "
+                     f"got {d.eos_id}")
+  if d.document_mask and d.kind == "tokens" and d.eos_id < 0:
+    raise ValueError("data.document_mask with data.kind='tokens' needs 'data.eos_id' (the id "
+                     "that ends each document; pre-tokenized files have no tokenizer to ask)")
   sizes = {"mesh.data": cfg.mesh.data, "mesh.fsdp": cfg.mesh.fsdp, "mesh.tensor": cfg.mesh.tensor}
   for key, value in sizes.items():
     if value == 0 or value < -1:
