@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from coat_jax import expansion as ex
-from coat_jax import optim
+from coat_jax import optim, optim_state
 from coat_jax.optim import (CoatAdamWState, ExpandedMoment, adam_step_reference, coat_adamw,
                             optimizer_state_bytes, state_shardings)
 from tests.test_expansion import char_batches, init_char_lm, stdlib_text, train
@@ -243,7 +243,8 @@ def test_init_state_equals_quantized_zeros(fmt, expand):
   """The broadcast initial moments are exactly quantize_expanded(zeros), tail group included."""
   shape = (3, 300)
   want = ex.quantize_expanded(jnp.zeros(shape, jnp.float32), fmt, 128, 16, expand)
-  got = optim._zero_moment(shape, fmt, group_size=128, expand_min=16, expand=expand)
+  cfg = optim.CoatAdamWConfig.make(group_size=128, expand_min=16, expand=expand)
+  got = optim_state.zero_moment(cfg, jax.ShapeDtypeStruct(shape, jnp.float32), fmt, -1)
   for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     assert w.shape == g.shape and w.dtype == g.dtype
     np.testing.assert_array_equal(np.asarray(w).astype(np.float32), np.asarray(g).astype(np.float32))
