@@ -28,7 +28,8 @@ master weights with master_rounding="kahan", else None; see `coat_adamw_apply`).
     least `min_quantized_size` elements, when quantize=True: 1 + 5/G bytes per element per moment;
   - a float32 array of the param's shape otherwise. Small params (norm scales, biases) stay float32
     because the per-group metadata would be a large share of their bytes and they are a negligible
-    share of the model (bitsandbytes keeps tensors under 4096 elements in 32 bit for the same reason).
+    share of the model (bitsandbytes keeps tensors under 4096 elements in 32 bit for the same
+    reason).
 The group axis (`group_axes`): by default (group_axis="coat", COAT's layout) a Flax (in, out)
 kernel groups G consecutive input features of each output column (axis -2; metadata
 (..., in / G, out)), other leaves their last axis; group_axis="last" groups every leaf's last axis.
@@ -39,12 +40,12 @@ A quantized leaf's step is: dequantize m and v (x = sign(q) mx (|q|/fmt.max)^(1/
 the Adam math above in float32, then requantize each with a fresh per-group mx and k (dynamic range
 expansion: q = sign(x) fmt.max (|x|/mx)^k, k the largest multiple of 1/expand_min with
 (max/min)^k <= R of the format). `adam_step_reference` (coat_jax.adam_math) is that step for
-one param (returning the new param, or with output="update" optax's update): the jnp reference for the fused kernel.
-All leaves go through `kernels_adam.coat_adam_tree_step` in one call: ExpandedMoment leaves take
-`kernels_adam.coat_adam_step` (the fused kernel where `kernels.use_pallas("adam")` and the group axis
-divides by G, the reference otherwise; with `adam_tree=triton` the last-axis leaves share a few
-launches, pallas_kernels/adam_tree_triton.py) and float32 moments the reference; the choice is
-made at trace time.
+one param (returning the new param, or with output="update" optax's update): the jnp reference
+for the fused kernel. All leaves go through `kernels_adam.coat_adam_tree_step` in one call:
+ExpandedMoment leaves take `kernels_adam.coat_adam_step` (the fused kernel where
+`kernels.use_pallas("adam")` and the group axis divides by G, the reference otherwise; with
+`adam_tree=triton` the last-axis leaves share a few launches, pallas_kernels/adam_tree_triton.py)
+and float32 moments the reference; the choice is made at trace time.
 `coat_adamw_apply` is the same step writing the new params directly (one pass over memory).
 The code: coat_jax.optim_config (the settings), optim_state (the state, its init and shardings),
 optim_step (the step's transforms), assembled here.
@@ -123,8 +124,8 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
     group_axis: "coat" (default: Flax kernels grouped along their input features, COAT's layout;
       lower moment error, a 1.5x slower fused kernel, docs/differences.md section 4) | "last"
       (every leaf's last axis) | callable params -> tree of axes: the axis each quantized moment
-      groups along (`group_axes`; the callable is called with the updates when params are None). Same bytes
-      of state either way; a state restores only into the group_axis it was made with.
+      groups along (`group_axes`; the callable is called with the updates when params are None).
+      Same bytes of state either way; a state restores only into the group_axis it was made with.
     max_grad_norm: None, or clip the gradients to this global norm inside the step: the step
       computes the float32 global norm n of the incoming gradients (optax.tree.norm) and the
       fused kernel multiplies each gradient element by s = where(n < max_grad_norm, 1,
@@ -145,9 +146,9 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
     its `static_args`.
   Returns:
     optax.GradientTransformationExtraArgs with state CoatAdamWState (its update takes and
-    ignores extra keyword arguments, e.g. optax.contrib's `value=loss`). Raises ValueError for an unknown
-    format, group_size <= 0, expand_min <= 0, max_grad_norm <= 0, or (at init) a non-float
-    parameter.
+    ignores extra keyword arguments, e.g. optax.contrib's `value=loss`). Raises ValueError for an
+    unknown format, group_size <= 0, expand_min <= 0, max_grad_norm <= 0, or (at init) a
+    non-float parameter.
   """
   cfg, hyper, mask = _parts(
       learning_rate, b1, b2, eps, weight_decay, mask, m_format=m_format, v_format=v_format,

@@ -173,7 +173,7 @@ def _axis_size(mesh, entry) -> int:
 
 
 def _metadata_sharding(sharding: NamedSharding, shape) -> NamedSharding:
-  """The param's spec on the metadata shape; an axis whose size the mesh axes don't divide -> None."""
+  """The param's spec on the metadata shape; an axis whose size its mesh axes don't divide: None."""
   spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
   out = []
   for size, entry in zip(shape, spec):

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from coat_jax import expansion as ex
 from coat_jax import optim, optim_state
-from coat_jax.optim import (CoatAdamWState, ExpandedMoment, adam_step_reference, coat_adamw,
+from coat_jax.optim import (CoatAdamWState, ExpandedMoment, coat_adamw,
                             optimizer_state_bytes, state_shardings)
 from tests.test_expansion import char_batches, init_char_lm, stdlib_text, train
 

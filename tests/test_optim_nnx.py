@@ -190,4 +190,8 @@ def test_state_shardings_take_specs_and_nnx_partition_specs():
           == jax.tree.leaves(specs, is_leaf=is_spec))
   with pytest.raises(ValueError, match="need a mesh"):
     state_shardings(SPECS, state)
+  # 2 groups of 128 along u's last axis, split 8 ways: its scales are replicated, its codes not
+  cut = coat_adamw(LR, min_quantized_size=1024).init({"u": jnp.ones((32, 256))})
+  cut_specs = state_shardings({"u": P(None, "x")}, cut, mesh=mesh)
+  assert cut_specs.mu["u"] == ExpandedMoment(P(None, "x"), P(None, None), P(None, None))
   assert isinstance(state, CoatAdamWState) and coat_jax.state_shardings is state_shardings

@@ -7,7 +7,8 @@ of the float32 products (codes, scales); the dispatch against its reference (two
 `swiglu_quantize`), both against float64; the op's values and gradients against float64, no
 worse than the "fused" path's; the op's and the model's loss and gradients with the option (the
 default) against the "fused" path (two linears, then `kernels.swiglu_quantize`) on the
-reference backend, where the two paths compute the same numbers. GPU: the compiled kernel, and a layer.
+reference backend, where the two paths compute the same numbers. GPU: the compiled kernel, and a
+layer.
 """
 import numpy as np
 import pytest
