@@ -167,8 +167,9 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
   dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say, init_from=cfg.model.init_from)
   # The step compiled on abstract shapes and checked against the device before anything is
   # allocated; `auto` settings resolved (plan.py). The run calls that executable.
-  planner = plan_lib.Planner(cfg, mesh, dataset.vocab_size, log=say)
-  chosen = planner.choose(sample_batch=dataset.train_batch(0))
+  planner = plan_lib.Planner(cfg, mesh, dataset.vocab_size, log=say,
+                             batch_like=dataset.train_batch(0))
+  chosen = planner.choose(sample_batch=planner.batch_like)
   cfg, built = chosen.cfg, chosen.built
   llama_cfg = built.llama_cfg
   dataset.check_vocab(llama_cfg.vocab_size)
