@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from coat_jax.training.errors import EXIT_BAD_INPUT, EXIT_STORAGE
+from coat_jax.errors import EXIT_BAD_INPUT, EXIT_STORAGE
 
 
 def parse_args(argv):

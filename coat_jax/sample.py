@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from coat_jax.training.errors import EXIT_BAD_INPUT
+from coat_jax.errors import EXIT_BAD_INPUT
 
 
 def parse_args(argv):

@@ -14,7 +14,7 @@ import pytest
 
 from coat_jax.training import storage
 from coat_jax.training.checkpoint import Checkpointer
-from coat_jax.training.errors import StorageError
+from coat_jax.errors import StorageError
 
 
 def make_state(leaves: int, elements: int, offset: float = 1.0) -> dict:

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 from coat_jax.models import load_llama
 from coat_jax.training import schema, text_stream
-from coat_jax.training.errors import BadInputError
+from coat_jax.errors import BadInputError
 
 REPO = Path(__file__).resolve().parents[1]
 

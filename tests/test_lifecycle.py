@@ -20,7 +20,7 @@ from coat_jax.models import Llama, LlamaConfig, load_llama
 from coat_jax.models.hf_export import hf_tensors
 from coat_jax.training import build as build_lib, corpus, load_run_model, mesh as mesh_lib, schema
 from coat_jax.training.dataset import TokenDataset
-from coat_jax.training.errors import BadInputError
+from coat_jax.errors import BadInputError
 from coat_jax.training.loop import run
 from coat_jax.training.sft import pack, read_examples
 from tests.test_training_checkpoint import truncate_data

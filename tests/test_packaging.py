@@ -11,7 +11,8 @@ import pytest
 from packaging.requirements import Requirement
 
 import coat_jax
-from coat_jax.training import cli, errors
+from coat_jax import errors
+from coat_jax.training import cli
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

@@ -15,7 +15,7 @@ import pytest
 from coat_jax.training import build as build_lib
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training.checkpoint import Checkpointer
-from coat_jax.training.errors import BadInputError, DivergedError, StorageError
+from coat_jax.errors import BadInputError, DivergedError, StorageError
 from coat_jax.training.loop import run
 from tests.test_training_reliability import MINI, mini
 from tests.test_training_reliability import cache  # noqa: F401 (the module's data cache fixture)

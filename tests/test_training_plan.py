@@ -19,7 +19,7 @@ from coat_jax.training import plan as plan_lib
 from coat_jax.training import schema
 from coat_jax.training.build import build
 from coat_jax.training.checkpoint import Checkpointer
-from coat_jax.training.errors import EXIT_OUT_OF_MEMORY, OutOfMemoryError
+from coat_jax.errors import EXIT_OUT_OF_MEMORY, OutOfMemoryError
 from coat_jax.training.loop import run
 from coat_jax.training.plan import Planner, Setting
 from tests.test_training_cli import MINI

@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from coat_jax.models.llama import Llama, LlamaConfig
 from coat_jax.ops import LLAMA3_ROPE_KEYS
-from coat_jax.training.errors import BadInputError
+from coat_jax.errors import BadInputError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

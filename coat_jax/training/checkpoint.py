@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from coat_jax.training import storage
-from coat_jax.training.errors import StorageError
+from coat_jax.errors import StorageError
 from coat_jax.training.metrics import format_bytes
 from coat_jax.training.divergence import check_finite
 

@@ -17,7 +17,7 @@ SIGINT/SIGTERM: the current step finishes, a checkpoint is written, and the run 
 128 + the signal number (130, 143; `--resume` continues it); a second signal stops at once. A fresh
 run into a directory that holds an earlier run is refused: --resume, a new --out-dir or --overwrite.
 Errors print one line (`error: ...`; `--debug` adds the traceback) and exit with the status
-coat_jax/training/errors.py lists: 2 bad input, 3 diverged, 4 out of memory, 5 storage.
+coat_jax/errors.py lists: 2 bad input, 3 diverged, 4 out of memory, 5 storage.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from coat_jax.training import errors, schema
+from coat_jax import errors
+from coat_jax.training import schema
 from coat_jax.training.loop import exit_status, run
 from coat_jax.training.schema import RunConfig
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coat_jax.training.errors import DivergedError
+from coat_jax.errors import DivergedError
 
 
 class NonFiniteGuard:

@@ -11,12 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -28,9 +26,10 @@ from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import plan as plan_lib
 from coat_jax.training import run_dir
+from coat_jax.training.compile_cache import use_compile_cache
 from coat_jax.training.build import Built, dataset_from_config
 from coat_jax.training.divergence import NonFiniteGuard
-from coat_jax.training.errors import BadInputError, OutOfMemoryError, RunError
+from coat_jax.errors import BadInputError, OutOfMemoryError, RunError
 from coat_jax.training.run_model import write_run_files
 from coat_jax.training.schema import RunConfig
 from coat_jax.training.step_log import StepLogger, summary_line
@@ -95,19 +94,6 @@ def exit_status(summary: dict) -> int:
   if reason in signal.Signals.__members__:
     return 128 + int(signal.Signals[reason])
   return 0
-
-
-def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
-  """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set)."""
-  if not directory or jax.config.jax_compilation_cache_dir:
-    return
-  path = Path(os.path.expanduser(directory))
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError as e:  # a read-only home must not stop training
-    say(f"[run] compilation cache off: cannot create {path} ({e})")
-    return
-  jax.config.update("jax_compilation_cache_dir", str(path))
 
 
 def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import jax
 
-from coat_jax.training.errors import StorageError
+from coat_jax.errors import StorageError
 
 # Dense BF16 peak FLOP/s per device, matched on `device.device_kind` (first match wins).
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (

@@ -45,7 +45,7 @@ import numpy as np
 
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training.build import build, memory_budget
-from coat_jax.training.errors import OutOfMemoryError
+from coat_jax.errors import OutOfMemoryError
 from coat_jax.training.metrics import format_bytes
 from coat_jax.training.schema import AUTO, RunConfig, parse_bytes
 
@@ -433,7 +433,7 @@ def runtime_oom_message(planner: Planner, pred: Prediction, error: BaseException
 def show(cfg: RunConfig, log: Callable = print) -> str:
   """`train.py --plan`: the table for `cfg` on this machine's devices (no state allocated)."""
   from coat_jax.training.build import dataset_from_config
-  from coat_jax.training.loop import use_compile_cache
+  from coat_jax.training.compile_cache import use_compile_cache
 
   use_compile_cache(cfg.run.compile_cache, log)
   mesh = mesh_lib.make_mesh(cfg.mesh)

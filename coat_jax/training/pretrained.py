@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from coat_jax.training.errors import BadInputError
+from coat_jax.errors import BadInputError
 
 # Model-section keys that are the model's shape: they must agree with config.json.
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -22,7 +22,7 @@ import re
 import shutil
 from pathlib import Path
 
-from coat_jax.training.errors import BadInputError, StorageError
+from coat_jax.errors import BadInputError, StorageError
 
 LOCK_NAME = ".coat_jax.lock"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "loss.png")

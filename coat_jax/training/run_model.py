@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from coat_jax.training.errors import BadInputError
+from coat_jax.errors import BadInputError
 
 MODEL_FILE = "model.json"
 TOKENIZER_FILE = "tokenizer.json"

@@ -22,7 +22,7 @@ from typing import BinaryIO, Callable
 
 import numpy as np
 
-from coat_jax.training.errors import BadInputError
+from coat_jax.errors import BadInputError
 
 READ_BYTES = 1 << 20
 PIECE_CHARS = 1 << 16
