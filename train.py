@@ -1,127 +1,14 @@
 """Train the Flax Llama end to end: the command line over coat_jax.training.
 
-Usage:
   python train.py                                   # the embedded default: configs/tiny.yaml
   python train.py --config configs/llama-125m.yaml --set optimizer.name=coat_adamw --set precision=coat
   python train.py --config configs/tiny.yaml --resume        # continue the identical run
-  python train.py --steps 1000 --out-dir runs/x               # shorthands for --set run.steps/run.out_dir
-  python train.py --distributed ...                           # multi-host: jax.distributed.initialize()
+  python train.py --help                                     # every option
 
-Everything a run needs is in the config (coat_jax/training/schema.py documents the schema); `--set
-section.key=value` overrides any entry and is checked like the file. Outputs go to `run.out_dir`:
-config.yaml, metrics.jsonl, tb/ (TensorBoard), loss.png, summary.json, checkpoints/.
-
-SIGINT/SIGTERM: the current step finishes, a checkpoint is written, and the run exits with status
-128 + the signal number (130, 143; `--resume` continues it); a second signal stops at once. A fresh
-run into a directory that holds an earlier run is refused: --resume, a new --out-dir or --overwrite.
-Errors print one line (`error: ...`; `--debug` adds the traceback) and exit with the status
-coat_jax/errors.py lists: 2 bad input, 3 diverged, 4 out of memory, 5 storage.
+The same command line is `coat-train` once the package is installed; both run
+coat_jax/training/cli.py, which documents the options, the exit statuses and the signals.
 """
-from __future__ import annotations
-
-import argparse
-import signal
-import sys
-import traceback
-from pathlib import Path
-
-from coat_jax import errors
-from coat_jax.training import schema
-from coat_jax.training.loop import exit_status, run
-from coat_jax.training.schema import RunConfig
-
-REPO = Path(__file__).resolve().parent
-DEFAULT_CONFIG = REPO / "configs" / "tiny.yaml"
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default=None,
-                 help=f"YAML run config (default: the embedded {DEFAULT_CONFIG.relative_to(REPO)})")
-  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="override a config entry, e.g. --set optimizer.lr=1e-3 (repeatable)")
-  p.add_argument("--resume", action="store_true", help="restore the newest intact checkpoint and continue")
-  p.add_argument("--resume-from", type=int, default=None, metavar="STEP",
-                 help="like --resume, from the checkpoint at STEP")
-  p.add_argument("--overwrite", action="store_true",
-                 help="start afresh in an output directory that holds an earlier run, deleting its "
-                      "checkpoints and logs (without it such a run is refused; a directory that "
-                      "holds other files too is never cleared)")
-  p.add_argument("--allow-steps-change", action="store_true",
-                 help="resume with a run.steps other than the checkpoint's (the learning-rate "
-                      "schedule is recomputed for the new length; without it that is refused)")
-  p.add_argument("--steps", type=int, default=None, help="shorthand for --set run.steps=N")
-  p.add_argument("--out-dir", default=None, help="shorthand for --set run.out_dir=DIR")
-  p.add_argument("--stop-after", type=int, default=None,
-                 help="stop (with a checkpoint) once this many steps are done, keeping the schedule "
-                      "of run.steps: the second half comes with --resume")
-  p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
-  p.add_argument("--distributed", action="store_true",
-                 help="multi-host: call jax.distributed.initialize() first (coordinator from the "
-                      "environment: SLURM/TPU/Open MPI, or JAX_COORDINATOR_ADDRESS etc.)")
-  p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-  p.add_argument("--plan", action="store_true",
-                 help="compile the step on abstract shapes, print its predicted memory per device "
-                      "and the settings that fit (remat, microbatches, master weights, batch), "
-                      "and exit without training")
-  p.add_argument("--debug", action="store_true", help="show the traceback of an error")
-  return p.parse_args(argv)
-
-
-def load_config(args: argparse.Namespace) -> RunConfig:
-  overrides = list(args.overrides)
-  if args.steps is not None:
-    overrides.append(f"run.steps={args.steps}")
-  if args.out_dir is not None:  # the path as given: no YAML reading of '#', numbers or quotes
-    overrides.append(("run.out_dir", args.out_dir))
-  if args.no_progress:
-    overrides.append("run.progress=false")
-  path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
-  return schema.load(path, overrides)
-
-
-def main(argv: list[str] | None = None) -> dict:
-  args = parse_args(argv)
-  if args.distributed:
-    import jax
-    jax.distributed.initialize()
-  cfg = load_config(args)
-  if args.print_config:
-    print(cfg.to_yaml(), end="")
-    return {}
-  if args.plan:
-    from coat_jax.training.plan import show
-    print(show(cfg))
-    return {}
-  return run(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
-             resume_from=args.resume_from, allow_steps_change=args.allow_steps_change)
-
-
-def error_status(e: BaseException) -> tuple[int, str]:
-  """(exit status, one-line message) for an error that ends the run (errors.py's statuses)."""
-  if isinstance(e, errors.RunError):
-    status = e.exit_code
-  elif isinstance(e, ValueError):
-    status = errors.EXIT_BAD_INPUT
-  elif isinstance(e, OSError):  # disk full, read-only, permission, a directory gone
-    status = errors.EXIT_STORAGE
-    if e.strerror and e.filename:
-      e = f"{e.filename}: {e.strerror}"
-  else:  # KeyboardInterrupt: a second signal stopped the run at once, without a checkpoint
-    signum = getattr(e, "signum", signal.SIGINT)
-    return 128 + int(signum), f"stopped by a second {signal.Signals(signum).name} (no checkpoint)"
-  return status, " ".join(str(e).split()) or type(e).__name__
-
+from coat_jax.training.cli import entry_point, error_status, load_config, main, parse_args  # noqa: F401
 
 if __name__ == "__main__":
-  debug = "--debug" in sys.argv[1:]
-  try:
-    summary = main()
-  except (errors.RunError, ValueError, OSError, KeyboardInterrupt) as e:
-    status, message = error_status(e)
-    if debug:
-      traceback.print_exc()
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(status)
-  sys.exit(exit_status(summary))  # 128 + N after signal N (checkpoint written), else 0
+  entry_point()

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCES = REPO / "docs" / "results" / "sources.json"
 RAW_DIR = REPO / "docs" / "gpu_results"
 # Files whose tables are generated; a file missing or without markers is skipped.
-TARGETS = ("docs/results.md", "docs/results_table.md", "docs/README_draft.md", "README.md")
+TARGETS = ("docs/results.md", "docs/results_table.md", "README.md")
 MARKER = re.compile(r"<!-- results:([a-z0-9_]+):begin -->\n.*?<!-- results:\1:end -->", re.S)
 
 

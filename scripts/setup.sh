@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv with Python >= 3.12 and installs coat-jax with its pinned dependencies.
+# Creates .venv with Python >= 3.12 and installs coat-jax (editable) with its test dependencies, at
+# the versions of the GPU image (constraints.txt), which CI tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 find_python() {
@@ -20,4 +21,4 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.
   "$(find_python)" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"

@@ -127,7 +127,7 @@ def test_llama_coat_training_on_mesh_equals_one_device(setup, sizes, backend, mo
   assert rel2 < 0.05
   # 1/N of the FP8 moment codes per device (N = fsdp x tensor; data replicates)
   n = sizes["fsdp"] * sizes["tensor"]
-  coat = opt_state[-1] if isinstance(opt_state, tuple) else opt_state
+  coat = opt_state if isinstance(opt_state, optim.CoatAdamWState) else opt_state[-1]
   moments = [m for tree in (coat.mu, coat.nu) for m in jax.tree.leaves(
       tree, is_leaf=lambda x: isinstance(x, optim.ExpandedMoment))
       if isinstance(m, optim.ExpandedMoment)]

@@ -19,7 +19,8 @@ from coat_jax import kernels
 from coat_jax.kernels import adam as kernels_adam
 from coat_jax.adam_math import adam_moments, adam_step_reference, clip_scale, load_moment
 from coat_jax.expansion import ExpandedMoment
-from coat_jax.optim import DEFAULT_GROUP_AXIS, coat_adamw, coat_adamw_apply, group_axes
+from coat_jax.optim import (DEFAULT_GROUP_AXIS, CoatAdamWState, coat_adamw, coat_adamw_apply,
+                            group_axes)
 from coat_jax.training import build as build_lib
 from coat_jax.training import schema as config_lib
 from tests.test_optim import _run   # init, then jitted update + apply_updates per gradient
@@ -170,20 +171,25 @@ def test_bad_max_grad_norm_is_refused(bad):
 
 
 def test_train_build_apply_clips_in_the_step(rng):
-  """train.py's build_apply with clip > 0 (fused clip) against build_optimizer's chain +
-  optax_apply: same state structure ((EmptyState, CoatAdamWState)), params to FP8 tolerance."""
+  """train.py's build (build_optimizer + build_apply) with clip > 0: one CoatAdamWState, made by
+  build_optimizer's coat_adamw and stepped by build_apply's coat_adamw_apply (clipping fused),
+  against optax.chain(clip_by_global_norm, coat_adamw) (clipping first): params to FP8
+  tolerance."""
   opt = config_lib.OptimizerConfig(name="coat_adamw", lr=1e-2, warmup=1, clip=0.5,
                                    min_quantized_size=4096)
   tx, schedule = build_lib.build_optimizer(opt, total_steps=10)
   apply = jax.jit(build_lib.build_apply(opt, tx, schedule))
-  reference = jax.jit(build_lib.optax_apply(tx))
+  args, kwargs = build_lib._coat_arguments(opt)
+  assert kwargs.pop("max_grad_norm") == 0.5
+  chain = optax.chain(optax.clip_by_global_norm(0.5), coat_adamw(schedule, *args, **kwargs))
+  reference = jax.jit(build_lib.optax_apply(chain))
   params = _params(rng)
   state = tx.init(params)
-  assert isinstance(state[0], optax.EmptyState)
-  want_p, want_s, got_p, got_s = params, state, params, state
+  assert isinstance(state, CoatAdamWState)
+  want_p, want_s, got_p, got_s = params, chain.init(params), params, state
   for n in NORMS:   # the warmup schedule's lr is 0 at the first step
     g = _grads(rng, params, n)
     want_p, want_s = reference(g, want_s, want_p)
     got_p, got_s = apply(g, got_s, got_p)
-    assert jax.tree.structure(got_s) == jax.tree.structure(want_s)
-  _check_close(params, got_p, want_p, got_s[1], want_s[1])
+    assert jax.tree.structure(got_s) == jax.tree.structure(state)
+  _check_close(params, got_p, want_p, got_s, want_s[1])

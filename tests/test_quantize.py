@@ -94,3 +94,45 @@ def test_transpose_copy_and_jit(rng):
 def test_bad_arguments(bad):
   with pytest.raises(ValueError):
     bad()
+
+
+CODE_DTYPE = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "int8": jnp.int8}
+FMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8"])
+@pytest.mark.parametrize("granularity", [0, 16])
+def test_codes_dtype_and_scale_target(rng, fmt, granularity):
+  """The codes are the format's dtype; the scale is amax / fmt.max (per group: as rounded to its
+  bfloat16 storage), so each group's largest magnitude is stored as +-fmt.max; the round-trip
+  error is that of an 8-bit format, not a finer one (above RT_BOUND / 10: bfloat16 is ~1e-3)."""
+  x64 = rng.standard_normal((8, 64)) * np.exp(rng.uniform(-3, 3))
+  x = jnp.asarray(x64, jnp.float32)
+  q = qz.quantize_per_tensor(x, fmt) if granularity == 0 else qz.quantize_per_group(
+      x, granularity, fmt, scale_dtype=jnp.float32)
+  assert q.data.dtype == CODE_DTYPE[fmt] and q.fmt == fmt
+  a = np.abs(np.asarray(x, np.float64))
+  amax = a.max() if granularity == 0 else a.reshape(8, -1, granularity).max(-1)
+  np.testing.assert_allclose(np.asarray(q.scale, np.float64), amax / FMAX[fmt], rtol=1e-6)
+  codes = np.abs(np.asarray(q.data, np.float64))
+  top = codes.max() if granularity == 0 else codes.reshape(8, -1, granularity).max(-1)
+  np.testing.assert_array_equal(top, FMAX[fmt])
+  if granularity:   # the default bfloat16 scales: amax / fmt.max rounded to bfloat16
+    stored = qz.quantize_per_group(x, granularity, fmt).scale
+    want = jnp.asarray(amax / FMAX[fmt], jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(stored, np.float32), np.asarray(want, np.float32))
+  err = _rel(q.dequantize(), x64)
+  assert RT_BOUND[fmt] / 10 < err < RT_BOUND[fmt] * (3 if fmt == "int8" and not granularity else 1)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8"])
+def test_representable_values_round_trip_exactly(rng, fmt):
+  """Values on the format's grid times a power-of-two scale (each group's largest one fmt.max
+  times that scale) come back exactly, per tensor and per group."""
+  codes = np.asarray(jnp.asarray(rng.uniform(-FMAX[fmt], FMAX[fmt], (4, 32)), jnp.float32)
+                     .astype(CODE_DTYPE[fmt]), np.float64)
+  codes[:, ::16] = FMAX[fmt]    # every group of 16 reaches fmt.max: scale = 2^e exactly
+  x = jnp.asarray(codes * 2.0 ** -5, jnp.float32)
+  for q in (qz.quantize_per_tensor(x, fmt), qz.quantize_per_group(x, 16, fmt)):
+    assert q.data.dtype == CODE_DTYPE[fmt]
+    np.testing.assert_array_equal(np.asarray(q.dequantize(), np.float64), codes * 2.0 ** -5)

@@ -4,9 +4,11 @@
 
 CPU: the kernel in Mosaic GPU interpret mode against float64 (h) and numpy's per-group quantize
 of the float32 products (codes, scales); the dispatch against its reference (two GEMMs, then
-`swiglu_quantize`); the op's values and gradients against float64, no worse than the default
-path's; the model's loss and gradients with the option, against the default, on the reference
-backend (where the two paths compute the same numbers). GPU: the compiled kernel, and a layer.
+`swiglu_quantize`), both against float64; the op's values and gradients against float64, no
+worse than the "fused" path's; the op's and the model's loss and gradients with the option (the
+default) against the "fused" path (two linears, then `kernels.swiglu_quantize`) on the
+reference backend, where the two paths compute the same numbers. GPU: the compiled kernel, and a
+layer.
 """
 import numpy as np
 import pytest
@@ -138,6 +140,12 @@ def test_dispatch_kernel_matches_its_reference():
                              rtol=2.0 ** -6, atol=2.0 ** -8 * float(amax_r))
   assert abs(float(amax) - float(amax_r)) <= 2.0 ** -6 * float(amax_r)
   assert float(amax) == float(jnp.max(jnp.abs(h.astype(jnp.float32))))
+  # both against float64 SwiGLU of the products (gate and up rounded to bf16 first: 2^-8 each)
+  g64, u64 = _products64(xq.data.reshape(-1, 256), wgq.data, wuq.data)
+  h64 = (g64 / (1 + np.exp(-g64)) * u64).reshape(h.shape)
+  for got in (h, h_r):
+    err = np.abs(np.asarray(got, np.float64) - h64)
+    assert np.all(err <= 2.0 ** -6 * np.abs(h64) + 2.0 ** -12 * np.abs(h64).max()), err.max()
   for a, b in ((gq, gq_r), (uq, uq_r)):
     assert _code_steps(a.data, b.data).max() <= 1
     np.testing.assert_allclose(np.asarray(a.scale, np.float32), np.asarray(b.scale, np.float32),
@@ -203,8 +211,8 @@ def test_op_falls_back_and_checks_shapes():
   x, wg, wu, dh = _layer_inputs(seed=6)
   with kernels.backend("reference"), linear_layer._ablation(swiglu_quantize="gemm_epilogue"):
     got = jax.jit(_op_vjp)(x, wg, wu, dh)
-  with kernels.backend("reference"):
-    want = jax.jit(_op_vjp)(x, wg, wu, dh)
+  with kernels.backend("reference"), linear_layer._ablation(swiglu_quantize="fused"):
+    want = jax.jit(_op_vjp)(x, wg, wu, dh)   # two linears, then kernels.swiglu_quantize
   # the reference backend computes the same numbers on both paths
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -227,8 +235,9 @@ def test_model_loss_and_grads_equal_the_default_on_the_reference_backend(scan_la
   loss_fn = lambda p: nnx.merge(graphdef, p, rest).loss(tokens[:, :-1], tokens[:, 1:])
 
   with kernels.backend("reference"):
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
-    with linear_layer._ablation(swiglu_quantize="gemm_epilogue"):
+    with linear_layer._ablation(swiglu_quantize="fused"):   # two linears, then kernels.swiglu_quantize
+      loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    with linear_layer._ablation(swiglu_quantize="gemm_epilogue"):   # the default
       loss_e, grads_e = jax.jit(jax.value_and_grad(loss_fn))(params)
   assert np.isfinite(float(loss)) and float(loss_e) == float(loss)
   for a, b in zip(jax.tree.leaves(grads_e), jax.tree.leaves(grads)):

@@ -103,3 +103,18 @@ def test_another_layout_is_a_one_line_error_and_stays_in_place(tmp_path, rng):
   state, _, step = ck.restore_intact({"opt": {"mu": {"w": jnp.zeros((64, 2), jnp.float32)}}})
   assert step == 2 and np.array_equal(np.asarray(state["opt"]["mu"]["w"]), np.asarray(amax))
   ck.close()
+
+
+def test_a_coat_adamw_checkpoint_of_the_chained_layout_resumes(tmp_path, rng):
+  """coat_adamw's state was once saved inside an optax chain, one tuple level deeper
+  (`opt.1.mu`); such a checkpoint restores into today's unchained state bit for bit."""
+  w = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+  mu = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32).astype(jnp.float8_e4m3fn)
+  count = jnp.asarray(7, jnp.int32)
+  ck = Checkpointer(tmp_path, every=1, keep=2, async_save=False)
+  assert ck.save(3, {"params": w, "opt": ((), {"count": count, "mu": mu})}, {"step": 3})
+  state, meta, step = ck.restore({"params": w * 0, "opt": {"count": count * 0, "mu": mu}})
+  ck.close()
+  assert step == 3 and meta["step"] == 3
+  assert same({"w": state["params"], "mu": state["opt"]["mu"]}, {"w": w, "mu": mu})
+  assert int(state["opt"]["count"]) == 7

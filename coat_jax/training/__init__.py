@@ -22,6 +22,8 @@
   pretrained.py   starting from a Hugging Face directory (`model.init_from`)
   sft.py          supervised fine-tuning data: chat/prompt-response examples, masked and packed
   metrics.py      throughput, MFU, peak memory, metrics.jsonl + TensorBoard, loss plot
+  cli.py          the command line (`coat-train`, `python train.py`): arguments, shipped configs,
+                  one-line errors and exit statuses
 """
 
 from coat_jax.training.run_model import load_run_model  # noqa: E402

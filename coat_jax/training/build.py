@@ -1,7 +1,7 @@
 """From a run config and a mesh to everything a training loop runs: `build(cfg, mesh)`.
 
   model config  preset + overrides + precision, vocabulary and sequence length fit to the data
-  optimizer     clip_by_global_norm -> adamw | coat_adamw, warmup + cosine/linear/constant schedule
+  optimizer     clip_by_global_norm -> adamw | coat_adamw (clip in its step), warmup + schedule
   apply fn      (grads, opt_state, params) -> (params, opt_state); for coat_adamw the fused
                 `coat_adamw_apply` kernel writes the new params in one pass
   model parts   the model split abstractly (graph, param/other-state templates, shardings)
@@ -14,8 +14,6 @@ match paths and right-align, so a stacked leading layer axis is replicated).
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -29,19 +27,6 @@ from coat_jax.training import corpus, mesh as mesh_lib, pretrained, sft, token_f
 from coat_jax.training.accumulate import accumulated_value_and_grad
 from coat_jax.training.dataset import TokenDataset
 from coat_jax.training.schema import AUTO, DataConfig, OptimizerConfig, RunConfig
-
-
-def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
-  """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set)."""
-  if not directory or jax.config.jax_compilation_cache_dir:
-    return
-  path = Path(os.path.expanduser(directory))
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError as e:  # a read-only home must not stop training
-    say(f"[run] compilation cache off: cannot create {path} ({e})")
-    return
-  jax.config.update("jax_compilation_cache_dir", str(path))
 
 
 def dataset_from_config(data: DataConfig, seed: int, log=print, init_from: str = ""):
@@ -130,24 +115,25 @@ def weight_decay_mask(opt: OptimizerConfig):
 
 
 def _coat_arguments(opt: OptimizerConfig) -> tuple[tuple, dict]:
-  """coat_adamw's / coat_adamw_apply's arguments after the learning rate."""
+  """coat_adamw's / coat_adamw_apply's arguments after the learning rate (the clip fused into
+  the step: `max_grad_norm`)."""
   return ((opt.b1, opt.b2, opt.eps, opt.weight_decay, weight_decay_mask(opt)),
           dict(m_format=opt.m_format, v_format=opt.v_format, group_size=opt.group_size,
                expand=opt.expand, expand_min=opt.expand_min,
                min_quantized_size=opt.min_quantized_size, master_rounding=opt.master_rounding,
-               group_axis=opt.group_axis))
+               group_axis=opt.group_axis, max_grad_norm=opt.clip if opt.clip > 0 else None))
 
 
 def build_optimizer(opt: OptimizerConfig, total_steps: int):
-  """(optax transformation, schedule): clip_by_global_norm -> adamw | coat_adamw."""
+  """(optax transformation, schedule): clip_by_global_norm -> adamw, or coat_adamw (which clips
+  inside its step, `max_grad_norm`; its state is a CoatAdamWState)."""
   schedule = lr_schedule(opt, total_steps)
-  if opt.name == "adamw":
-    core = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                       mask=weight_decay_mask(opt))
-  else:
+  if opt.name != "adamw":
     from coat_jax.optim import coat_adamw
     args, kwargs = _coat_arguments(opt)
-    core = coat_adamw(schedule, *args, **kwargs)
+    return coat_adamw(schedule, *args, **kwargs), schedule
+  core = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                     mask=weight_decay_mask(opt))
   parts = ([optax.clip_by_global_norm(opt.clip)] if opt.clip > 0 else []) + [core]
   return optax.chain(*parts), schedule
 
@@ -163,27 +149,19 @@ def optax_apply(tx: optax.GradientTransformation):
 def build_apply(opt: OptimizerConfig, tx, schedule):
   """apply(grads, opt_state, params) -> (new params, new opt_state) for `build_optimizer`'s tx.
 
-  Equal to tx.update + optax.apply_updates up to float32 rounding, with the same state structure
-  (so checkpoints are shared). For coat_adamw the step is `coat_adamw_apply`: its fused kernel
-  writes the new params in one pass instead of writing an update that apply_updates reads back
-  (on the H100 7.9 vs 12.0 ms of kernel time per step for 1.21e9 params, docs/benchmarks.md),
-  and with opt.clip > 0 it clips inside the step (`max_grad_norm=opt.clip`: the gradients' global
-  norm, then a scale the kernel applies as it loads them) instead of writing clipped gradients.
-  The state stays build_optimizer's chain state, (clip's EmptyState, CoatAdamWState) with clip,
-  the clip's empty entry passed through unchanged.
+  Equal to tx.update + optax.apply_updates up to float32 rounding, on tx's state (so
+  checkpoints are shared). For coat_adamw the step is `coat_adamw_apply` with tx's arguments:
+  its fused kernel writes the new params in one pass instead of writing an update that
+  apply_updates reads back (on the H100 7.9 vs 12.0 ms of kernel time per step for 1.21e9
+  params, docs/benchmarks.md), and with opt.clip > 0 both clip inside the step
+  (`max_grad_norm=opt.clip`: the gradients' global norm, then a scale the kernel applies as it
+  loads them) instead of writing clipped gradients.
   """
   if opt.name != "coat_adamw":
     return optax_apply(tx)
   from coat_jax.optim import coat_adamw_apply
   args, kwargs = _coat_arguments(opt)
-  core = coat_adamw_apply(schedule, *args, max_grad_norm=opt.clip if opt.clip > 0 else None,
-                          **kwargs)
-
-  def apply(grads, opt_state, params):
-    *pre, core_state = opt_state   # optax.chain's state: one entry per link (clip's is empty)
-    params, core_state = core(grads, core_state, params)
-    return params, tuple(pre) + (core_state,)
-  return apply
+  return coat_adamw_apply(schedule, *args, **kwargs)
 
 
 def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any) -> dict[str, int]:

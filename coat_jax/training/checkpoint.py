@@ -227,13 +227,17 @@ class Checkpointer:
       raise ValueError(f"no checkpoint to resume from in {self.directory}")
     target = flatten_state(jax.tree.map(_abstract, template))
     stored = self._manager.item_metadata(step)[_STATE]
+    own_keys, renamed = list(target), {}
     if stored is not None:
+      renamed = legacy_key_names(target, stored)
+      target = {renamed.get(k, k): v for k, v in target.items()}
       _check_compatible(target, stored, self.directory / str(step))
     restored = self._manager.restore(step, args=self._ocp.args.Composite(**{
         _STATE: self._ocp.args.StandardRestore(target),
         _META: self._ocp.args.JsonRestore(),
     }))
-    state = unflatten_state(jax.tree.map(_abstract, template), restored[_STATE])
+    flat = {k: restored[_STATE][renamed.get(k, k)] for k in own_keys}
+    state = unflatten_state(jax.tree.map(_abstract, template), flat)
     return data_to_keys(template, state), dict(restored[_META]), step
 
   def restore_intact(self, template: Any, step: int | None = None, log=print
@@ -327,6 +331,36 @@ def _mismatch_hint(key: str) -> str:
             "m/v format? runs before 2026-11-23's sixth session grouped along 'last' by default: "
             "--set optimizer.group_axis=last resumes those)")
   return ""
+
+
+def legacy_key_names(target: dict[str, Any], stored: Any) -> dict[str, str]:
+  """{this run's key: the stored key} for entries stored under an older name.
+
+  Checkpoints of coat_adamw runs written before its state was built on its own (not inside an
+  optax chain) hold the optimizer state one tuple level deeper: `....1.mu...` where this run has
+  `....mu...`. A key is renamed only when it is missing, exactly one stored key equals it with one
+  integer path component added, and that stored key is not one of this run's own.
+  """
+  try:
+    stored_keys = set(dict(stored))
+  except (TypeError, ValueError):
+    return {}
+  missing = [k for k in target if k not in stored_keys]
+  if not missing:
+    return {}
+  unexpected = stored_keys - set(target)
+  by_shorter: dict[str, list[str]] = {}
+  for key in unexpected:
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+      if part.isdigit():
+        by_shorter.setdefault(".".join(parts[:i] + parts[i + 1:]), []).append(key)
+  renamed = {}
+  for key in missing:
+    found = by_shorter.get(key, [])
+    if len(found) == 1:
+      renamed[key] = found[0]
+  return renamed
 
 
 def _check_compatible(target: dict[str, Any], stored: Any, where: Path) -> None:

@@ -26,7 +26,8 @@ from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import plan as plan_lib
 from coat_jax.training import run_dir
-from coat_jax.training.build import Built, dataset_from_config, use_compile_cache
+from coat_jax.training.compile_cache import use_compile_cache
+from coat_jax.training.build import Built, dataset_from_config
 from coat_jax.training.divergence import NonFiniteGuard
 from coat_jax.errors import BadInputError, OutOfMemoryError, RunError
 from coat_jax.training.run_model import write_run_files
@@ -152,8 +153,9 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
   dataset = dataset_from_config(cfg.data, cfg.run.seed, log=say, init_from=cfg.model.init_from)
   # The step compiled on abstract shapes and checked against the device before anything is
   # allocated; `auto` settings resolved (plan.py). The run calls that executable.
-  planner = plan_lib.Planner(cfg, mesh, dataset.vocab_size, log=say)
-  chosen = planner.choose(sample_batch=dataset.train_batch(0))
+  planner = plan_lib.Planner(cfg, mesh, dataset.vocab_size, log=say,
+                             batch_like=dataset.train_batch(0))
+  chosen = planner.choose(sample_batch=planner.batch_like)
   cfg, built = chosen.cfg, chosen.built
   llama_cfg = built.llama_cfg
   dataset.check_vocab(llama_cfg.vocab_size)

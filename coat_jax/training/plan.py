@@ -166,8 +166,12 @@ def _divisors(n: int) -> list[int]:
 class Planner:
   """Predicts settings of one run (each compiled once), chooses `auto` ones, lists what fits."""
 
-  def __init__(self, cfg: RunConfig, mesh, vocab_size: int | None, log: Callable = print):
+  def __init__(self, cfg: RunConfig, mesh, vocab_size: int | None, log: Callable = print,
+               batch_like=None):
+    """`batch_like`: a batch of the run's data (an array, or a dict of arrays with document
+    masking or sft data), whose structure and dtypes the compiled step takes."""
     self.cfg, self.mesh, self.vocab_size, self.log = cfg, mesh, vocab_size, log
+    self.batch_like = batch_like
     self.devices = list(mesh.devices.flat)
     self.limit, self.limit_source = device_limit(cfg, self.devices)
     self.shards = mesh_lib.batch_shards(mesh)
@@ -193,8 +197,10 @@ class Planner:
       return pred
     cfg, built = pred.cfg, pred.built
     params, opt_state, rest = built.abstract_state()
-    tokens = jax.ShapeDtypeStruct((setting.batch_size, cfg.data.seq_len + 1), np.int32,
-                                  sharding=built.batch_sharding)
+    shape = (setting.batch_size, cfg.data.seq_len + 1)
+    tokens = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(shape, a.dtype, sharding=built.batch_sharding),
+        self.batch_like if self.batch_like is not None else np.zeros((), np.int32))
     t0 = time.perf_counter()
     pred.compiled = built.train_step.lower(params, opt_state, rest, tokens).compile()
     self.compiles += 1
@@ -426,10 +432,11 @@ def runtime_oom_message(planner: Planner, pred: Prediction, error: BaseException
 
 def show(cfg: RunConfig, log: Callable = print) -> str:
   """`train.py --plan`: the table for `cfg` on this machine's devices (no state allocated)."""
-  from coat_jax.training.build import dataset_from_config, use_compile_cache
+  from coat_jax.training.build import dataset_from_config
+  from coat_jax.training.compile_cache import use_compile_cache
 
   use_compile_cache(cfg.run.compile_cache, log)
   mesh = mesh_lib.make_mesh(cfg.mesh)
-  vocab = None if cfg.data.kind == "tokens" else dataset_from_config(cfg.data, cfg.run.seed,
-                                                                     log).vocab_size
-  return Planner(cfg, mesh, vocab, log).table()
+  dataset = dataset_from_config(cfg.data, cfg.run.seed, log, init_from=cfg.model.init_from)
+  vocab = None if cfg.data.kind == "tokens" else dataset.vocab_size
+  return Planner(cfg, mesh, vocab, log, batch_like=dataset.train_batch(0)).table()
