@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from coat_jax.training.loop import run
-from tests.test_train import mini
+from tests.test_training_loop import mini
 
 # The minuscule run of tests/test_training_loop.py, in coat mode, logging every step.
 COAT = ["run.log_every=1", "data.eval_batches=1", "run.steps=6", "precision=coat",
