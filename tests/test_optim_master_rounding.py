@@ -186,8 +186,20 @@ def test_fused_kernel_takes_bf16_grads_and_kahan_params():
   (a, sa), (b, sb) = out["reference"], out["adam=pallas"]
   assert isinstance(sb.mu["w"], ExpandedMoment) and sb.comp["w"].dtype == jnp.bfloat16
   for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                               rtol=1e-5, atol=1e-7)
+    _assert_close_in_steps(np.asarray(x), np.asarray(y))
+
+
+def _assert_close_in_steps(x: np.ndarray, y: np.ndarray, share: float = 0.005):
+  """float32 leaves to 1e-5; FP8 and bfloat16 leaves (codes, rounded params) equal but for at
+  most one representable step in at most `share` of the elements: the kernel's float32 order of
+  operations differs from the reference's, so a value on a rounding boundary may go either way."""
+  if x.dtype.itemsize > 2:
+    np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=1e-5, atol=1e-7)
+    return
+  bits = np.uint8 if x.dtype.itemsize == 1 else np.uint16
+  steps = np.abs(x.view(bits).astype(np.int64) - y.view(bits).astype(np.int64))
+  assert steps.max() <= 1, f"{x.dtype}: {steps.max()} representable steps apart"
+  assert np.mean(steps != 0) <= share, f"{x.dtype}: {np.mean(steps != 0):.2%} of elements differ"
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
