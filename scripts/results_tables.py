@@ -47,10 +47,15 @@ class Sources:
     return self._raw[sid]
 
   def value(self, sid: str, sel: str):
-    """`sel`: a key of the source's `values`; "re:PATTERN" (group 1 of the raw text); or a
-    dotted path into the raw JSON ("equal_batch.0.tokens_per_s")."""
+    """`sel`: a name in the source's `fields` (a selector into its raw file, times an optional
+    factor) or `values` (a number given where the raw file lacks it); "re:PATTERN" (group 1 of
+    the raw text); or a dotted path into the raw JSON ("equal_batch.0.tokens_per_s")."""
     src = self.meta[sid]
-    if not src.get("raw"):
+    if sel in src.get("fields", {}):  # a named number of the raw file: selector [, factor]
+      field = src["fields"][sel]
+      sel, factor = (field, 1) if isinstance(field, str) else field
+      return self.value(sid, sel) * factor
+    if not src.get("raw") or sel in src.get("values", {}):
       return src["values"][sel]
     data = self.raw(sid)
     if sel.startswith("re:"):
@@ -197,14 +202,23 @@ def e2e(src: Sources) -> list[str]:
                                "compile s, unrolled", "compile s, scanned"], rows)
 
 
+SHIPPED_CONFIGS = (("tiny", "bf16 + adamw"), ("llama-125m", "bf16 + adamw"),
+                   ("olmo-1b", "coat + coat_adamw"), ("llama2-7b", "coat + coat_adamw"))
+
+
 def train_py(src: Sources) -> list[str]:
-  sid = "olmo1b_train_py_h200"
-  v = lambda k: src.value(sid, k)
-  rows = [("bf16 + adamw", [("bf16_tokens", ",.0f"), ("bf16_peak_gib", ".2f")]),
-          ("coat + coat_adamw", [("coat_tokens", ",.0f"), ("coat_peak_gib", ".2f")]),
-          ("coat vs bf16", [ratio("faster", v("bf16_tokens"), v("coat_tokens")),
-                            ratio("less", v("bf16_peak_gib"), v("coat_peak_gib"))])]
-  return rows_table(src, sid, ["", "tokens/s", "peak GiB"], rows)
+  """Each shipped config through train.py: its summary line in the raw log."""
+  sid = "configs_train_py_h200"
+  key = lambda name, field: rf"re:/tmp/cfg_{re.escape(name)} {{[^}}]*'{field}': ([\d.e+-]+)"
+  rows = []
+  for name, recipe in SHIPPED_CONFIGS:
+    cells = [recipe, (key(name, "tokens_per_s"), ",.0f"), (key(name, "mfu"), ".1%"),
+             f"{src.value(sid, key(name, 'peak_memory_bytes')) / 2**30:.2f}",
+             (key(name, "compile_s"), ".1f"),
+             (key(name, "first_step_s"), ".2f")]
+    rows.append((f"`configs/{name}.yaml`", cells))
+  return rows_table(src, sid, ["config", "precision + optimizer", "tokens/s", "MFU",
+                               "device peak GiB", "compile s", "first step s"], rows)
 
 
 def largest_batch(src: Sources) -> list[str]:
