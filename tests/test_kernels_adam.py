@@ -12,6 +12,7 @@ import pytest
 
 from coat_jax import adam_math, expansion, kernels, optim
 from coat_jax.kernels import adam as kernels_adam
+from tests.test_optim import _np_expand
 from tests.jaxpr_walk import equations
 
 # A kernel in a jaxpr: a pallas_call (Pallas, Mosaic GPU) or a jax-triton call.
@@ -45,17 +46,9 @@ def np_adam(p, g, m, v, *, lr, b1, b2, eps, weight_decay, count):
 
 
 def np_expand_codes(x, fmt, g=128, expand_min=16):
-  """The spec's requantization in float64: (k per group, FP8 ordinals of q = sign(x) fmax
-  (|x| / mx)^k), k = floor(log2(fmax^2/2) / log2(mx/mn) * expand_min) / expand_min (1 if mx==mn)."""
-  a = np.abs(x).reshape(*x.shape[:-1], -1, g)
-  mx = a.max(-1) + 1e-30
-  mn = np.where(a > 0, a, np.inf).min(-1)
-  mn = np.where(np.isinf(mn), mx, mn + 1e-30)
-  with np.errstate(divide="ignore"):
-    lr = np.log2(mx / mn)
-    k = np.floor(np.log2(FMAX[fmt] ** 2 / 2) / lr * expand_min) / expand_min
-  k = np.where(lr > 0, np.clip(k, 1 / expand_min, 255 / expand_min), 1.0)
-  y = np.sign(x) * (FMAX[fmt] * (a / mx[..., None]) ** k[..., None]).reshape(x.shape)
+  """The spec's requantization in float64 (tests.test_optim._np_expand): (k per group, FP8
+  ordinals of q = sign(x) fmax (|x| / mx)^k)."""
+  k, _, y = _np_expand(x, fmt, g, expand_min)
   return k, _ordinal(np.clip(y, -FMAX[fmt], FMAX[fmt]).astype(NP_DTYPE[fmt]))
 
 
