@@ -9,7 +9,10 @@ REPO=$PWD
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 .venv/bin/python -m venv "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt "$REPO"
+# pip's output goes to a log, shown only if the install fails (some machines' pip configurations
+# warn about every missing local index directory).
+"$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt "$REPO" \
+  >"$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log" >&2; echo "error: pip install . failed" >&2; exit 1; }
 .venv/bin/python scripts/readme_examples.py "$WORK/examples" >/dev/null
 cd "$WORK"
 for example in examples/*.py; do
