@@ -19,7 +19,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-# The H100 SXM's dense peaks (NVIDIA's datasheet; the floors in docs/benchmarks.md use them).
+# The H100 SXM's dense peaks (NVIDIA's datasheet; the floors in docs/results.md, "Where the
+# step's time goes", use them).
 H100 = {"fp8_flops": 1979e12, "bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12}
 
 # One color per (precision + optimizer) mode in every plot.

@@ -42,8 +42,8 @@ OPTIMIZER_GROUP_SIZE = 128
 OPTIMIZER_GROUP_AXES = ("last", "coat")
 # The default (coat_adamw, coat_adamw_apply, config optimizer.group_axis): COAT's layout. It has the
 # lower moment error; llama-125m's loss is the same as with "last" within run-to-run noise
-# (docs/differences.md, section 4); its column kernel costs 1.5x the row kernel's time (H100:
-# 10.24 vs 6.71 ms for 1.21e9 params, about 2 % of the 1B step). Reverting it is this line.
+# (docs/differences.md, section 4); its column kernel is slower than the row kernel
+# (docs/results.md, "The optimizer step"). Reverting it is this line.
 OPTIMIZER_GROUP_AXIS = "coat"
 
 # How per-group activation scales are stored: bfloat16, as COAT stores them (values are divided by

@@ -121,9 +121,10 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       update (optax's update/apply_updates, which rounds p + u to nearest outside it) supports
       only "nearest": it raises ValueError for the others, use `coat_adamw_apply`.
     group_axis: "coat" (default: Flax kernels grouped along their input features, COAT's layout;
-      lower moment error, a 1.5x slower fused kernel, docs/differences.md section 4) | "last"
-      (every leaf's last axis) | callable params -> tree of axes: the axis each quantized moment
-      groups along (`group_axes`; the callable is called with the updates when params are None).
+      lower moment error, docs/differences.md section 4; a slower fused kernel, docs/results.md,
+      "The optimizer step") | "last" (every leaf's last axis) | callable params -> tree of
+      axes: the axis each quantized moment groups along (`group_axes`; the callable is called
+      with the updates when params are None).
       Same bytes of state either way; a state restores only into the group_axis it was made with.
     max_grad_norm: None, or clip the gradients to this global norm inside the step: the step
       computes the float32 global norm n of the incoming gradients (optax.tree.norm) and the
@@ -137,8 +138,8 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       `packed_state.PackedMoments` (four flat buffers for the whole tree and a fingerprint of
       the layout; same values and bytes but alignment padding), for one device: a jitted step
       passes ~3 buffers per leaf instead of ~15 (the host time per buffer is what a many-leaf
-      step waits for; docs/benchmarks.md), and `state_shardings` refuses it on a mesh of several
-      devices. A state restores only into the layout it was made with.
+      step waits for; docs/results.md, "The optimizer step"), and `state_shardings` refuses it
+      on a mesh of several devices. A state restores only into the layout it was made with.
     The three integer knobs default to None (meaning the values above) rather than to ints, so
     that optax.inject_hyperparams, which turns every int/float argument into a traced
     hyperparameter, leaves them static; if you set them under inject_hyperparams, list them in

@@ -5,8 +5,9 @@
 quantized leaf and one per float32 leaf. Same bytes (plus alignment padding, at most SEGMENT - 1
 groups per leaf), same values: a leaf's slice of the buffers is exactly its `ExpandedMoment` (or
 float32 moment) in the per-leaf layout, flattened. What it buys is fewer buffers at the jit
-boundary: a jitted step pays host time per buffer it passes (~3-6 us each on the H100,
-docs/benchmarks.md), 930 buffers for a 62-leaf tree in the per-leaf layout against ~200 here.
+boundary: a jitted step pays host time per buffer it passes (docs/results.md, "The optimizer
+step", times both layouts), 930 buffers for a 62-leaf tree in the per-leaf layout against ~200
+here.
 
 Layout (`layout`), leaf after leaf in tree order, for a quantized leaf of shape S grouped along
 `axis` with g = prod(metadata_shape(S, G, axis)) groups:

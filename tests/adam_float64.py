@@ -1,5 +1,5 @@
 """The COAT AdamW step with dynamic range expansion in float64 numpy, written from the method
-(/work/shared/coat_spec.md; the compact stored form of coat_jax/expansion.py's docstring): the
+(docs/design.md; the compact stored form of coat_jax/expansion.py's docstring): the
 oracle the fused kernels are checked against. Groups of G along axis -1 or -2 of the array's own
 layout (no transposes)."""
 from __future__ import annotations

@@ -36,8 +36,8 @@ def test_kernel_categories():
   assert cat("coat_adam_step", None) == "optimizer"
   assert cat("cudnn_generated_fort_native_sdpa", None) == "attention"
   assert cat("body", ("other", "", "mosaic_gpu_v2")) == "FP8 GEMM"
-  # the GEMM as the profiler names it inside a command buffer (no instruction info): it was
-  # counted as a bf16 GEMM in the ninth session's first profile
+  # the GEMM as the profiler names it inside a command buffer (no instruction info): FP8, not a
+  # bf16 GEMM
   assert cat("coat_fp8_gemm_mgpu_mosaic_gpu_kernel [command_buffer_25]", None) == "FP8 GEMM"
   assert cat("loop_fusion_3", ("DUS fusion (in place)", "jit(f)/jvp()/while", "")) == "scan DUS/DS/fill"
   assert cat("x", ("other fusion", "jit(f)/transpose(jvp())/while/body/mul", "")) == "fusions bwd"

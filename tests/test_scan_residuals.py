@@ -2,7 +2,7 @@
 
 Every residual the scanned block keeps is stacked per layer (zero-filled before the loop, written
 with a dynamic-update-slice, read back in the backward loop): a cast copy of a weight or a second
-reference to one FP8 input must not be among them (docs/benchmarks.md, CPU HLO analysis)."""
+reference to one FP8 input must not be among them."""
 import jax
 import jax.extend
 import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Master-weight and gradient memory options vs float32 master weights: final eval loss over a run.
 
-Issue 17's proof: each memory option of coat_adamw trains llama-125m (COAT: FP8 activations + FP8
+Shows that each memory option of coat_adamw trains llama-125m (COAT: FP8 activations + FP8
 moments) for --steps steps on the stdlib corpus like float32 master weights, final eval loss
 within 0.3 %. Variants (config overrides on the same run; same init seed and data order):
 
@@ -10,8 +10,8 @@ within 0.3 %. Variants (config overrides on the same run; same init seed and dat
   bf16_master_sr      ... + optimizer.master_rounding stochastic
   bf16_master_kahan   ... + optimizer.master_rounding kahan (bfloat16 compensation buffer)
   group_axis_coat     float32 masters, the moments grouped along COAT's axis (optimizer.group_axis
-                      coat, input features: the default since 2026-11-23's sixth session)
-  group_axis_last     float32 masters, the moments grouped along each param's last axis (issue 16)
+                      coat, input features: the default)
+  group_axis_last     float32 masters, the moments grouped along each param's last axis
 
 bfloat16 master weights give bfloat16 gradients by themselves (the backward runs at the bfloat16
 params; grad_dtype bfloat16 is then a no-op), so "bf16 grads + bf16 master + SR" is the
@@ -58,7 +58,7 @@ VARIANTS = {
     "bf16_master_kahan": BF16_MASTER + ["optimizer.master_rounding=kahan"],
 }
 DEFAULT_VARIANTS = tuple(VARIANTS)   # the master-weight options
-# not master-weight options: the moments' group axis, explicit (issue 16's loss check)
+# not master-weight options: the moments' group axis, explicit (the group-axis loss check)
 VARIANTS.update({"group_axis_coat": ["optimizer.group_axis=coat"],
                  "group_axis_last": ["optimizer.group_axis=last"]})
 REFERENCE = "f32_master"

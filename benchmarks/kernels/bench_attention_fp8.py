@@ -1,13 +1,13 @@
 """cuDNN's FP8 flash attention (forward and backward) against its bf16 one: error and time.
 
-Issue 13, item 4 asks whether cuDNN's FP8 attention can be reached from JAX and is correct. JAX
-reaches it through `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)`
-(a private module: no public API takes FP8 attention). Its FP8 tensors are q, k, v, the output
+Can cuDNN's FP8 attention be reached from JAX, and is it correct? JAX reaches it through
+`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)` (a private
+module: no public API takes FP8 attention). Its FP8 tensors are q, k, v, the output
 o, the output's gradient do, and the gradients dq, dk, dv; inside, the probabilities P and their
 gradient dP are quantized too. Every one of them takes a per-tensor scale the caller passes in
 (`fp8_params`: `descale_X` multiplies stored codes back to values, `scale_X` multiplies values
 into codes), and it returns the amaxes of P, o, dP, dq, dk, dv for the caller to use next time:
-delayed scaling, which COAT does not use (../shared/coat_spec.md: just-in-time scales only).
+delayed scaling, which COAT does not use (it computes every scale just in time).
 
 So this benchmark gives cuDNN its best case, scales no running system could know beforehand:
 q, k, v and do at their own amaxes (just in time), o at max|v| (a convex combination of v's rows

@@ -20,8 +20,9 @@ An XLA RESOURCE_EXHAUSTED error (compile or run) is reported "oom". Memory optio
 Layers: `--layers scanned` (default: `model.scan_layers: true`, as train.py), `unrolled`
 (`model.scan_layers: false`) or `best`: each mode both ways, and every ratio against bf16's best
 row (its fastest for tokens/s, its smallest peak for memory). On one H100 the scanned loop costs
-bf16 ~12 % of its OLMo-1B step in residual copies that coat mostly avoids (docs/benchmarks.md,
-thirteenth session), so a fair speed ratio takes each mode at its best: `--layers best`.
+bf16 ~12 % of its OLMo-1B step in residual copies that coat mostly avoids (docs/results.md,
+"Training step, OLMo-1B shape, one GPU"), so a fair speed ratio takes each mode at its best:
+`--layers best`.
 
 MFU = coat_jax.models.llama.flops_per_token x tokens/s / the devices' dense BF16 peak (the same
 denominator for every mode; coat_jax.training.metrics.mfu, n/a on CPU and unknown devices).

@@ -1,6 +1,6 @@
 """Optimizer step time and state bytes: optax.adamw vs coat_adamw (optax chain) vs coat_adamw_apply.
 
-Parameters as in /work/shared/gpu_notes.md: 56 x (4096, 4096) + 6 x (4096, 11008) float32 =
+Parameters of a Llama-2-7B-width tree: 56 x (4096, 4096) + 6 x (4096, 11008) float32 =
 1.21e9 (scaled by --scale on the row count), random gradients, on the default device. Each step is
 one jitted call `(params, state, grads) -> (params, state)` with params, state and grads donated
 (inside a train step the gradients are temporaries, so a kernel may write over them; each call gets

@@ -22,12 +22,11 @@ forward / backward, unmapped.
 GPU, olmo-1b width (batch 8 x 2048) at 4 layers, scan vs loop per layer (~4 min):
   python -m benchmarks.step.profile_step --set model.num_layers=4 --json $OUT/profile_step_l4.json \
       --variants bf16:scan,bf16:loop,coat:scan,coat:loop,coat:scan+vjploop,coat:scan+dsf
-The full 16-layer model (~3 min; the unrolled coat step compiled in 278 s in the fourth session,
-25 s in the thirteenth, so the loop variants are affordable at 16 layers now):
+The full 16-layer model (~3 min):
   python -m benchmarks.step.profile_step --json $OUT/profile_step.json \
       --variants bf16:scan,bf16:loop,coat:scan,coat:loop
-(thirteenth session, scan: bf16 spends 30.7 ms a step in copies of the loop's residuals, coat
-6.1 ms; docs/benchmarks.md.)
+(H100, 2026-11-24, scan: bf16 spent 30.7 ms a step in copies of the loop's residuals, coat
+6.1 ms; docs/results.md, "Training step, OLMo-1B shape, one GPU".)
 Which fusion is which (`+nocb`: every kernel named after its instruction; the top list then
 shows each one's output shape and op_name; --hlo-dir keeps the optimized HLO to read them in):
   python -m benchmarks.step.profile_step --set model.num_layers=2 --variants coat:scan+nocb \

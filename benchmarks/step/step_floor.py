@@ -1,4 +1,4 @@
-"""The floor of one train step, per kernel category, against a measured profile (issue 13).
+"""The floor of one train step, per kernel category, against a measured profile.
 
 Counted on the CPU from the traced train step (`jax.make_jaxpr` of train.py's step on abstract
 arrays, bf16 compute; no GPU, nothing computed), with the kernel dispatch binding the kernels as

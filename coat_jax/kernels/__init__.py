@@ -10,8 +10,8 @@ A module per kernel family over one small backend module that imports no family:
 Every function here has the signature and semantics of its reference (coat_jax.quantize, gemm,
 adam_math); a kernel module never falls back: the family module checks what its kernel takes and
 calls the reference otherwise, and wraps kernel results in QuantizedArray / ExpandedMoment.
-Which kernel takes which shapes: each family module's docstring; why (measured speeds):
-docs/benchmarks.md, "New kernels off the Triton backend".
+Which kernel takes which shapes: each family module's docstring; what each kernel does and
+what was tried instead: docs/kernels.md.
 """
 from coat_jax.kernels.backends import (AUTO_ON_HOPPER, CHOICES, ENV, FAMILIES, IMPLEMENTATIONS,
                                        INSTALL_HINT, PARTITIONINGS, KernelConfig, backend,

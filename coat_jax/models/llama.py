@@ -204,13 +204,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 def resolve_scan_impl(scan_impl: str) -> str:
   """The layer loop a `scan_impl` runs now: "auto" is "vjp_loop" when JAX sees one device, else "lax".
 
-  `layer_loop` is faster (OLMo-1B batch 8 on an H100: coat 196.8 vs 202.9 ms a step, bf16 262.2
-  vs 264.9 ms, same peak; docs/benchmarks.md, twelfth session), but its uninitialized buffers
-  are XLA `AllocateBuffer` custom calls, which the SPMD partitioner does not shard: on a mesh
-  every device would allocate the full, unsharded residual stacks and slice its shard out of
-  them (seen in XLA's partitioned HLO on an 8-device mesh). With one device nothing is
-  partitioned. A named implementation is returned as it is; "vjp_loop" named for several GPUs or
-  TPUs gets a warning saying so (on the CPU `lax.empty` is zeros, which XLA shards).
+  `layer_loop` is faster (a shorter OLMo-1B step on the H100 in both precision modes, at the
+  same memory peak), but its uninitialized buffers are XLA `AllocateBuffer` custom calls, which
+  the SPMD partitioner does not shard: on a mesh every device would allocate the full,
+  unsharded residual stacks and slice its shard out of them (seen in XLA's partitioned HLO on an
+  8-device mesh). With one device nothing is partitioned. A named implementation is returned as
+  it is; "vjp_loop" named for several GPUs or TPUs gets a warning saying so (on the CPU
+  `lax.empty` is zeros, which XLA shards).
   """
   devices = jax.device_count()
   if scan_impl == "vjp_loop" and devices > 1 and jax.default_backend() != "cpu":
@@ -233,7 +233,8 @@ def resolve_loss_impl(cfg: LlamaConfig, num_tokens: int) -> str:
       from forward to backward, with every residual live). With remat the peak is elsewhere, and
       the fused loss's buffers can still cost: Llama-2-7B batch 8, remat full: 52.24 against
       51.22 GB (same live peak; XLA's allocation packs worse); Llama-3-8B (V = 128,256) batch 4:
-      64.61 against 61.46 GB, where N < C + 2 D as well (docs/benchmarks.md, fourteenth session);
+      64.61 against 61.46 GB, where N < C + 2 D as well (H100, 2026-11-24,
+      `python3 -m benchmarks.step.bench_e2e --modes coat+coat_adamw --remat full`);
     - JAX sees one device: with the tokens split across devices, each chunk's weight gradient is
       a partial sum reduced across them inside the loop (`ops.lm_head_loss`).
   OLMo-1B, batch 8 x 2048 (N = 16384 > 4096 + 2 x 2048), remat none, layers unrolled, H100:

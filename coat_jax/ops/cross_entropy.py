@@ -7,8 +7,7 @@ A custom_vjp keeps z (as it came, e.g. bf16) and the float32 logsumexp per token
 one elementwise map of them, which XLA fuses into a single pass over z. Autodiff of the optax
 form instead writes a float32 dz (the one-hot's scatter-add runs in place on it) and converts it
 to z's dtype after: for OLMo-1B's 50,304-token vocabulary at batch 8 x 2048 that is 3.3 GB of
-float32 written and read again, ~3.4 ms of a ~210 ms H100 step (docs/benchmarks.md, tenth
-session; the batch-8 peak did not move, but coat's default then fit batch 32).
+float32 written and read again.
 """
 from __future__ import annotations
 

@@ -84,7 +84,8 @@ def _amax(x):
 def _ablation(**switches: str):
   """Context manager: the FP8 linears' ablation switches (`_ABLATIONS`) for the calls and traces
   inside, for the benchmarks and tests that compare them (benchmarks/layer/bench_layer.py). The
-  first choice of each is the library's.
+  first choice of each is the library's; where two were timed against each other on the H100
+  (OLMo-1B's step, the Llama-2-7B layer), it was the faster one, at the same memory peak or lower.
 
   weight_quant: "per_use" (default) quantizes W in the forward (as W^T, (N, K)) and again in the
   backward ((K, N)); "once" makes both layouts in the forward's one quantize+transpose pass and
@@ -94,8 +95,7 @@ def _ablation(**switches: str):
   in the backward) as an XLA reduction handed to the quantize, which XLA can fuse into the op
   producing the tensor (RMSNorm, SwiGLU, their backward); "kernel" lets each quantize find it in
   its own stage-1 pass (a Mosaic GPU tile-maxima kernel per tensor shape, each compiled with the
-  step). Same values either way. H100, 7B layer (bench_layer.py --modes coat, 2026-11-23):
-  24.07 ms fused vs 24.30 ms kernel, and OLMo-1B's step compiles 2 Mosaic GPU modules fewer.
+  step). Same values either way; "fused" compiles 2 Mosaic GPU modules fewer in OLMo-1B's step.
   weight_quantize: "forward_kernel" (default): the forward's per-tensor quantize of W by the
   dispatch's kernel (the Mosaic GPU kernel on Hopper, one module per weight shape; with
   weight_transpose="codes" it writes W^T's codes in the same pass), the backward's (W as it lies,
@@ -103,10 +103,7 @@ def _ablation(**switches: str):
   pass reading 4 bytes and writing 1 per weight, where a kernel would read the bf16 cast XLA
   writes first. "kernel": both by the kernel. "xla": both by XLA's ops (q = sat(W / s), an
   elementwise map given s), fused with the cast and any transpose. Same values either way (XLA
-  and Mosaic GPU both divide with div.full.f32). H100, OLMo-1B batch 8, coat (docs/benchmarks.md,
-  thirteenth session, one call): 195.0 ms a step with "forward_kernel" vs 197.0 / 197.3 with
-  "kernel", peak 27.29 vs 27.34 GB, compile 10.9 vs 11.6 / 13.4 s. The weight alone (16384 x
-  4096 / 11008 bf16, eighth session): 0.154 / 0.369 ms XLA vs 0.150 / 0.389 ms kernel.
+  and Mosaic GPU both divide with div.full.f32).
   activation_quantize: the per-tensor E4M3 quantize (+ transposed copy) of each linear's input x
   (RMSNorm's y, SwiGLU's h, the attention output) by the dispatch's kernel ("kernel", default)
   or as XLA ops ("xla"), which XLA can fuse into the op producing x, so that a bf16 x read only
@@ -121,21 +118,15 @@ def _ablation(**switches: str):
   weight_quant="per_use" always for these two). "fused" makes h, its amax
   and the codes from one read of gate and up written by two GEMMs (`kernels.swiglu_quantize`;
   one kernel on Hopper); "separate": h and its amax by XLA, then a per-group quantize of each
-  of gate and up (two more reads); these two give the same values. H100, OLMo-1B batch 8
-  (docs/benchmarks.md, sixteenth session, each pair from one call): layers unrolled 180.8 ms a
-  step with "gemm_epilogue" vs 184.7 with "fused" (calls 1-2: 184.5 / 184.4 vs 188.5 / 187.6),
-  scanned 190.7 vs 191.3, same peaks; per layer's gate/up half (bench_gemm_swiglu.py) 1.206 vs
-  1.369 ms (OLMo-1B), 2.698 vs 3.004 ms (Llama-2-7B).
+  of gate and up (two more reads); these two give the same values.
   weight_transpose: how the forward gets W^T (N, K) for the TN GEMM under weight_quant=
   "per_use". "codes" (default) quantizes W as it lies and transposes its FP8 codes (the kernel's
   transposed copy under weight_quantize="kernel", XLA's swapaxes of the codes under "xla");
   "cast" quantizes the transposed cast weight. Same values either way. Inside the scan over
   layers "cast" makes XLA relayout every stacked weight once per step (f32 (L, K, N) ->
   (N, L, K), 4.3 GB for OLMo-1B); "codes" with the kernel reads the parameter as it lies: no
-  relayout (0 instead of 21 in OLMo-1B's step). H100, OLMo-1B batch 8, coat (docs/benchmarks.md,
-  twelfth session, one call): 193.0 ms a step with both defaults vs 195.3 with "cast" and "xla"
-  (eleventh session: 200.5 vs 202.1; "codes" under "xla" 202.5), same peak; compile 0.5-3 s
-  longer (one more kernel module per weight shape).
+  relayout (0 instead of 21 in OLMo-1B's step), at one more kernel module per weight shape to
+  compile.
   Switches not named keep their values. Read while a function is traced: trace (jit) it inside
   the `with`; the switches are part of jit's cache key.
   """

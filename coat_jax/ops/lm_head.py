@@ -9,7 +9,8 @@ the weight-gradient GEMM runs before the decoder blocks' backward, which waits f
 (tokens x vocab) output gradient dz is then dead during that backward. Without the barrier XLA
 is free to place the dW GEMM after the blocks' backward loop, and did for OLMo-1B with
 `scan_impl="vjp_loop"`: dz (16384 x 50304 bf16, 1.65 GB) then stayed live across the whole loop
-and set the step's memory peak (+1.3 GB; H100, docs/benchmarks.md, twelfth session).
+and set the step's memory peak (+1.3 GB; H100, 2026-11-24, `python3 -m benchmarks.step.bench_e2e
+--modes bf16+adamw,coat+coat_adamw --set model.scan_impl=vjp_loop`).
 The backward recasts the parameter instead of keeping the forward's cast (for OLMo-1B's tied
 embedding a 206 MB bf16 copy held through the backward), and the float32 dW comes straight from
 the GEMM's accumulator (no bf16 dW converted after).

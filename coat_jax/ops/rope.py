@@ -80,7 +80,7 @@ def _rotate_fwd(x, c, sn):
 def _rotate_bwd(res, g):
   """The rotation's transpose is the rotation by the opposite angle: dx = rotate(g, c, -sn), the
   values JAX's own transpose gives (the same products and sums), as one concatenate instead of
-  the transposed slices' pads and adds (XLA ran that fusion at ~1.2 TB/s on the H100)."""
+  the transposed slices' pads and adds (XLA's fusion of those ran slower on the H100)."""
   c, sn = res
   return _rotation(g, c, -sn), jnp.zeros_like(c), jnp.zeros_like(sn)
 

@@ -77,11 +77,10 @@ def weight_codes_t(w, dtype):
   """W (K, F) -> (its amax, W^T's per-tensor E4M3 codes (F, K)) by XLA's ops in two passes: the
   quantize of W as it lies (fused with the cast), then the transpose of its FP8 codes (fused with
   the dispatch's interleave of gate and up); the barrier keeps them apart. One fusion quantizing
-  W^T from the float32 parameter was as fast with the layers unrolled but gained nothing with
-  them scanned (H100, docs/benchmarks.md sixteenth session, item 7), likely XLA's relayout of the
-  stacked weights for a transposed read (linear_layer._ablation's `weight_transpose` note); the
-  Mosaic GPU quantize's transposed codes plus a copy to interleave them cost 0.07 ms a layer
-  more."""
+  W^T from the float32 parameter gained nothing over this on the H100 with the layers scanned,
+  likely XLA's relayout of the stacked weights for a transposed read (linear_layer._ablation's
+  `weight_transpose` note); the Mosaic GPU quantize's transposed codes plus a copy to interleave
+  them were slower."""
   wc = w.astype(dtype)
   amax = weight_amax(wc)
   q = kernels.quantize_per_tensor(wc, "e4m3", amax=amax, producer_fusion=True)

@@ -152,8 +152,7 @@ def build_apply(opt: OptimizerConfig, tx, schedule):
   Equal to tx.update + optax.apply_updates up to float32 rounding, on tx's state (so
   checkpoints are shared). For coat_adamw the step is `coat_adamw_apply` with tx's arguments:
   its fused kernel writes the new params in one pass instead of writing an update that
-  apply_updates reads back (on the H100 7.9 vs 12.0 ms of kernel time per step for 1.21e9
-  params, docs/benchmarks.md), and with opt.clip > 0 both clip inside the step
+  apply_updates reads back, and with opt.clip > 0 both clip inside the step
   (`max_grad_norm=opt.clip`: the gradients' global norm, then a scale the kernel applies as it
   loads them) instead of writing clipped gradients.
   """

@@ -9,8 +9,8 @@ analysis of the executable, per device:
 The arguments are what persists between steps (params, optimizer state, other model state) and
 the batch; the temporaries are the step's one workspace (activations, gradients, the accumulator,
 the optimizer's scratch), which the GPU allocates whole, so the prediction is the step's measured
-peak (benchmarks/bench_e2e.py --compile-only). The executable compiled for the run's settings is
-the one the run calls: planning adds no compile for them.
+peak (benchmarks/step/bench_e2e.py --compile-only). The executable compiled for the run's
+settings is the one the run calls: planning adds no compile for them.
 
 The device holds `run.device_memory_limit` bytes when set, else its `bytes_limit` (GPU memory
 stats; none on a CPU, where nothing is checked). A prediction above it stops the run before

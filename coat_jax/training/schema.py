@@ -109,7 +109,8 @@ class OptimizerConfig:
   bfloat16 weights as residuals anyway, and from the copy those residuals are the copy itself
   (float32 master + bfloat16 grads then holds 2 B/param less; with `remat: full` it saves
   nothing). Less held is not a lower peak: OLMo-1B at batch 8, remat none, peaked the same with
-  either grad dtype, scanned or unrolled (H100; docs/benchmarks.md, fourteenth session).
+  either grad dtype, scanned or unrolled (H100, 2026-11-24, `python3 -m benchmarks.step.bench_e2e
+  --layers best --set optimizer.grad_dtype=bfloat16`).
   With `accumulate` > 1 the running sum is one more gradient-sized tree in `accumulate_dtype`
   (float32: 4 B, bfloat16: 2 B), so bfloat16 gradients halve the accumulation memory only with
   `accumulate_dtype: bfloat16` as well; each microbatch's gradient is in the grad dtype.

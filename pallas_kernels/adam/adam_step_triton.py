@@ -67,8 +67,8 @@ COLS_VEC = 4                     # group_axis -2: contiguity the accesses are to
 # How the leaf size reaches the kernel (read when adam_step is traced; benchmarks A/B them):
 #   "runtime": an int argument, one Triton compile for every leaf size; EVEN tiles (rows / cols
 #     a multiple of BLOCK) build no masks;
-#   "runtime_masked": an int argument, always masked (the version 7% slower on the H100);
-#   "constexpr": ROWS / COLS constexpr, always masked: one compile per leaf size (the old kernel).
+#   "runtime_masked": an int argument, always masked (slower on the H100);
+#   "constexpr": ROWS / COLS constexpr, always masked: one compile per leaf size.
 SIZE_ARGS = ("runtime", "runtime_masked", "constexpr")
 SIZE_ARG = "runtime"
 

@@ -1,10 +1,10 @@
 """Compile this project's Triton kernels in worker processes while JAX lowers the rest of the step.
 
 jax-triton compiles a kernel inside its lowering rule (`get_or_create_triton_kernel`: Triton's
-front end, then TTIR -> TTGIR -> LLVM IR -> PTX; 1.3 s per Adam kernel on an idle core, 2-3 s on
-the GPU host), on the thread that lowers the whole step, and a train step lowers its optimizer
-last, after every Mosaic GPU kernel of the forward and backward. A thread cannot overlap the two
-(both hold the GIL: docs/benchmarks.md, seventh session); another process can.
+front end, then TTIR -> TTGIR -> LLVM IR -> PTX; seconds per Adam kernel), on the thread that
+lowers the whole step, and a train step lowers its optimizer last, after every Mosaic GPU kernel
+of the forward and backward. A thread cannot overlap the two (both hold the GIL); another process
+can. What this saves: docs/kernels.md, "Compile time".
 
 `start`, called as our code traces a Triton call (`call_triton.triton_call`), finds the compile
 that call's lowering will ask for by a dry lowering of the call alone (jax-triton's own rule,
@@ -201,9 +201,8 @@ def start(call, kernel, args, kwargs) -> bool:
 def _block_torch() -> None:
   """In a worker only: make `import torch` fail at once. Triton's native argument specializer
   (called by jax-triton's compile) tries `import torch` to recognize torch tensors; where torch is
-  installed (the GPU image) that import took 3.5-5.5 s of the first compile in every process
-  (measured on the H100 host, docs/benchmarks.md, eighth session). A worker never sees torch
-  tensors; the user's process is left alone."""
+  installed (the GPU image) that import adds seconds to the first compile in every process. A
+  worker never sees torch tensors; the user's process is left alone."""
   sys.modules["torch"] = None
 
 

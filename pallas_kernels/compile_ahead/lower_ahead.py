@@ -1,9 +1,9 @@
 """Lower this project's Mosaic GPU kernels in worker processes while the step is still traced.
 
-JAX lowers a Pallas Mosaic GPU kernel in the lowering of the step that calls it (~0.3 s of
-Python per kernel: the kernel's jaxpr to the Mosaic GPU dialect, layout inference, the dialect's
-lowering; 15 kernels in the olmo-1b coat step, ~4.5 s on the GPU host), one kernel after
-another on the thread that holds the GIL. `call(fn, *args, **kwargs)` instead:
+JAX lowers a Pallas Mosaic GPU kernel in the lowering of the step that calls it (Python work per
+kernel: the kernel's jaxpr to the Mosaic GPU dialect, layout inference, the dialect's lowering;
+15 kernels in the olmo-1b coat step), one kernel after another on the thread that holds the GIL
+(docs/kernels.md, "Compile time"). `call(fn, *args, **kwargs)` instead:
   1. hands `fn(*args, **kwargs)` (fn at a module's top level; array arguments by shape and dtype,
      the rest as given) to a worker process (workers.py), which checks it imports
      the same `fn` (module file, code hash), exports the call for CUDA with `jax.export` under
@@ -179,9 +179,8 @@ def _warm_later(job, specs, settings) -> None:
 def _warm(job, specs, settings) -> None:
   """XLA-compile the exported kernel alone (nothing runs). The Mosaic GPU runtime compiles a
   kernel module when XLA compiles a step that calls it and keeps it by the module's hash, which
-  an Exported carries fixed: the step's own compile then finds the kernel compiled (measured on
-  the H100: 0.47 s for a GEMM alone, 0.06 s for a step calling it afterwards). Failures here only
-  lose the head start."""
+  an Exported carries fixed: the step's own compile then finds the kernel compiled. Failures here
+  only lose the head start."""
   try:
     exported = job.result()
     with jax.enable_x64(settings["jax_enable_x64"]), \

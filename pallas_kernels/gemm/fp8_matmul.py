@@ -50,7 +50,8 @@ class GemmConfig:
       that dimension and load the operand they share once, multicast by TMA to both (B's tile
       for "m", A's for "n"); the grid is then the SM count's pairs.
   Default: CTA 256 x 128 (two 128 x 128 warpgroup tiles along M), 4 stages of 48 KiB; measured
-  best-or-within-noise on the H100 for the square and 7B-layer shapes (docs/kernel_notes_gemm.md).
+  best-or-within-noise on the H100 for the square and 7B-layer shapes (docs/kernels.md, "The
+  kernels").
   """
   tile_m: int = 128
   tile_n: int = 128

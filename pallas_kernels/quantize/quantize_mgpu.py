@@ -20,10 +20,9 @@ is a within-warp lane shuffle (Mosaic GPU's TiledLayout reduction), the scale a 
 stored to shared memory and written by TMA. Max here is NaN-propagating (PTX max.NaN), so a NaN
 group gives a NaN amax without a second reduction; inf fails the `amax < inf` test.
 
-Measured on the H100 (benchmarks/kernels/bench_kernels_mgpu.py, 8192^2 bf16, % of a device
-copy's GB/s): per-group quantize 82-88%, tile maxima 86-92%, per-group dequantize 79-80%, per-tensor 90%,
-per-tensor + transposed copy 87-91%; codes and scales bit-identical to the jnp references on the
-GPU (XLA and Mosaic GPU both divide with div.full.f32; numpy's IEEE division can differ by one code).
+Codes and scales are bit-identical to the jnp references on the GPU (XLA and Mosaic GPU both
+divide with div.full.f32; numpy's IEEE division can differ by one code). Their bandwidth against
+a device copy's (benchmarks/kernels/bench_kernels_mgpu.py): docs/kernels.md, "The kernels".
 
 Imports jax and numpy only: format limits (fmax), the scale floor and dtypes come in as arguments;
 inputs and outputs are plain arrays. `supported_*` say which shapes each kernel takes; the entry
@@ -180,7 +179,7 @@ def quantize_per_group(x: jax.Array, *, group_size: int, out_dtype, fmax: float,
     out_dtype: the FP8 storage dtype; fmax its largest finite value; floor the scale's floor;
       scale_dtype: float32 or bfloat16, how the scales are stored (and what x is divided by).
     block: at most this many groups (rows) per pipeline step (64..1024; 128 measured best on the
-      H100: 2.27 TB/s for 8192^2 bf16 with G = 16, 84% of a copy).
+      H100 for 8192^2 bf16 with G = 16).
     max_ctas, stages: the pipeline's CTA cap and shared-memory slots (rows_mgpu.launch); tunables
       swept by benchmarks/kernels/bench_kernels_mgpu.py --sweep (block, max_ctas, stages likewise
       for the other kernels here).
@@ -327,8 +326,8 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
   `scale` given, float32 (), that scale is used as it is and `amax` is ignored).
 
   Blocks (block_rows x block_cols) default to 64 x 128 without the transposed copy and 128 x 128
-  with it (H100, 8192^2 bf16: 2.40 / 2.34 TB/s, 89% / 87% of a copy; larger transposing blocks
-  exceed shared memory).
+  with it (measured best on the H100 for 8192^2 bf16; larger transposing blocks exceed shared
+  memory).
   Returns:
     (q: out_dtype x.shape, scale: float32 (), q_t: out_dtype with the last two axes swapped, or
     None without `with_transpose`).
