@@ -187,6 +187,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   from coat_jax.models import llama as llama_lib
   from coat_jax.training import mesh as mesh_lib, metrics as metrics_lib, schema
   from coat_jax.training.build import build, memory_budget
+  from coat_jax.training.plan import memory_analysis
 
   precision, opt_name = args.one.split("+")
   overrides = [f"model.preset={args.preset}", "model.dtype=auto", f"model.remat={args.remat}",
@@ -232,15 +233,9 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   t0 = time.perf_counter()
   compiled = built.train_step.lower(*built.abstract_state(), tokens_abs).compile()
   out["compile_s"] = time.perf_counter() - t0
-  try:
-    ma = compiled.memory_analysis()
-    mem = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
-                                             "alias_size_in_bytes", "temp_size_in_bytes")}
-    mem["predicted_bytes"] = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"]
-                              - mem["alias_size_in_bytes"] + mem["temp_size_in_bytes"])
+  mem = memory_analysis(compiled)   # None where the backend reports none
+  if mem is not None:
     out["memory_analysis"] = mem
-  except Exception:  # not every backend reports it
-    mem = None
   out["hlo_ops"] = hlo_ops(compiled.as_text())
   say(f"[child {args.one} b={args.batch}] compiled step: " + ", ".join(
       f"{k} {v}" for k, v in sorted(out["hlo_ops"].items())))

@@ -250,8 +250,16 @@ def load_llama(path, *, precision: str = "bf16", dtype: str = "bfloat16",
   return model
 
 
+def hf_tensor_map(cfg: LlamaConfig) -> list[tuple[str, tuple[str, ...], int | None, bool]]:
+  """(HF name, our Param's attribute path, decoder layer index or None for a model-level tensor,
+  transposed?) of every tensor a checkpoint of `cfg` holds: the one table import and export
+  read."""
+  top = _MODEL_TENSORS + (() if cfg.tie_embeddings else (_HEAD_TENSOR,))
+  return ([(name, path, None, transpose) for name, path, transpose in top]
+          + [(f"model.layers.{i}.{suffix}", path, i, transpose) for i in range(cfg.num_layers)
+             for suffix, path, transpose in _LAYER_TENSORS])
+
+
 def hf_tensor_names(cfg: LlamaConfig) -> list[str]:
   """The HF tensor names a checkpoint of `cfg` must hold (for error messages and tests)."""
-  top = _MODEL_TENSORS + (() if cfg.tie_embeddings else (_HEAD_TENSOR,))
-  return [n for n, _, _ in top] + [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)
-                                   for suffix, _, _ in _LAYER_TENSORS]
+  return [name for name, _, _, _ in hf_tensor_map(cfg)]

@@ -10,6 +10,7 @@ files listed in `model.safetensors.index.json`, as transformers' `save_pretraine
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from coat_jax.models.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, hf_tensor_names
+from coat_jax.models.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, hf_tensor_map
 from coat_jax.models.llama import Llama, LlamaConfig, layer_params
 
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
@@ -43,17 +44,19 @@ def hf_config(cfg: LlamaConfig, dtype: str = "bfloat16") -> dict:
 
 
 def hf_tensors(model: Llama, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
-  """The model's parameters under their HF names, in torch's layout, as `dtype` numpy arrays."""
+  """The model's parameters under their HF names, in torch's layout, as `dtype` numpy arrays
+  (`hf.hf_tensor_map`: the names, paths and transposes load_llama reads)."""
   np_dtype = _np_dtype(dtype)
-  out = {"model.embed_tokens.weight": model.embed.embedding[...],
-         "model.norm.weight": model.norm.scale[...]}
-  if model.lm_head is not None:
-    out["lm_head.weight"] = model.lm_head.kernel[...].T
-  for i in range(model.cfg.num_layers):
-    layer = layer_params(model, i)
-    for path, value in _leaves(layer):
-      name = ".".join(path[:-1])   # self_attn.q_proj / mlp.up_proj / input_layernorm
-      out[f"model.layers.{i}.{name}.weight"] = value.T if path[-1] == "kernel" else value
+  layers = {}   # decoder layer index -> its parameter state, read once
+  out = {}
+  for name, path, layer, transpose in hf_tensor_map(model.cfg):
+    if layer is None:
+      value = functools.reduce(getattr, path, model)[...]
+    else:
+      if layer not in layers:
+        layers[layer] = layer_params(model, layer)
+      value = functools.reduce(lambda state, key: state[key], path, layers[layer])[...]
+    out[name] = value.T if transpose else value
   return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(np_dtype))
           for k, v in out.items()}
 
@@ -84,7 +87,6 @@ def save_llama(model: Llama, directory, *, dtype: str = "bfloat16",
                      f"choose another directory or replace its model files (overwrite=True, "
                      f"python -m coat_jax.export --overwrite)")
   tensors = hf_tensors(model, dtype)
-  assert sorted(tensors) == sorted(hf_tensor_names(model.cfg))
   directory.mkdir(parents=True, exist_ok=True)
   for name in existing:
     (directory / name).unlink()
@@ -108,15 +110,6 @@ def save_llama(model: Llama, directory, *, dtype: str = "bfloat16",
 def _np_dtype(dtype: str):
   import ml_dtypes
   return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
-
-
-def _leaves(state) -> list[tuple[list[str], object]]:
-  """(path names, array) of every leaf of an nnx.State of one decoder layer."""
-  import jax
-  out = []
-  for path, value in jax.tree.leaves_with_path(state):
-    out.append(([str(k.key) for k in path if hasattr(k, "key")], value))
-  return out
 
 
 def _model_files(directory: Path) -> list[str]:
