@@ -71,6 +71,21 @@ def permute(index: np.ndarray, n: int, seed: int, epoch: np.ndarray, rounds: int
 # Windows, splits and batches.
 
 
+def train_rows(step: int, batch_size: int, n_train: int, seed: int) -> np.ndarray:
+  """The training rows of batch `step`: a pure function of (seed, step), each epoch a fresh
+  permutation of the n_train rows."""
+  if step < 0:
+    raise ValueError(f"step must be >= 0, got {step}")
+  k = step * batch_size + np.arange(batch_size, dtype=np.int64)
+  return permute(k % n_train, n_train, seed, k // n_train)
+
+
+def eval_rows(num_batches: int, batch_size: int, n_train: int, n_eval: int) -> np.ndarray:
+  """The rows of `num_batches` fixed evaluation batches: the held-out rows after the n_train
+  training rows, cycled if there are few."""
+  return np.arange(num_batches * batch_size, dtype=np.int64) % n_eval + n_train
+
+
 @dataclasses.dataclass
 class TokenDataset:
   """Token arrays cut into `seq_len + 1` windows, with a train/eval split and deterministic batches.
@@ -150,17 +165,13 @@ class TokenDataset:
 
   def train_batch(self, step: int) -> np.ndarray:
     """Training batch `step`: (batch_size, seq_len + 1) int32 tokens, a pure function of (seed, step)."""
-    if step < 0:
-      raise ValueError(f"step must be >= 0, got {step}")
-    k = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
-    epoch, pos = k // self.n_train, k % self.n_train
-    return self._batch(self._windows(permute(pos, self.n_train, self.seed, epoch)))
+    return self._batch(self._windows(train_rows(step, self.batch_size, self.n_train, self.seed)))
 
   def eval_batches(self, num_batches: int) -> list[np.ndarray]:
     """`num_batches` fixed evaluation batches from the held-out windows (cycled if there are few)."""
     if self.n_eval == 0 or num_batches == 0:
       return []
-    k = np.arange(num_batches * self.batch_size, dtype=np.int64) % self.n_eval + self.n_train
+    k = eval_rows(num_batches, self.batch_size, self.n_train, self.n_eval)
     windows = self._windows(k).reshape(num_batches, self.batch_size, self.seq_len + 1)
     return [self._batch(w) for w in windows]
 

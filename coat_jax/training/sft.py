@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from coat_jax.training.corpus import atomic_write_bytes, cache_dir, eos_id, load_tokenizer
-from coat_jax.training.dataset import permute
+from coat_jax.training.dataset import eval_rows, train_rows
 from coat_jax.training.token_files import expand_paths
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -193,16 +193,12 @@ class PackedDataset:
     return {k: self.rows[k][index] for k in FIELDS}
 
   def train_batch(self, step: int) -> dict[str, np.ndarray]:
-    if step < 0:
-      raise ValueError(f"step must be >= 0, got {step}")
-    k = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
-    return self._take(permute(k % self.n_train, self.n_train, self.seed, k // self.n_train))
+    return self._take(train_rows(step, self.batch_size, self.n_train, self.seed))
 
   def eval_batches(self, num_batches: int) -> list[dict[str, np.ndarray]]:
     if self.n_eval == 0 or num_batches == 0:
       return []
-    k = np.arange(num_batches * self.batch_size, dtype=np.int64) % self.n_eval + self.n_train
-    rows = self._take(k)
+    rows = self._take(eval_rows(num_batches, self.batch_size, self.n_train, self.n_eval))
     return [{f: rows[f][i * self.batch_size:(i + 1) * self.batch_size] for f in FIELDS}
             for i in range(num_batches)]
 
