@@ -16,7 +16,9 @@
 # few steps; first step, compile, tokens/s, MFU, device peak, host max RSS with the final save;
 # CONFIGS="..." picks configs, one call each for llama2-7b and llama2-13b), remat_sweep (one
 # config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), largest (the
-# largest Llama each mode fits at seq 2048, global batch 64: `--plan` per shape, LARGEST_SHAPES).
+# largest Llama each mode fits at seq 2048, global batch 64: `--plan` per shape, LARGEST_SHAPES),
+# sft (configs/llama2-7b-sft.yaml from a random Hugging Face directory of Llama-2-7B's shape made
+# on the machine: SFT_VARIANTS of coat / bf16 (+ optax.adamw), _b4 at batch 4 without microbatches).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coat_gpu_out}; mkdir -p "$OUT"
@@ -103,10 +105,22 @@ for s in "$@"; do
                summary /tmp/cfg_$c 2>&1 | tee -a "$OUT/configs.log"
                du -sh /tmp/cfg_$c/checkpoints 2>&1 | tee -a "$OUT/configs.log"
                rm -rf /tmp/cfg_$c/checkpoints; done ;;
+    sft) d=/tmp/sft_model  # configs/llama2-7b-sft.yaml from a random HF directory of its shape
+         [ -f $d/tokenizer.json ] || section sft 300 $PY scripts/make_random_hf.py --preset llama2-7b \
+           --out $d --sft $d/sft.jsonl --sft-examples ${SFT_EXAMPLES:-20000}
+         for v in ${SFT_VARIANTS:-coat bf16}; do  # bf16: optax.adamw; _b4: batch 4, no microbatches
+           extra=(); case $v in bf16*) extra+=(--set precision=bf16 --set optimizer.name=adamw) ;; esac
+           case $v in *_b4) extra+=(--set optimizer.accumulate=1 --set data.batch_size=4) ;; esac
+           section sft ${SFT_LIMIT:-420} $PY train.py --config configs/llama2-7b-sft.yaml --no-progress \
+             --set model.init_from=$d --set "data.paths=[$d/sft.jsonl]" --set run.steps=${SFT_STEPS:-8} \
+             --set run.log_every=2 --set run.eval_every=0 --set run.plot=false --set run.tensorboard=false \
+             --set checkpoint.enabled=false --set run.plan_timed_steps=${PLAN_TIMED_STEPS:-1} \
+             "${extra[@]}" --out-dir /tmp/sft_$v --overwrite
+           summary /tmp/sft_$v 2>&1 | tee -a "$OUT/sft.log"; done ;;
     remat_sweep) c=${REMAT_CONFIG:-olmo-1b}
              for r in auto ${REMATS:-none fp8_residuals dots full}; do
                section remat_sweep ${CONFIG_LIMIT:-200} $PY train.py $(config_args $c) \
-                 --set model.remat=$r --set run.steps=${CONFIG_STEPS:-8} --set checkpoint.every=0 \
+                 --set model.remat=$r --set run.steps=${CONFIG_STEPS:-8} --set checkpoint.enabled=false \
                  --set run.out_dir=/tmp/sweep_$r --overwrite
                summary /tmp/sweep_$r 2>&1 | tee -a "$OUT/remat_sweep.log"; rm -rf /tmp/sweep_$r; done ;;
     largest) for shape in ${LARGEST_SHAPES:-5120:40:13824 6144:48:16384 6144:52:16384 7168:48:19456}; do

@@ -73,6 +73,15 @@ def test_tiny_default_loss_falls_and_writes_outputs(cache, tmp_path):
   assert 0 < s["first_step_s"] < s["wall_s"] and "first step" in summary_line(s)
 
 
+def test_checkpoints_disabled_writes_none(cache, tmp_path):
+  lines = []
+  s = run(mini(cache, tmp_path, "run.steps=4", "checkpoint.every=2", "checkpoint.enabled=false"),
+          log=lines.append)
+  assert s["step"] == 4 and np.isfinite(s["train_loss_last"])
+  assert ckpt_lib.Checkpointer(tmp_path / "checkpoints", 0, 3, False).all_steps() == []
+  assert any("writes no checkpoint" in l for l in lines)
+
+
 @pytest.mark.parametrize("optimizer,precision", [  # CI time: bf16 runs with --slow
     pytest.param("adamw", "bf16", marks=pytest.mark.slow), ("coat_adamw", "coat")])
 def test_resume_is_exact(cache, tmp_path, optimizer, precision):

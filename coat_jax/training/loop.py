@@ -175,6 +175,8 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
       f"optimizer {cfg.optimizer.name}, mesh {dict(mesh.shape)} on {mesh.devices.size} "
       f"{mesh.devices.flat[0].platform} device(s)")
   train_step, eval_step = chosen.compiled, built.eval_step
+  if not cfg.checkpoint.enabled:
+    say("[run] checkpoint.enabled is false: this run writes no checkpoint, not even at the end")
 
   # Resources opened from here on are closed on errors too (close() is idempotent).
   with contextlib.ExitStack() as cleanup:
@@ -206,6 +208,8 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
       return value
 
     def save(step: int, force: bool) -> bool:
+      if not cfg.checkpoint.enabled:
+        return False
       meta = {"step": step, "data_position": step, "seed": cfg.run.seed,
               "epoch": dataset.epoch_of(step),
               "rng": np.asarray(jax.random.key_data(run_key)).tolist(), "config": cfg.to_dict()}

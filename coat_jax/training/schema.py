@@ -188,7 +188,10 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
-  """Orbax checkpointing. `dir=""` means `<run.out_dir>/checkpoints`; `every=0` saves only at the end."""
+  """Orbax checkpointing. `dir=""` means `<run.out_dir>/checkpoints`; `every=0` saves only at the end.
+  `enabled: false` writes no checkpoint at all, not even at the end or on a signal (benchmarks and
+  smoke runs whose state is not worth the disk: a 7B state is tens of GB)."""
+  enabled: bool = True
   dir: str = ""
   every: int = 0
   keep: int = 3
