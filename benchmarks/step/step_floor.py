@@ -18,15 +18,15 @@ coat-only categories (FP8 GEMM and quantize) with the rest as measured.
              bytes each moved; measured: --optimizer-ms [LABEL=]MS (its kernel time; repeatable)
   layer      the Llama-2-7B decoder layer forward + backward that bench_layer times (batch 8 x
              2048, bf16 weights), bf16 and coat; measured: --layer-ms PRECISION=MS
-  step       train.py's step of --preset at --batch x --seq-len (and --set), bf16 and coat;
-             measured: --tokens-per-s PRECISION=TOKENS_PER_S, or --summary-json [PRECISION=]PATH
+  step       train.py's step of --preset at --batch x --seq-len (and --set), bf16 and coat (or
+             only the precisions --tokens-per-s names, where it names any); measured: --tokens-per-s PRECISION=TOKENS_PER_S, or --summary-json [PRECISION=]PATH
              (train.py's summary.json; its step counted at the preset, shape, precision, remat and
              microbatches of the config.yaml beside it where there is one)
 with the FLOPs and bytes counted, the compute floor (FLOPs at the dense peaks), the byte floor
 (bytes at the bandwidth), the floor (the larger), what bounds it, the measured ms and measured /
 floor. With no measured numbers it prints the floors only.
 
-  python -m benchmarks.step.step_floor                        # floors only (CPU, ~10 s)
+  python -m benchmarks.step.step_floor                        # floors only (CPU, ~5 s)
   python -m benchmarks.step.profile_step --variants bf16:loop,coat:loop --json $OUT/p.json   # GPU
   python -m benchmarks.step.step_floor --profile $OUT/p.json --gpu h200
   python -m benchmarks.step.step_floor --summary --preset llama2-7b --seq-len 4096 --batch 16 \\
@@ -44,7 +44,8 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks import _floor
+from benchmarks._floor import (CATEGORIES, OPTIMIZER_PARAMS, category_ms,
+                               optimizer_bytes_per_param, roofline, step_counts)
 from benchmarks._common import GPU_PEAKS
 
 PRECISIONS = ("bf16", "coat")
@@ -76,9 +77,9 @@ def floors(preset, seq_len, batch, sets, peaks) -> dict:
   """{"layers", precision: {"ms" (category: floor ms), "counts", "per_layer"}} of the full step."""
   out = {}
   for precision in PRECISIONS:
-    got = _floor.step_counts(preset, precision, seq_len, batch, sets)
+    got = step_counts(preset, precision, seq_len, batch, sets)
     out["layers"] = got["layers"]
-    out[precision] = dict(ms=_floor.category_ms(got["counts"], peaks), counts=got["counts"],
+    out[precision] = dict(ms=category_ms(got["counts"], peaks), counts=got["counts"],
                           per_layer=got["per_layer"])
   return out
 
@@ -106,7 +107,7 @@ def report(fl, a, profile, peaks) -> str:
   head = f"{'ms per step':<22}{'bf16 floor':>11}{'measured':>10}{'coat floor':>12}{'measured':>10}"
   lines += ["", head, "-" * len(head)]
   totals = collections.Counter()
-  for cat in _floor.CATEGORIES:
+  for cat in CATEGORIES:
     row = f"{cat:<22}"
     for p in PRECISIONS:
       f = fl[p]["ms"].get(cat, 0.0)
@@ -217,27 +218,27 @@ def summary_rows(a, peaks, runs) -> list[dict]:
   """The --summary table's rows: {"row", "flops", "bytes", "compute ms", "bytes ms", "floor ms",
   "bound", "measured ms"} (measured ms None where no number was given)."""
   rows = []
-  opt_bytes = _floor.OPTIMIZER_PARAMS * _floor.optimizer_bytes_per_param("coat")
-  opt = _floor.roofline({"optimizer bytes": opt_bytes}, peaks)
+  opt_bytes = OPTIMIZER_PARAMS * optimizer_bytes_per_param("coat")
+  opt = roofline({"optimizer bytes": opt_bytes}, peaks)
   for label, ms in a.optimizer_ms or [("", None)]:
-    rows.append(dict(opt, row=f"optimizer step, {_floor.OPTIMIZER_PARAMS / 1e9:.2f}e9 float32 "
-                     f"params, coat_adamw" + (f" ({label})" if label else ""), **{"measured ms": ms}))
+    name = f"optimizer step, {OPTIMIZER_PARAMS / 1e9:.2f}e9 float32 params, coat_adamw"
+    rows.append(dict(opt, row=name + (f" ({label})" if label else ""), **{"measured ms": ms}))
   layer_ms = dict(a.layer_ms)
   for precision in PRECISIONS:
-    got = _floor.step_counts(LAYER["preset"], precision, LAYER["seq_len"], LAYER["batch"],
+    got = step_counts(LAYER["preset"], precision, LAYER["seq_len"], LAYER["batch"],
                              LAYER["sets"])
-    rows.append(dict(_floor.roofline(got["per_layer"], peaks),
+    rows.append(dict(roofline(got["per_layer"], peaks),
                      row=f"{LAYER['preset']} decoder layer fwd+bwd, batch {LAYER['batch']} x "
                      f"{LAYER['seq_len']}, {precision}",
                      **{"measured ms": layer_ms.get(precision)}))
   for run in runs:
-    got = _floor.step_counts(run["preset"], run["precision"], run["seq_len"], run["batch"],
+    got = step_counts(run["preset"], run["precision"], run["seq_len"], run["batch"],
                              run["sets"])
     tokens = run["batch"] * run["seq_len"]
     tps = run.get("tokens_per_s")
     micro = next((s.split("=")[1] for s in run["sets"] if s.startswith("optimizer.accumulate=")),
                  "1")
-    rows.append(dict(_floor.roofline(got["counts"], peaks),
+    rows.append(dict(roofline(got["counts"], peaks),
                      row=f"{run['preset']} train step, batch {run['batch']} x {run['seq_len']}, "
                      f"{run['precision']}, remat {got['remat']}"
                      + (f", {micro} microbatches" if micro != "1" else "")
