@@ -19,8 +19,9 @@ coat-only categories (FP8 GEMM and quantize) with the rest as measured.
   layer      the Llama-2-7B decoder layer forward + backward that bench_layer times (batch 8 x
              2048, bf16 weights), bf16 and coat; measured: --layer-ms PRECISION=MS
   step       train.py's step of --preset at --batch x --seq-len (and --set), bf16 and coat (or
-             only the precisions --tokens-per-s names, where it names any); measured: --tokens-per-s PRECISION=TOKENS_PER_S, or --summary-json [PRECISION=]PATH
-             (train.py's summary.json; its step counted at the preset, shape, precision, remat and
+             only the precisions --tokens-per-s names, where it names any); measured:
+             --tokens-per-s PRECISION=TOKENS_PER_S, or --summary-json [PRECISION=]PATH (train.py's
+             summary.json; its step counted at the preset, shape, precision, remat and
              microbatches of the config.yaml beside it where there is one)
 with the FLOPs and bytes counted, the compute floor (FLOPs at the dense peaks), the byte floor
 (bytes at the bandwidth), the floor (the larger), what bounds it, the measured ms and measured /
