@@ -19,9 +19,22 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-# The H100 SXM's dense peaks (NVIDIA's datasheet; the floors in docs/results.md, "Where the
-# step's time goes", use them).
-H100 = {"fp8_flops": 1979e12, "bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12}
+# Dense peaks of the GPUs the floors are counted against (NVIDIA's SXM datasheets, no sparsity):
+# FP8 and bf16 tensor-core FLOP/s, HBM bytes/s. The datasheet bandwidth is not reached: the
+# fastest stream measured on an H200 (2026-11-26, `python -m benchmarks.step.bench_optimizer`)
+# moved 3.878 TB/s, which step_floor.py takes as `--hbm-tbps 3.878`.
+GPU_PEAKS = {
+    "h100": {"name": "H100 SXM", "fp8_flops": 1979e12, "bf16_flops": 989e12,
+             "hbm_bytes_per_s": 3.35e12},
+    "h200": {"name": "H200 SXM", "fp8_flops": 1979e12, "bf16_flops": 989e12,
+             "hbm_bytes_per_s": 4.8e12},
+}
+
+
+def gpu_peaks(device_kind: str) -> dict:
+  """GPU_PEAKS of a device (its `device_kind`, e.g. "NVIDIA H200"): the H200's where the name says
+  H200, else the H100's."""
+  return GPU_PEAKS["h200" if "h200" in device_kind.lower() else "h100"]
 
 # One color per (precision + optimizer) mode in every plot.
 MODE_COLORS = {"bf16+adamw": "tab:blue", "fp8_linear+adamw": "tab:green", "coat+coat_adamw": "tab:red"}

@@ -88,7 +88,9 @@ for s in "$@"; do
             --json "$OUT/peak.json" ;;
     floor) section floor 500 $PY -m benchmarks.step.profile_step --variants bf16:loop,coat:loop --steps 8 \
              --warmup 3 --iters 3 --top 40 --json "$OUT/profile16_loop.json"
-           section floor 120 env JAX_PLATFORMS=cpu $PY -m benchmarks.step.step_floor --profile "$OUT/profile16_loop.json" ;;
+           gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -qi h200 && echo h200 || echo h100)
+           section floor 120 env JAX_PLATFORMS=cpu $PY -m benchmarks.step.step_floor --gpu "$gpu" \
+             --profile "$OUT/profile16_loop.json" ;;
     multi_gpu) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
           section multi_gpu 200 $PY -m benchmarks.mesh.resume_across_meshes --devices-a 2 --devices-b 1 --reference \
             --set precision=coat --set optimizer.name=coat_adamw --out-dir /tmp/resume \

@@ -11,7 +11,8 @@ Rows (one layer's forward MLP input half, batch 8 x 2048 tokens; ms, median of b
              the transposed copy, twice, vs the epilogue path's (ops/swiglu.py `weight_codes_t`,
              XLA: each weight quantized as it lies, then its codes transposed and interleaved)
 Floors: the GEMM's FLOPs at the FP8 dense peak (1979 TFLOP/s); the SwiGLU pass's bytes (gate and
-up read in bf16, h written in bf16, codes in FP8 and bf16 scales written) at 3.35 TB/s.
+up read in bf16, h written in bf16, codes in FP8 and bf16 scales written) at the datasheet HBM
+bandwidth of the GPU it runs on (`_common.gpu_peaks`: H200 4.8, else H100 3.35 TB/s).
 On the CPU: a small shape in interpret mode, to check that the script runs.
 """
 from __future__ import annotations
@@ -22,12 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._common import H100, median_ms_back_to_back
+from benchmarks._common import gpu_peaks, median_ms_back_to_back
 from coat_jax import kernels
 from coat_jax.ops.swiglu import weight_codes_t
 from pallas_kernels.gemm import fp8_gemm_swiglu as fs, fp8_matmul as fm
 
-PEAK_FP8, HBM = H100["fp8_flops"], H100["hbm_bytes_per_s"]
 T = 16384
 SHAPES = {"olmo": (T, 8192, 2048), "7b": (T, 11008, 4096)}   # (M, F, K)
 
@@ -78,8 +78,10 @@ def run_shape(name, m, f, k, iters, interpret):
   rows.append(("weights: interleaved", median_ms_back_to_back(jax.jit(epilogue_codes), *w32,
                                                               iters=iters)))
   flops = 2 * m * 2 * f * k
+  peaks = gpu_peaks(jax.devices()[0].device_kind)
+  peak_fp8, hbm = peaks["fp8_flops"], peaks["hbm_bytes_per_s"]
   swiglu_bytes = m * f * (2 * 2 + 2 + 2 * 1) + 2 * (m * f // 16) * 2
-  print(f"  floors: GEMM {flops / PEAK_FP8 * 1e3:.3f} ms, SwiGLU pass {swiglu_bytes / HBM * 1e3:.3f} ms")
+  print(f"  floors: GEMM {flops / peak_fp8 * 1e3:.3f} ms, SwiGLU pass {swiglu_bytes / hbm * 1e3:.3f} ms")
   print(f"  {'path':<22}{'ms':>9}{'TFLOP/s':>10}")
   for label, ms in rows:
     tf = f"{flops / ms / 1e9:>10.0f}" if not label.startswith("weights") else f"{'':>10}"

@@ -1,31 +1,39 @@
-"""The floor of one train step, per kernel category, against a measured profile.
+"""The floor of one train step per kernel category, against a measured profile; or (--summary) one
+table of what is left between each measured number and its floor.
 
-Counted on the CPU from the traced train step (`jax.make_jaxpr` of train.py's step on abstract
-arrays, bf16 compute; no GPU, nothing computed), with the kernel dispatch binding the kernels as
-on one Hopper GPU (`_signatures.as_if_on_hopper`), so that the jaxpr holds the GPU step's calls:
+Counted on the CPU from the traced train step (benchmarks/_floor.py: what each category counts,
+how remat's recompute and microbatches are counted; no GPU, nothing allocated, ~1 s of CPU per
+trace), at a GPU's datasheet dense peaks: `--gpu h200` (default) or `h100` (`_common.GPU_PEAKS`:
+FP8 1979, bf16 989 TFLOP/s both; HBM 4.8 and 3.35 TB/s). `--hbm-tbps` puts a measured bandwidth
+in the datasheet's place (the H200's best stream, 2026-11-26, `python -m
+benchmarks.step.bench_optimizer`: 3.878 TB/s).
 
-  FP8 GEMM   2 M N K of every Mosaic GPU GEMM call, its operands as padded to its tiles (the
-             plain TN GEMM and the gate/up GEMM with SwiGLU in its epilogue; or of the FP8
-             dot_general where a shape takes the reference), at the FP8 dense peak
-  bf16 GEMM  2 M N K (x batch) of every dot_general outside the kernels and the attention (the
-             bf16 step's linears, both steps' LM head), at the bf16 dense peak
-  attention  causal flash attention, 2 B H S^2 Dh forward (QK^T and PV, half the square) and 2.5x
-             that backward (S recomputed, dV, dP, dQ, dK), at the bf16 dense peak
-  quantize   the bytes every quantize kernel call reads and writes (its operands and results),
-             at the HBM bandwidth; the amax passes XLA fuses into the producers are not in it
-  optimizer  the bytes of the optimizer state, parameters and gradients read and written once
-             (parameters, m, v and their scales read and written, gradients read), at the HBM
-             bandwidth
+Default: the step's floor per category (FP8 GEMM, bf16 GEMM, attention, quantize, optimizer), bf16
+and coat. With --profile (profile_step.py's --json of a bf16 and a coat variant), every category's
+measured GPU time is printed beside its floor, and what 1.43x of the bf16 step would ask of the
+coat-only categories (FP8 GEMM and quantize) with the rest as measured.
 
-The per-layer counts come from tracing 1 and 2 layers of the preset's width (the difference is one
-layer; the rest is the embedding, final norm, LM head and loss), scaled to the preset's depth.
-H100 SXM peaks: `_common.H100`. With --profile (profile_step.py's --json of a bf16 and a coat
-variant), every category's measured GPU time is printed beside its floor, and what 1.43x of the
-bf16 step would ask of the coat-only categories (FP8 GEMM and quantize) with the rest as measured.
+--summary: one markdown table, a row per number:
+  optimizer  the step bench_optimizer times: 1.21e9 float32 parameters with coat_adamw, 16.16
+             bytes each moved; measured: --optimizer-ms [LABEL=]MS (its kernel time; repeatable)
+  layer      the Llama-2-7B decoder layer forward + backward that bench_layer times (batch 8 x
+             2048, bf16 weights), bf16 and coat; measured: --layer-ms PRECISION=MS
+  step       train.py's step of --preset at --batch x --seq-len (and --set), bf16 and coat (or
+             only the precisions --tokens-per-s names, where it names any); measured:
+             --tokens-per-s PRECISION=TOKENS_PER_S, or --summary-json [PRECISION=]PATH (train.py's
+             summary.json; its step counted at the preset, shape, precision, remat and
+             microbatches of the config.yaml beside it where there is one)
+with the FLOPs and bytes counted, the compute floor (FLOPs at the dense peaks), the byte floor
+(bytes at the bandwidth), the floor (the larger), what bounds it, the measured ms and measured /
+floor. With no measured numbers it prints the floors only.
 
-  python -m benchmarks.step.step_floor                        # floors only (CPU, ~10 s)
+  python -m benchmarks.step.step_floor                        # floors only (CPU, ~5 s)
   python -m benchmarks.step.profile_step --variants bf16:loop,coat:loop --json $OUT/p.json   # GPU
-  python -m benchmarks.step.step_floor --profile $OUT/p.json
+  python -m benchmarks.step.step_floor --profile $OUT/p.json --gpu h200
+  python -m benchmarks.step.step_floor --summary --preset llama2-7b --seq-len 4096 --batch 16 \\
+      --set optimizer.accumulate=4 --hbm-tbps 3.878 --optimizer-ms rows=4.99 \\
+      --optimizer-ms cols=7.60 --layer-ms coat=22.70 --layer-ms bf16=33.37 \\
+      --tokens-per-s coat=18415
 """
 from __future__ import annotations
 
@@ -37,116 +45,44 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks._common import H100
-from benchmarks._hlo import step_config
-from benchmarks._signatures import as_if_on_hopper, is_kernel, kernel_name, signature_backend
+from benchmarks._floor import (CATEGORIES, OPTIMIZER_PARAMS, category_ms,
+                               optimizer_bytes_per_param, roofline, step_counts)
+from benchmarks._common import GPU_PEAKS
 
-GEMM_KERNELS = ("coat_fp8_gemm",)           # prefix of the Mosaic GPU GEMM kernels' names
-QUANTIZE_KERNELS = ("quantiz", "swiglu", "amax")
-CATEGORIES = ("FP8 GEMM", "bf16 GEMM", "attention", "quantize", "optimizer")
-
-
-def _nbytes(avals) -> int:
-  import numpy as np
-  return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
-
-
-def _dot_flops(eqn) -> int:
-  (lc, _), _ = eqn.params["dimension_numbers"]
-  a = eqn.invars[0].aval
-  out = eqn.outvars[0].aval
-  return 2 * math.prod(out.shape) * math.prod(a.shape[d] for d in lc)
+PRECISIONS = ("bf16", "coat")
+# bench_layer's default layer: Llama-2-7B width, batch 8 x 2048, bf16 weights.
+LAYER = dict(preset="llama2-7b", seq_len=2048, batch=8, sets=("model.param_dtype=bfloat16",))
+# The model and optimizer keys of a train.py run's config.yaml that change the counted step.
+RUN_KEYS = ("model.remat", "model.attention_residuals", "model.param_dtype", "model.vocab_size",
+            "model.num_layers", "model.hidden_size", "model.intermediate_size",
+            "model.num_heads", "model.num_kv_heads", "model.head_dim", "optimizer.accumulate",
+            "optimizer.grad_dtype")
 
 
-def count(jaxpr, out=None, times=1) -> collections.Counter:
-  """{"FP8 GEMM flops", "bf16 GEMM flops", "quantize bytes", "kernels"} of a jaxpr run `times`
-  times, recursively (a scan's body `length` times; a kernel's own body is not entered;
-  dot_generals with batch dimensions, the attention's reference on the CPU, are left out: the
-  attention is counted from the shapes). A while loop (trip count unknown) is an error."""
-  from jax.extend.core import jaxprs_in_params
+def peaks_of(gpu, hbm_tbps=None) -> dict:
+  """GPU_PEAKS[gpu], its bandwidth replaced by `hbm_tbps` TB/s when given."""
+  peaks = dict(GPU_PEAKS[gpu])
+  if hbm_tbps:
+    peaks.update(hbm_bytes_per_s=hbm_tbps * 1e12, hbm_measured=True)
+  return peaks
 
-  out = collections.Counter() if out is None else out
-  for eqn in jaxpr.eqns:
-    if is_kernel(eqn):
-      name = kernel_name(eqn.params)
-      out["kernels"] += times
-      if name.startswith(GEMM_KERNELS):
-        a, b = (v.aval for v in eqn.invars[:2])      # (M, K) and (N, K) codes
-        out["FP8 GEMM flops"] += times * 2 * a.shape[0] * b.shape[0] * a.shape[1]
-      elif any(k in name for k in QUANTIZE_KERNELS):
-        out["quantize bytes"] += times * (_nbytes(v.aval for v in eqn.invars) + _nbytes(
-            v.aval for v in eqn.outvars))
-      continue
-    if eqn.primitive.name == "dot_general":
-      (_, _), (lb, _) = eqn.params["dimension_numbers"]
-      fp8 = any("float8" in str(v.aval.dtype) for v in eqn.invars)   # the GEMM's reference
-      if fp8 or not lb:
-        out["FP8 GEMM flops" if fp8 else "bf16 GEMM flops"] += times * _dot_flops(eqn)
-      continue
-    if eqn.primitive.name == "while":
-      raise ValueError("step_floor: a while loop in the step (its trip count is unknown); trace "
-                       "with the layers unrolled")
-    inner = times * eqn.params["length"] if eqn.primitive.name == "scan" else times
-    for sub in jaxprs_in_params(eqn.params):
-      count(sub, out, inner)
+
+def peaks_line(peaks) -> str:
+  hbm = peaks["hbm_bytes_per_s"] / 1e12
+  return (f"{peaks['name']} datasheet peaks (FP8 {peaks['fp8_flops'] / 1e12:.0f}, bf16 "
+          f"{peaks['bf16_flops'] / 1e12:.0f} TFLOP/s, HBM " +
+          (f"{hbm:.3f} TB/s measured)" if peaks.get("hbm_measured") else f"{hbm:.2f} TB/s)"))
+
+
+def floors(preset, seq_len, batch, sets, peaks) -> dict:
+  """{"layers", precision: {"ms" (category: floor ms), "counts", "per_layer"}} of the full step."""
+  out = {}
+  for precision in PRECISIONS:
+    got = step_counts(preset, precision, seq_len, batch, sets)
+    out["layers"] = got["layers"]
+    out[precision] = dict(ms=category_ms(got["counts"], peaks), counts=got["counts"],
+                          per_layer=got["per_layer"])
   return out
-
-
-def _config(preset, precision, seq_len, batch, sets, layers=None):
-  """The benchmarks' step config (`_hlo.step_config`), layers unrolled, bf16 compute (what
-  `model.dtype=auto` picks on the GPU), cut to `layers` layers if given."""
-  depth = [f"model.num_layers={layers}"] if layers else []
-  return step_config(preset, precision, "loop", seq_len, batch,
-                     ["model.dtype=bfloat16", *sets, *depth])
-
-
-def trace_counts(preset, precision, layers, seq_len, batch, sets) -> collections.Counter:
-  """count() of the train step of `preset` cut to `layers` unrolled layers."""
-  import jax
-  import numpy as np
-
-  from coat_jax import kernels
-  from coat_jax.training import mesh as mesh_lib
-  from coat_jax.training.build import build
-
-  cfg = _config(preset, precision, seq_len, batch, sets, layers)
-  built = build(cfg, mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1]), seed=0)
-  tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), np.int32)
-  with as_if_on_hopper(), kernels.backend(signature_backend(None)):
-    jaxpr = jax.make_jaxpr(built.train_step)(*built.abstract_state(), tokens)
-  return count(jaxpr.jaxpr)
-
-
-def llama_config(preset, seq_len, batch, sets):
-  from coat_jax.training.build import model_config
-  return model_config(_config(preset, "bf16", seq_len, batch, sets), None)
-
-
-def floors(preset, seq_len, batch, sets) -> dict:
-  """{precision: {category: floor ms}} of the full-depth step, with the counts behind them."""
-  m = llama_config(preset, seq_len, batch, sets)
-  shape = dict(layers=m.num_layers, heads=m.num_heads, head_dim=m.head_dim)
-  out = {"layers": m.num_layers}
-  for precision in ("bf16", "coat"):
-    one, two = (trace_counts(preset, precision, n, seq_len, batch, sets) for n in (1, 2))
-    layer = {k: two[k] - one[k] for k in two}
-    full = {k: one[k] + (shape["layers"] - 1) * layer[k] for k in two}
-    attn = 3.5 * 2 * batch * shape["heads"] * seq_len ** 2 * shape["head_dim"] * shape["layers"]
-    ms = {"FP8 GEMM": full.get("FP8 GEMM flops", 0) / H100["fp8_flops"] * 1e3,
-          "bf16 GEMM": full.get("bf16 GEMM flops", 0) / H100["bf16_flops"] * 1e3,
-          "attention": attn / H100["bf16_flops"] * 1e3,
-          "quantize": full.get("quantize bytes", 0) / H100["hbm_bytes_per_s"] * 1e3}
-    out[precision] = dict(ms=ms, counts=full, per_layer=layer)
-  return out
-
-
-def optimizer_floor_ms(llama_cfg, precision) -> float:
-  """Parameters (float32), gradients (float32) and moments (float32 for adamw; for coat_adamw one
-  byte each plus, per group of 128, a float32 scale and a one-byte expansion exponent: 2.078
-  bytes) moved once: all read and written but the gradient, which is only read."""
-  from coat_jax.models.llama import num_params
-  moments = 8 if precision == "bf16" else 2 + 2 * 5 / 128
-  return num_params(llama_cfg) * (2 * (4 + moments) + 4) / H100["hbm_bytes_per_s"] * 1e3
 
 
 def measured(profile_path) -> dict:
@@ -164,19 +100,17 @@ def back_to_back_ms(row) -> float:
   return span / row.get("iters", 1) if span else row["step_ms"]
 
 
-def report(fl, a, profile) -> str:
+def report(fl, a, profile, peaks) -> str:
   lines = [f"{a.preset}, batch {a.batch} x {a.seq_len}, {fl['layers']} layers; floors at "
-           f"H100 SXM peaks (FP8 {H100['fp8_flops'] / 1e12:.0f}, bf16 "
-           f"{H100['bf16_flops'] / 1e12:.0f} TFLOP/s, "
-           f"HBM {H100['hbm_bytes_per_s'] / 1e12:.2f} TB/s)"]
+           f"{peaks_line(peaks)}"]
   rows = measured(profile) if profile else {}
-  meas = {p: rows.get(p) for p in ("bf16", "coat")}
+  meas = {p: rows.get(p) for p in PRECISIONS}
   head = f"{'ms per step':<22}{'bf16 floor':>11}{'measured':>10}{'coat floor':>12}{'measured':>10}"
   lines += ["", head, "-" * len(head)]
   totals = collections.Counter()
   for cat in CATEGORIES:
     row = f"{cat:<22}"
-    for p in ("bf16", "coat"):
+    for p in PRECISIONS:
       f = fl[p]["ms"].get(cat, 0.0)
       m = meas[p]["category_ms"].get(cat) if meas[p] else None
       totals[p, "floor"] += f
@@ -185,7 +119,7 @@ def report(fl, a, profile) -> str:
       row += f"{m:>10.2f}" if m is not None else f"{'':>10}"
     lines.append(row)
   if all(meas.values()):
-    rest = {p: meas[p]["kernel_ms"] - totals[p, "meas"] for p in ("bf16", "coat")}
+    rest = {p: meas[p]["kernel_ms"] - totals[p, "meas"] for p in PRECISIONS}
     lines.append(f"{'everything else':<22}{'':>11}{rest['bf16']:>10.2f}{'':>12}"
                  f"{rest['coat']:>10.2f}")
     lines.append(f"{'kernel total':<22}{totals['bf16', 'floor']:>11.2f}"
@@ -193,7 +127,7 @@ def report(fl, a, profile) -> str:
                  f"{meas['coat']['kernel_ms']:>10.2f}")
     lines.append(f"{'step, blocked (wall)':<22}{'':>11}{meas['bf16']['step_ms']:>10.2f}{'':>12}"
                  f"{meas['coat']['step_ms']:>10.2f}")
-    step = {p: back_to_back_ms(meas[p]) for p in ("bf16", "coat")}
+    step = {p: back_to_back_ms(meas[p]) for p in PRECISIONS}
     lines.append(f"{'step, back to back':<22}{'':>11}{step['bf16']:>10.2f}{'':>12}"
                  f"{step['coat']:>10.2f}")
     bf16, coat = step["bf16"], step["coat"]
@@ -202,7 +136,7 @@ def report(fl, a, profile) -> str:
     own_floor = sum(fl["coat"]["ms"][c] for c in own)
     target = bf16 / a.ratio
     budget = target - (coat - own_ms)
-    at_floor = {p: totals[p, "floor"] + rest[p] for p in ("bf16", "coat")}
+    at_floor = {p: totals[p, "floor"] + rest[p] for p in PRECISIONS}
     lines += ["", f"coat vs bf16, steps back to back: {bf16 / coat:.2f}x ({coat:.1f} vs {bf16:.1f} "
               f"ms). Both steps with every category above at its floor and the rest as measured: "
               f"{at_floor['bf16']:.1f} vs {at_floor['coat']:.1f} ms, "
@@ -217,6 +151,140 @@ def report(fl, a, profile) -> str:
   return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# --summary: one table, a row per measured number.
+
+
+def _pairs(p, flag, values, labels=None) -> list[tuple[str, float]]:
+  """[(label, value > 0)] of repeated `LABEL=VALUE` (or a bare VALUE: label "") options; a bad one
+  exits through p.error naming it."""
+  out = []
+  for text in values:
+    label, _, num = text.rpartition("=")
+    try:
+      value = float(num)
+    except ValueError:
+      value = float("nan")
+    if not value > 0 or (labels is not None and label not in labels):
+      want = f"{'|'.join(labels)}=" if labels else "[LABEL=]"
+      p.error(f"{flag} {text!r}: expected {want}NUMBER with the number > 0")
+    out.append((label, value))
+  return out
+
+
+def run_of_summary(p, spec, a) -> dict:
+  """A step row's spec from --summary-json [PRECISION=]PATH: train.py's summary.json (tokens_per_s,
+  mfu, flops_per_token) and, where it lies beside it, the run's config.yaml (preset, shape,
+  precision and RUN_KEYS); the rest from the command line."""
+  head, _, tail = spec.partition("=")
+  precision, path = (head, tail) if head in PRECISIONS else ("", spec)
+  try:
+    summary = json.loads(Path(path).read_text())
+    tps = float(summary["tokens_per_s"])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    p.error(f"--summary-json {path}: not a train.py summary.json with tokens_per_s ({e})")
+  run = dict(preset=a.preset, seq_len=a.seq_len, batch=a.batch, sets=tuple(a.sets),
+             precision=precision, tokens_per_s=tps, summary=summary, source=path)
+  config = Path(path).with_name("config.yaml")
+  if config.is_file():
+    from coat_jax.training import schema
+    try:
+      cfg = schema.load(config)
+    except ValueError as e:
+      p.error(f"--summary-json: {config}: {str(e).splitlines()[0]}")
+    sets = []
+    for key in RUN_KEYS:
+      section, name = key.split(".")
+      value = getattr(getattr(cfg, section), name)
+      if value is not None:
+        sets.append(f"{key}={value}")
+    run.update(preset=cfg.model.preset, seq_len=cfg.data.seq_len, batch=cfg.data.batch_size,
+               sets=tuple(sets) + tuple(a.sets), precision=precision or cfg.precision)
+  if run["precision"] not in PRECISIONS:
+    p.error(f"--summary-json {spec}: name the precision (bf16=PATH or coat=PATH); "
+            f"found {run['precision'] or 'no config.yaml beside it'}")
+  return run
+
+
+def _ms(x) -> str:
+  """Four significant digits, no exponent: 2876, 21.09, 0.04512."""
+  return "0" if not x else f"{x:.{max(0, 3 - math.floor(math.log10(abs(x))))}f}"
+
+
+def _tflop(x) -> str:
+  return f"{x / 1e12:,.1f} TFLOP" if x else "0"
+
+
+def summary_rows(a, peaks, runs) -> list[dict]:
+  """The --summary table's rows: {"row", "flops", "bytes", "compute ms", "bytes ms", "floor ms",
+  "bound", "measured ms"} (measured ms None where no number was given)."""
+  rows = []
+  opt_bytes = OPTIMIZER_PARAMS * optimizer_bytes_per_param("coat")
+  opt = roofline({"optimizer bytes": opt_bytes}, peaks)
+  for label, ms in a.optimizer_ms or [("", None)]:
+    name = f"optimizer step, {OPTIMIZER_PARAMS / 1e9:.2f}e9 float32 params, coat_adamw"
+    rows.append(dict(opt, row=name + (f" ({label})" if label else ""), **{"measured ms": ms}))
+  layer_ms = dict(a.layer_ms)
+  for precision in PRECISIONS:
+    got = step_counts(LAYER["preset"], precision, LAYER["seq_len"], LAYER["batch"],
+                             LAYER["sets"])
+    rows.append(dict(roofline(got["per_layer"], peaks),
+                     row=f"{LAYER['preset']} decoder layer fwd+bwd, batch {LAYER['batch']} x "
+                     f"{LAYER['seq_len']}, {precision}",
+                     **{"measured ms": layer_ms.get(precision)}))
+  for run in runs:
+    got = step_counts(run["preset"], run["precision"], run["seq_len"], run["batch"],
+                             run["sets"])
+    tokens = run["batch"] * run["seq_len"]
+    tps = run.get("tokens_per_s")
+    micro = next((s.split("=")[1] for s in run["sets"] if s.startswith("optimizer.accumulate=")),
+                 "1")
+    rows.append(dict(roofline(got["counts"], peaks),
+                     row=f"{run['preset']} train step, batch {run['batch']} x {run['seq_len']}, "
+                     f"{run['precision']}, remat {got['remat']}"
+                     + (f", {micro} microbatches" if micro != "1" else "")
+                     + (f" ({run['label']})" if run.get("label") else ""),
+                     tokens=tokens, **{"measured ms": tokens / tps * 1e3 if tps else None}))
+  return rows
+
+
+def summary_table(rows) -> str:
+  head = ("| row | FLOPs | bytes | compute floor ms | byte floor ms | floor ms | bound by "
+          "| measured ms | measured / floor |")
+  lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    m = r["measured ms"]
+    ratio = f"{m / r['floor ms']:.2f}x" if m is not None else ""
+    lines.append(f"| {r['row']} | {_tflop(r['flops'])} | {r['bytes'] / 1e9:,.2f} GB | "
+                 f"{_ms(r['compute ms'])} | {_ms(r['bytes ms'])} | {_ms(r['floor ms'])} | "
+                 f"{r['bound']} | {'' if m is None else _ms(m)} | {ratio} |")
+  return "\n".join(lines)
+
+
+def summary(p, a, peaks) -> str:
+  runs = []
+  tps = dict(a.tokens_per_s)
+  for precision in PRECISIONS:
+    if precision in tps or not (a.summary_json or tps):
+      runs.append(dict(preset=a.preset, seq_len=a.seq_len, batch=a.batch, sets=tuple(a.sets),
+                       precision=precision, tokens_per_s=tps.get(precision)))
+  from_files = [run_of_summary(p, spec, a) for spec in a.summary_json]
+  for run in from_files:
+    run["label"] = "summary.json"
+  rows = summary_rows(a, peaks, runs + from_files)
+  lines = [f"Floors at {peaks_line(peaks)}; the floor is the larger of the compute and byte "
+           f"floors (benchmarks/_floor.py).", "", summary_table(rows)]
+  for run, row in zip(from_files, rows[-len(from_files):] if from_files else []):
+    s = run["summary"]
+    counted = row["flops"] / row["tokens"]
+    mfu = f"{s['mfu']:.1%}" if isinstance(s.get("mfu"), (int, float)) else "n/a"
+    fpt = s.get("flops_per_token")
+    lines += ["", f"{run['source']}: {run['tokens_per_s']:,.0f} tokens/s, MFU {mfu} (its "
+              f"flops_per_token " + (f"{fpt:.4g}" if fpt else "n/a") + ", 6 N + 12 L S H Dh, "
+              f"against the bf16 peak); FLOPs per token counted here: {counted:.4g}."]
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -224,22 +292,42 @@ def main(argv=None) -> int:
   p.add_argument("--seq-len", type=int, default=2048)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                 help="model.* overrides (as train.py's --set)")
+                 help="config overrides of the counted step (as train.py's --set): "
+                      "model.remat=full, optimizer.accumulate=4, ...")
+  p.add_argument("--gpu", default="h200", choices=sorted(GPU_PEAKS),
+                 help="whose datasheet peaks the floors are at")
+  p.add_argument("--hbm-tbps", type=float, default=None,
+                 help="a measured HBM bandwidth (TB/s) in place of the datasheet's")
   p.add_argument("--profile", default=None, help="profile_step.py --json output to compare with")
   p.add_argument("--ratio", type=float, default=1.43, help="the speed-up asked of coat over bf16")
   p.add_argument("--json", default=None, help="write the floors and counts here")
+  p.add_argument("--summary", action="store_true",
+                 help="one markdown table: each measured number against its floor")
+  p.add_argument("--optimizer-ms", action="append", default=[], metavar="[LABEL=]MS")
+  p.add_argument("--layer-ms", action="append", default=[], metavar="PRECISION=MS")
+  p.add_argument("--tokens-per-s", action="append", default=[], metavar="PRECISION=TOKENS_PER_S")
+  p.add_argument("--summary-json", action="append", default=[], metavar="[PRECISION=]PATH")
   a = p.parse_args(argv)
   if a.profile and not Path(a.profile).is_file():
     p.error(f"--profile {a.profile}: no such file")
+  if a.hbm_tbps is not None and not a.hbm_tbps > 0:
+    p.error(f"--hbm-tbps {a.hbm_tbps}: must be > 0")
+  given = a.optimizer_ms or a.layer_ms or a.tokens_per_s or a.summary_json
+  if given and not a.summary:
+    p.error("--optimizer-ms, --layer-ms, --tokens-per-s and --summary-json go with --summary")
+  a.optimizer_ms = _pairs(p, "--optimizer-ms", a.optimizer_ms)
+  a.layer_ms = _pairs(p, "--layer-ms", a.layer_ms, PRECISIONS)
+  a.tokens_per_s = _pairs(p, "--tokens-per-s", a.tokens_per_s, PRECISIONS)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  peaks = peaks_of(a.gpu, a.hbm_tbps)
   try:
-    fl = floors(a.preset, a.seq_len, a.batch, a.sets)
-    llama_cfg = llama_config(a.preset, a.seq_len, a.batch, a.sets)
+    if a.summary:
+      print(summary(p, a, peaks))
+      return 0
+    fl = floors(a.preset, a.seq_len, a.batch, a.sets, peaks)
   except ValueError as e:   # an unknown preset or a bad --set: one line
     p.error(str(e).splitlines()[0])
-  for precision in ("bf16", "coat"):
-    fl[precision]["ms"]["optimizer"] = optimizer_floor_ms(llama_cfg, precision)
-  print(report(fl, a, a.profile))
+  print(report(fl, a, a.profile, peaks))
   if a.json:
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(fl, indent=1, default=float))
