@@ -1,10 +1,10 @@
-"""The jax-triton Adam kernels (pallas_kernels/adam/adam_step_triton.py: the row kernel, group_axis
--1, and the column kernel, group_axis -2, which coat_adamw's default layout runs on the GPU, in
-one pass or two) in Triton's interpreter on CPU, the same @triton.jit source the GPU compiles
-(tests/triton_interpreter.py), against the float64 step of tests/adam_float64.py: both layouts,
-masked and whole (EVEN) tiles, E4M3 / E5M2 moments with and without expansion, float32 and
-bfloat16 params (rounded to nearest, as the kernel stores them), the param or the update (without
-a param: no decay), the fused gradient scale, fast math (its MUFU instructions as float32 numpy)
+"""The jax-triton Adam kernels (pallas_kernels/adam/adam_step_triton.py: the row kernel, group_axis -1,
+and the column kernel, group_axis -2, which coat_adamw's default layout runs on the GPU) in
+Triton's interpreter on CPU, the same @triton.jit source the GPU compiles (tests/
+triton_interpreter.py), against the float64 step of tests/adam_float64.py: both layouts, masked
+and whole (EVEN) tiles, E4M3 / E5M2 moments with and without expansion, float32 and bfloat16
+params (rounded to nearest, as the kernel stores them), the param or the update (without a
+param: no decay), the fused gradient scale, fast math (its MUFU instructions as float32 numpy)
 and precise math, in place (aliased) and in packed moment buffers.
 
 CI installs triton (the test extra) for these: where the environment variable CI is set, a
@@ -49,10 +49,9 @@ def _poisoned(like):
 
 def _run(ik, shape, axis, *, m_fmt="e4m3", v_fmt="e4m3", param_dtype=np.float32,
          output="param", has_param=True, expand=True, fast=True, grad_scale=None, block=None,
-         size_arg="runtime", in_place=False, packed_at=None, hyper=HYPER, seed=0, chunk=None):
+         size_arg="runtime", in_place=False, packed_at=None, hyper=HYPER, seed=0):
   """One kernel launch in the interpreter on a leaf of `shape` grouped along `axis`; returns
-  (got: [out, m codes, m amax, m k, v codes, v amax, v k], float64 reference, p). chunk: the
-  two-pass column kernel with chunks of that many rows (None: one pass)."""
+  (got: [out, m codes, m amax, m k, v codes, v amax, v k], float64 reference, p)."""
   from tests import triton_interpreter
   p, g, m0, v0 = ref.state(shape, seed)
   p = p.astype(param_dtype)
@@ -61,10 +60,7 @@ def _run(ik, shape, axis, *, m_fmt="e4m3", v_fmt="e4m3", param_dtype=np.float32,
   scale = 1.0 if grad_scale is None else float(np.float32(grad_scale))
   want = ref.step(p if has_param else None, g, m_state, v_state, 3, m_fmt, v_fmt, expand, output,
                   axis, scale, hyper)
-  kernel, grid, size, consts = ik.launch_plan(shape, G, axis, block, size_arg,
-                                              cols_kernel=None if chunk is None else "two_pass")
-  if chunk is not None:
-    consts.update(CHUNK=chunk, STAGES=2, EVICT=True)
+  kernel, grid, size, consts = ik.launch_plan(shape, G, axis, block, size_arg)
   if block is None:
     block = ik.ROWS_BLOCK if axis == -1 else ik.COLS_BLOCK
   print(f"{shape} axis {axis} {m_fmt}/{v_fmt} {np.dtype(param_dtype).name} {output} expand "
@@ -138,35 +134,6 @@ def test_kernel_matches_float64_step(ik, case):
   shape, axis, kw = CASES[case]
   got, want, p = _run(ik, shape, axis, seed=sorted(CASES).index(case) + 11, **kw)
   ref.check_step(got, want, p, axis, kw.get("output", "param"))
-
-
-TWO_PASS_CASES = {   # the two-pass column kernel: id: (shape, options; chunk: rows per chunk)
-    "masked_stacked": ((2, 256, 72), dict(block=64, chunk=16)),
-    "even_e5m2_scaled": ((256, 128), dict(block=64, chunk=32, m_fmt="e5m2", v_fmt="e5m2",
-                                          grad_scale=0.3)),
-    "bf16": ((128, 64), dict(block=64, chunk=8, param_dtype=ml_dtypes.bfloat16,
-                             hyper=dict(HYPER, lr=0.05))),
-    "update_no_param": ((128, 40), dict(block=32, chunk=16, output="update", has_param=False)),
-    "no_expansion": ((256, 48), dict(block=64, chunk=32, expand=False, m_fmt="e5m2")),
-    "precise": ((128, 96), dict(block=64, chunk=16, fast=False)),
-    "in_place": ((128, 256), dict(block=128, chunk=8, in_place=True)),
-    "packed": ((256, 72), dict(block=64, chunk=16, packed_at=32)),
-}
-
-
-@pytest.mark.parametrize("case", list(TWO_PASS_CASES))
-def test_two_pass_kernel_matches_float64_step_and_the_one_pass_kernel(ik, case):
-  """The two-pass column kernel (chunks of rows, the codes in a second pass) against the float64
-  step with the one-pass kernel's tolerances, and byte for byte the one-pass kernel on the same
-  inputs and tile width: the same math on the same values (max / min are exact in any order)."""
-  shape, kw = TWO_PASS_CASES[case]
-  seed = list(TWO_PASS_CASES).index(case) + 41
-  got, want, p = _run(ik, shape, -2, seed=seed, **kw)
-  ref.check_step(got, want, p, -2, kw.get("output", "param"))
-  one_pass, _, _ = _run(ik, shape, -2, seed=seed, **{k: v for k, v in kw.items() if k != "chunk"})
-  for name, a, b in zip(("out", "m codes", "m amax", "m k", "v codes", "v amax", "v k"), got,
-                        one_pass):
-    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
 
 
 def test_grad_scale_changes_the_step(ik):

@@ -104,35 +104,6 @@ def test_gpu_matches_float64_reference(shape, axis, fmts, output, param_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(256, 512), (2, 256, 200)])   # EVEN, last column tile masked
-def test_gpu_two_pass_column_kernel_equals_one_pass(shape, monkeypatch):
-  """COLS_KERNEL "two_pass" (default COLS2_* tile) on the GPU, in place: within the float64
-  step's tolerances, and equal to the one-pass kernel on the same inputs (the same math on the
-  same values; the bounds below only allow for the compiler fusing multiply-adds differently in
-  the two kernels: params to 1e-6, amax to float32 rounding, codes at most one step apart)."""
-  p, g, m_state, v_state, want = _case(shape, -2, 71)
-  got = {}
-  for kind in ("one_pass", "two_pass"):
-    monkeypatch.setattr(at, "COLS_KERNEL", kind)
-    jax.clear_caches()   # the kernel is chosen when adam_step is traced
-    got[kind] = _gpu_step(p, g, m_state, v_state, -2, alias=True)
-  monkeypatch.undo()
-  jax.clear_caches()   # no two-pass trace left for later tests
-  ref.check_step(got["two_pass"], want, p, -2, off_by_one=0.01, rel_tol=1e-4)
-  one, two = got["one_pass"], got["two_pass"]
-  same = [np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(one, two)]
-  print(f"{shape}: outputs byte-equal {same}")
-  np.testing.assert_allclose(two[0], one[0], rtol=1e-6, atol=0)
-  for i in (2, 5):
-    np.testing.assert_allclose(two[i], one[i], rtol=1e-6)
-  for i in (3, 6):
-    np.testing.assert_array_equal(two[i], one[i])
-  for i in (1, 4):
-    steps = ref.code_steps(two[i], one[i])
-    assert steps.max() <= 1 and np.mean(steps == 0) > 0.999
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("group_axis", [-1, -2])
 def test_gpu_grad_scale_equals_prescaled_gradient(group_axis):
   """grad_scale (fused clipping) gives the step on grad_scale * g (float32 rounding: the scaled
@@ -187,16 +158,9 @@ def test_launch_plan_masks_and_refuses_clearly():
   assert at.launch_plan((7, 256), G, -1, 2, size_arg="runtime")[3]["EVEN"]
   assert not at.launch_plan((8, 256), G, -1, 4, size_arg="runtime_masked")[3]["EVEN"]
   assert at.launch_plan((8, 256), G, -1, 4, size_arg="constexpr")[3] == dict(ROWS=16, EVEN=False)
-  cols = at.launch_plan((2, 256, 72), G, -2, 32, "runtime", vec=4, cols_kernel="one_pass")
-  one_pass = dict(COLS=0, CDIV=8, EVEN=False, VEC=4, CHUNK=0, STAGES=1, EVICT=False)
-  assert cols[1:] == (2 * 2 * 3, 9, one_pass)
+  cols = at.launch_plan((2, 256, 72), G, -2, 32, "runtime", vec=4)
+  assert cols[1:] == (2 * 2 * 3, 9, dict(COLS=0, CDIV=8, EVEN=False, VEC=4))
   assert at.launch_plan((256, 40), G, -2, 8, "runtime")[3]["EVEN"]
-  two = at.launch_plan((2, 256, 72), G, -2, 64, "runtime", vec=4, cols_kernel="two_pass")
-  assert two[1:] == (2 * 2 * 2, 9, dict(one_pass, CHUNK=min(at.COLS2_ROWS, G),
-                                       STAGES=at.COLS2_STAGES, EVICT=at.COLS2_EVICT))
-  assert at.launch_plan((256, 512), G, -2, cols_kernel="two_pass")[1] == 2 * 512 // at.COLS2_BLOCK
-  with pytest.raises(ValueError, match="column kernel"):
-    at.launch_plan((256, 64), G, -2, cols_kernel="three_pass")
   assert at.pow2_divisor(11008) == 16 and at.pow2_divisor(40) == 8 and at.pow2_divisor(7) == 1
   with pytest.raises(ValueError, match="size_arg"):
     at.launch_plan((256, 64), G, -1, 16, size_arg="static")
@@ -208,15 +172,6 @@ def test_parse_cols_tiles():
   for bad in ("32", "48x4", "32x4x4", "64xax4", "0x4"):
     with pytest.raises(ValueError, match="BLOCKxWARPS"):
       at.parse_cols_tiles(bad)
-  assert at.parse_cols2_tiles("128x16x8x3,256x8x8x2") == [(128, 16, 8, 3), (256, 8, 8, 2)]
-  for bad in ("128x16x8", "96x16x8x2", "128x16x8x0"):
-    with pytest.raises(ValueError, match="BLOCKxROWSxWARPSxSTAGES"):
-      at.parse_cols2_tiles(bad)
-  # chunks that would repeat elements over threads (in place: a warp could read a code another
-  # warp already wrote) are refused
-  assert at.two_pass_problem(64, 8, 4) is None
-  with pytest.raises(ValueError, match="fewer than 4 per thread"):
-    at.parse_cols2_tiles("64x4x8x2")
 
 
 @pytest.mark.gpu
@@ -323,25 +278,22 @@ def _sm90_registers(kernel, sizes: dict, block: int, num_warps: int, seg: int, t
 
 
 @needs_triton
-@pytest.mark.parametrize("kernel_kind", ["rows", "one_pass", "two_pass"])
-def test_packed_slot_costs_no_registers_on_sm90(kernel_kind, tmp_path, monkeypatch):
+@pytest.mark.parametrize("group_axis", [-1, -2])
+def test_packed_slot_costs_no_registers_on_sm90(group_axis, tmp_path, monkeypatch):
   """Stepping a packed slot (SEG > 0) compiles to at most one register allocation unit (8 per
   thread) more than the per-leaf kernel: registers cost occupancy (H100: moving all 12 moment
   pointers took the row kernel from 80 to 95 registers and ran 2.5 % slower; sm_90 today: rows
-  72 per leaf, 80 packed; columns equal). The row kernel, the column kernel in one pass and in
-  two, with their default tiles."""
+  72 per leaf, 80 packed; columns equal)."""
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-  if kernel_kind == "rows":
-    kernel, _, _, sizes = at.launch_plan((256, 4096), G, -1)
+  if group_axis == -1:
+    kernel, sizes = at._adam_kernel, dict(ROWS=0, EVEN=True)
     block, warps = at.ROWS_BLOCK, at.ROWS_WARPS
   else:
-    kernel, _, _, sizes = at.launch_plan((256, 4096), G, -2, cols_kernel=kernel_kind)
-    block, warps = ((at.COLS_BLOCK, at.COLS_WARPS) if kernel_kind == "one_pass"
-                    else (at.COLS2_BLOCK, at.COLS2_WARPS))
-  assert sizes["EVEN"] and sizes.get("CHUNK", 0) == (kernel_kind == "two_pass") * at.COLS2_ROWS
+    kernel, sizes = at._adam_cols_kernel, dict(COLS=0, CDIV=16, EVEN=True, VEC=at.COLS_VEC)
+    block, warps = at.COLS_BLOCK, at.COLS_WARPS
   leaf = _sm90_registers(kernel, sizes, block, warps, 0, tmp_path)
   packed = _sm90_registers(kernel, sizes, block, warps, 16, tmp_path)
-  print(f"{kernel_kind}: {leaf} registers per leaf, {packed} packed")
+  print(f"group_axis {group_axis}: {leaf} registers per leaf, {packed} packed")
   assert packed <= leaf + 8, (leaf, packed)
   # a slot at group 16 (seg_arg 1): jax-triton makes that argument a constant; it must compile
   assert _sm90_registers(kernel, sizes, block, warps, 16, tmp_path, seg_arg_one=True) > 0

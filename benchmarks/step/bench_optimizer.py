@@ -27,10 +27,8 @@ coat_cols / apply_cols: every matrix grouped along axis -2 (COAT's layout for an
 kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
 pallas_kernels/adam/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
 coat_cols with coat_leaf and apply_cols with apply_leaf. --cols-tiles repeats the column rows once
-per tile of the one-pass column kernel: BLOCKxWARPS (G rows x BLOCK columns, WARPS warps);
---cols2-tiles once per tile of the two-pass one: BLOCKxROWSxWARPSxSTAGES (G rows x BLOCK columns
-in chunks of ROWS rows, WARPS warps, loops pipelined STAGES deep); both in one command A/B them;
-neither: adam_step_triton's COLS_KERNEL and its tile. --scale keeps whole groups along axis
+per tile of the column kernel: BLOCKxWARPS (G rows x BLOCK columns, WARPS warps); default
+adam_step_triton's COLS_BLOCK / COLS_WARPS. --scale keeps whole groups along axis
 -2 only where the scaled row counts stay multiples of 128 (e.g. 0.25; 4096 x 0.001 = 4 rows pads
 each group).
 
@@ -46,8 +44,6 @@ own bytes and mix (10 B read, 6 B written per element; `stream_bandwidths`). "wa
   python -m benchmarks.step.bench_optimizer --profile              # GPU, full size
   python -m benchmarks.step.bench_optimizer --rows coat_leaf,coat_cols,apply_leaf,apply_cols --profile
   python -m benchmarks.step.bench_optimizer --rows coat_leaf,coat_cols --cols-tiles 16x4,32x4,32x8,64x8
-  python -m benchmarks.step.bench_optimizer --rows apply_cols --profile --cols-tiles 32x8 \
-      --cols2-tiles 128x16x8x3,256x8x8x3
   python -m benchmarks.step.bench_optimizer --rows optax_chain,chain_leaf,coat_clip,apply_clip --profile
   python -m benchmarks.step.bench_optimizer --rows optax,coat_leaf,coat_packed,apply_leaf,apply_packed
   JAX_PLATFORMS=cpu python -m benchmarks.step.bench_optimizer --scale 0.001 --steps 3   # smoke check
@@ -247,32 +243,6 @@ PACKED_ROWS = ("coat_packed", "apply_packed", "apply_cols_packed")
 DEFAULT_ROWS = ["optax", "optax_chain", "coat_leaf", "chain_leaf", "apply_leaf"]
 
 
-def _column_settings(at) -> dict:
-  """The column kernel's settings in adam_step_triton (module `at`), read when it is traced."""
-  names = ("COLS_KERNEL", "COLS_BLOCK", "COLS_WARPS", "COLS2_BLOCK", "COLS2_ROWS", "COLS2_WARPS",
-           "COLS2_STAGES")
-  return {n: getattr(at, n) for n in names}
-
-
-def _use_column_tile(at, defaults: dict, tile) -> str:
-  """Sets the column kernel and its tile (tile None: `defaults`, `_column_settings`) and clears
-  the traces of the previous one; returns its label."""
-  for n, v in defaults.items():
-    setattr(at, n, v)
-  if tile is not None:
-    kind, t = tile
-    at.COLS_KERNEL = kind
-    if kind == "one_pass":
-      at.COLS_BLOCK, at.COLS_WARPS = t
-    else:
-      at.COLS2_BLOCK, at.COLS2_ROWS, at.COLS2_WARPS, at.COLS2_STAGES = t
-  jax.clear_caches()
-  if at.COLS_KERNEL == "one_pass":
-    return f"one pass, tile {at.COLS_BLOCK} cols x {at.COLS_WARPS} warps"
-  return (f"two passes, tile {at.COLS2_BLOCK} cols in chunks of {at.COLS2_ROWS} rows x "
-          f"{at.COLS2_WARPS} warps, {at.COLS2_STAGES} stages")
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--scale", type=float, default=1.0,
@@ -283,10 +253,8 @@ def main():
   parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                       help=f"comma-separated optimizers, of {list(CONFIGS)}")
   parser.add_argument("--cols-tiles", default="",
-                      help="one-pass column kernel tiles BLOCKxWARPS,... for the column rows")
-  parser.add_argument("--cols2-tiles", default="",
-                      help="two-pass column kernel tiles BLOCKxROWSxWARPSxSTAGES,... for the "
-                           "column rows (with neither option: the kernel's COLS_KERNEL and tile)")
+                      help="column kernel tiles BLOCKxWARPS,... for the column rows (default: "
+                           "the kernel's COLS_BLOCK / COLS_WARPS)")
   args = parser.parse_args()
   names = [r.strip() for r in args.rows.split(",") if r.strip()]
   bad = [r for r in names if r not in CONFIGS]
@@ -294,14 +262,11 @@ def main():
     parser.error(f"unknown --rows {bad}; choose from {list(CONFIGS)}")
   from pallas_kernels.adam import adam_step_triton
   try:
-    tiles = [("one_pass", t) for t in adam_step_triton.parse_cols_tiles(args.cols_tiles)]
+    tiles = adam_step_triton.parse_cols_tiles(args.cols_tiles)
   except ValueError as e:
     parser.error(f"--cols-tiles: {e}")
-  try:
-    tiles += [("two_pass", t) for t in adam_step_triton.parse_cols2_tiles(args.cols2_tiles)]
-  except ValueError as e:
-    parser.error(f"--cols2-tiles: {e}")
-  runs = []   # (row key, (column kernel, tile) or None: the defaults)
+  default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS)
+  runs = []   # (row key, column tile or None)
   for key in names:
     runs += [(key, t) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None)]
 
@@ -323,11 +288,14 @@ def main():
       flush=True)
 
   rows_out = []
-  defaults = _column_settings(adam_step_triton)
   for key, tile in runs:
     name, make, backend, extra = CONFIGS[key]
     if key in COLUMN_ROWS:
-      name = f"{name}, {_use_column_tile(adam_step_triton, defaults, tile)}"
+      tile = tile or default_tile
+      # the tile is read when the kernel is traced: clear the traces of the previous one
+      adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS = tile
+      jax.clear_caches()
+      name = f"{name}, tile {tile[0]} cols x {tile[1]} warps"
     with kernels.backend(backend):
       ms, piped, bpp, device_ms = bench_optimizer(
           name, make(), params_fn, grads, args.steps, args.profile,

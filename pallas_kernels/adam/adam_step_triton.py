@@ -16,10 +16,8 @@ Two layouts of the groups (`group_axis`):
      of a (..., in, out) leaf, viewed as (R * G, out) with R = size / (G * out) row groups (in % G
      == 0, so no group straddles a stacked leaf's layers); a program takes a whole G-row x
      BLOCK-column tile (contiguous along the columns, each column's G rows reduced in the tile)
-     and the metadata (..., in / G, out) one value per column of a row group, either at once
-     (COLS_KERNEL "one_pass") or in two loops over chunks of its rows ("two_pass": the param and
-     the columns' ranges, then the codes). No transposes: the moments stay in the param's
-     layout.
+     and the metadata (..., in / G, out) one value per column of a row group. No transposes:
+     the moments stay in the param's layout.
 The leaf size is a runtime int argument (SIZE_ARG "runtime": one Triton compile serves every leaf
 size), with a constexpr EVEN (rows / columns a multiple of BLOCK: no masks at all; else the last
 program's rows / columns are masked) and, for columns, the row stride's power-of-two factor as a
@@ -46,7 +44,7 @@ try:  # the kernels need triton only (they compile without a GPU); calling them 
 except ImportError:  # pragma: no cover - CPU machines
   triton = tl = None
 if triton is not None:
-  from pallas_kernels.adam.adam_tile_triton import adam_tile, adam_tile_two_pass
+  from pallas_kernels.adam.adam_tile_triton import adam_tile
 try:  # GPU machines only
   import jax_triton as jt
 except ImportError:  # pragma: no cover - CPU machines
@@ -61,19 +59,11 @@ def available() -> bool:
 
 
 GROUP_AXES = (-1, -2)
-# Default tiles (read when adam_step is traced; benchmarks/step/bench_optimizer.py --cols-tiles
-# and --cols2-tiles sweep the column ones, calling jax.clear_caches() between settings).
+# Default tiles (read when adam_step is traced; benchmarks/step/bench_optimizer.py --cols-tiles sweeps
+# the column ones, calling jax.clear_caches() between settings).
 ROWS_BLOCK, ROWS_WARPS = 16, 4   # group_axis -1: rows of G per program, warps
 COLS_BLOCK, COLS_WARPS = 32, 8   # group_axis -2: columns per G-row tile, warps
 COLS_VEC = 4                     # group_axis -2: contiguity the accesses are told (`adam_cols`)
-# The column kernel (group_axis -2; `adam_cols`): "one_pass" takes a G x COLS_BLOCK tile at once;
-# "two_pass" a G x COLS2_BLOCK tile in two loops over its COLS2_ROWS-row chunks, each loop
-# pipelined COLS2_STAGES deep, on COLS2_WARPS warps, COLS2_EVICT: L2 eviction hints for what
-# the second pass reads again (`adam_tile_two_pass`).
-COLS_KERNELS = ("one_pass", "two_pass")
-COLS_KERNEL = "one_pass"
-COLS2_BLOCK, COLS2_ROWS, COLS2_WARPS, COLS2_STAGES = 128, 16, 8, 3
-COLS2_EVICT = True
 # How the leaf size reaches the kernel (read when adam_step is traced; benchmarks A/B them):
 #   "runtime": an int argument, one Triton compile for every leaf size; EVEN tiles (rows / cols
 #     a multiple of BLOCK) build no masks;
@@ -142,8 +132,7 @@ if triton is not None:
                 EXPAND: tl.constexpr, EM: tl.constexpr, MAX_K: tl.constexpr,
                 FLOOR: tl.constexpr, NOEXP_K: tl.constexpr, FAST: tl.constexpr,
                 GCLAMP: tl.constexpr, EVEN: tl.constexpr = False, VEC: tl.constexpr = 4,
-                meta0=0, data0=0, CHUNK: tl.constexpr = 0, STAGES: tl.constexpr = 1,
-                EVICT: tl.constexpr = False):
+                meta0=0, data0=0):
     """The step on tile `blk` of a leaf viewed as (R * G, cols), grouped along its rows: row
     group blk // nc, columns (blk % nc) * BLOCK + [0, BLOCK) with nc = ceil(cols / BLOCK) (the
     column tiles of one row group are neighbouring programs: they share DRAM pages), the whole
@@ -154,10 +143,7 @@ if triton is not None:
     accesses): each thread's per-column work (metadata, coefficients) serves several rows, and
     no layout conversion separates the float32 and FP8 operands. meta0, data0: the leaf's slot
     in packed moments (first metadata group, first code; 0 otherwise), added to the metadata
-    index and to the row group's start rather than moving more pointers. CHUNK > 0: the tile in
-    two passes over its CHUNK-row slices, each loop pipelined STAGES deep, EVICT: L2 eviction
-    hints (`adam_tile_two_pass`: rows of BLOCK contiguous elements per load, wide tiles at few
-    registers)."""
+    index and to the row group's start rather than moving more pointers."""
     nc = tl.cdiv(cols, BLOCK)
     grp = blk // nc
     cols_idx = (blk % nc) * BLOCK + tl.arange(0, BLOCK)
@@ -174,23 +160,13 @@ if triton is not None:
     else:
       cmask = cols_idx < cols
       mask = cmask[None, :]
-    if CHUNK > 0:
-      offs = tl.arange(0, CHUNK)[:, None] * cols + cols_idx[None, :]
-    else:
-      offs = tl.arange(0, G)[:, None] * cols + cols_idx[None, :]
+    offs = tl.arange(0, G)[:, None] * cols + cols_idx[None, :]
     if VEC > 0:
       offs = tl.max_contiguous(offs, [1, VEC])
-    if CHUNK > 0:
-      adam_tile_two_pass(offs, cols, meta_idx, mask, cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr,
-                         ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr,
-                         vqo_ptr, vao_ptr, vko_ptr, G, CHUNK, STAGES, EVICT, HAS_PARAM,
-                         OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R, EXPAND, EM, MAX_K, FLOOR,
-                         NOEXP_K, FAST, GCLAMP)
-    else:
-      adam_tile(offs, meta_idx, mask, cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
-                mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
-                vao_ptr, vko_ptr, 0, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
-                EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
+    adam_tile(offs, meta_idx, mask, cmask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
+              mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
+              vao_ptr, vko_ptr, 0, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R,
+              EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP)
 
   @triton.jit
   def _slot_start(seg_arg, SEG: tl.constexpr, G: tl.constexpr):
@@ -252,14 +228,11 @@ if triton is not None:
                         M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_LOG2R: tl.constexpr,
                         V_LOG2R: tl.constexpr, EXPAND: tl.constexpr, EM: tl.constexpr,
                         MAX_K: tl.constexpr, FLOOR: tl.constexpr, NOEXP_K: tl.constexpr,
-                        FAST: tl.constexpr, GCLAMP: tl.constexpr, SEG: tl.constexpr = 0,
-                        CHUNK: tl.constexpr = 0, STAGES: tl.constexpr = 1,
-                        EVICT: tl.constexpr = False):
+                        FAST: tl.constexpr, GCLAMP: tl.constexpr, SEG: tl.constexpr = 0):
     """Groups along axis -2: the leaf's column count is cols_arg * CDIV (runtime; CDIV, a
     constexpr power of two dividing it, tells Triton the row stride's alignment, which jax-triton
     does not specialize for scalars: vectorized loads), or COLS where COLS > 0 (constexpr). SEG
-    > 0: packed moments, the leaf's slot at metadata group seg_arg * SEG (as `_adam_kernel`).
-    CHUNK, STAGES, EVICT: one pass (CHUNK 0) or two (`adam_cols`)."""
+    > 0: packed moments, the leaf's slot at metadata group seg_arg * SEG (as `_adam_kernel`)."""
     if COLS > 0:
       cols = COLS
     else:
@@ -272,8 +245,7 @@ if triton is not None:
     adam_cols(tl.program_id(0), cols, tl.load(s_ptr + 6), s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
               mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
               vao_ptr, vko_ptr, G, BLOCK, HAS_PARAM, OUT_PARAM, M_FMAX, V_FMAX, M_LOG2R,
-              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN, VEC, meta0, data0,
-              CHUNK, STAGES, EVICT)
+              V_LOG2R, EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST, GCLAMP, EVEN, VEC, meta0, data0)
 
 else:  # pragma: no cover - CPU machines: launch_plan still plans (tests)
   _adam_kernel = _adam_cols_kernel = None
@@ -292,52 +264,19 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale=None) -> jax.A
   return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
 
 
-def _parse_tiles(text: str, form: str) -> list[tuple[int, ...]]:
-  """Comma-separated tiles 'AxBx...' with as many positive ints as `form` names, powers of two
-  but STAGES."""
-  names = form.split("x")
+def parse_cols_tiles(text: str) -> list[tuple[int, int]]:
+  """Column tiles for benchmarks' sweeps: 'BLOCKxWARPS' (G rows x BLOCK columns, WARPS warps),
+  comma-separated -> [(COLS_BLOCK, COLS_WARPS), ...]."""
   tiles = []
   for t in filter(None, (s.strip() for s in text.split(","))):
     try:
       v = [int(x) for x in t.split("x")]
     except ValueError:
       v = []
-    if (len(v) != len(names) or min(v) <= 0
-        or any(x & (x - 1) for x, n in zip(v, names) if n != "STAGES")):
-      raise ValueError(f"column tile {t!r} is not {form} (powers of two but STAGES)")
+    if len(v) != 2 or min(v) <= 0 or any(x & (x - 1) for x in v):
+      raise ValueError(f"column tile {t!r} is not BLOCKxWARPS (powers of two)")
     tiles.append(tuple(v))
   return tiles
-
-
-def parse_cols_tiles(text: str) -> list[tuple[int, int]]:
-  """One-pass column tiles for benchmarks' sweeps: 'BLOCKxWARPS' (G rows x BLOCK columns, WARPS
-  warps), comma-separated -> [(COLS_BLOCK, COLS_WARPS), ...]."""
-  return _parse_tiles(text, "BLOCKxWARPS")
-
-
-def parse_cols2_tiles(text: str) -> list[tuple[int, int, int, int]]:
-  """Two-pass column tiles for benchmarks' sweeps: 'BLOCKxROWSxWARPSxSTAGES' (G rows x BLOCK
-  columns in chunks of ROWS rows, WARPS warps, loops pipelined STAGES deep), comma-separated ->
-  [(COLS2_BLOCK, COLS2_ROWS, COLS2_WARPS, COLS2_STAGES), ...]; each checked by
-  `two_pass_problem`."""
-  tiles = _parse_tiles(text, "BLOCKxROWSxWARPSxSTAGES")
-  for t in tiles:
-    why = two_pass_problem(*t[:3])
-    if why is not None:
-      raise ValueError(f"column tile {'x'.join(map(str, t))}: {why}")
-  return tiles
-
-
-def two_pass_problem(block: int, rows: int, warps: int, vec: int | None = None) -> str | None:
-  """Why the two-pass column kernel cannot take chunks of rows x block on `warps` warps, or
-  None: a chunk must give every thread its own elements (at least vec = COLS_VEC, or 4, per
-  thread): a layout that repeats elements over threads would let one warp read a code or param
-  in place after another warp wrote it."""
-  vec = max(COLS_VEC if vec is None else vec, 4)
-  if rows * block < 32 * warps * vec:
-    return (f"a chunk of {rows} x {block} elements has fewer than {vec} per thread of {warps} "
-            f"warps")
-  return None
 
 
 def pow2_divisor(n: int, cap: int = 16) -> int:
@@ -349,23 +288,15 @@ def pow2_divisor(n: int, cap: int = 16) -> int:
 
 
 def launch_plan(shape, group_size: int, group_axis: int = -1, block: int | None = None,
-                size_arg: str | None = None, vec: int | None = None,
-                cols_kernel: str | None = None) -> tuple:
+                size_arg: str | None = None, vec: int | None = None) -> tuple:
   """How `adam_step` launches on a leaf of `shape`: (kernel, grid size, size operand, size
   constexprs). The size operand (an int argument before the outputs) is the leaf's rows of G
   (`_adam_kernel`) or its column count / CDIV (`_adam_cols_kernel`); the constexprs are ROWS /
-  COLS (0 unless size_arg is "constexpr"), EVEN, and for columns CDIV (pow2_divisor(cols)), VEC,
-  CHUNK, STAGES and EVICT (0, 1, False: one pass; two passes: COLS2_ROWS at most G,
-  COLS2_STAGES, COLS2_EVICT).
-  block, size_arg, vec, cols_kernel: None reads ROWS_BLOCK / COLS_BLOCK (COLS2_BLOCK for
-  "two_pass"), SIZE_ARG, COLS_VEC, COLS_KERNEL."""
+  COLS (0 unless size_arg is "constexpr"), EVEN, and for columns CDIV (pow2_divisor(cols)) and
+  VEC. block, size_arg, vec: None reads ROWS_BLOCK / COLS_BLOCK, SIZE_ARG, COLS_VEC."""
   size_arg = SIZE_ARG if size_arg is None else size_arg
   if size_arg not in SIZE_ARGS:
     raise ValueError(f"adam_step_triton: size_arg must be one of {SIZE_ARGS}, got {size_arg!r}")
-  cols_kernel = COLS_KERNEL if cols_kernel is None else cols_kernel
-  if cols_kernel not in COLS_KERNELS:
-    raise ValueError(f"adam_step_triton: the column kernel must be one of {COLS_KERNELS}, got "
-                     f"{cols_kernel!r}")
   size = int(np.prod(shape))
   if group_axis == -1:
     block = ROWS_BLOCK if block is None else block
@@ -373,16 +304,12 @@ def launch_plan(shape, group_size: int, group_axis: int = -1, block: int | None 
     consts = dict(ROWS=rows if size_arg == "constexpr" else 0,
                   EVEN=size_arg == "runtime" and rows % block == 0)
     return _adam_kernel, -(-rows // block), rows, consts
-  two_pass = cols_kernel == "two_pass"
-  block = (COLS2_BLOCK if two_pass else COLS_BLOCK) if block is None else block
+  block = COLS_BLOCK if block is None else block
   vec = COLS_VEC if vec is None else vec
   cols = shape[-1]
   cdiv = pow2_divisor(cols)
   consts = dict(COLS=cols if size_arg == "constexpr" else 0, CDIV=cdiv,
-                EVEN=size_arg == "runtime" and cols % block == 0, VEC=vec, CHUNK=0, STAGES=1,
-                EVICT=False)
-  if two_pass:
-    consts.update(CHUNK=min(COLS2_ROWS, group_size), STAGES=COLS2_STAGES, EVICT=COLS2_EVICT)
+                EVEN=size_arg == "runtime" and cols % block == 0, VEC=vec)
   return _adam_cols_kernel, (size // (group_size * cols)) * -(-cols // block), cols // cdiv, consts
 
 
@@ -424,9 +351,8 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   group_axis: -1 (groups of G along the last axis, metadata (..., N / G)) or -2 (G consecutive
   rows of each column of a (..., in, out) param, metadata (..., in / G, out): COAT's layout).
   block, num_warps: per program, rows of G (group_axis -1, default ROWS_BLOCK) or columns of a
-  G-row tile (group_axis -2, default COLS_BLOCK / COLS2_BLOCK as COLS_KERNEL says), a power of
-  two, and its warps (ROWS_WARPS / COLS_WARPS / COLS2_WARPS; `launch_plan`; the leaf size
-  reaches the kernel as SIZE_ARG says). alias: write
+  G-row tile (group_axis -2, default COLS_BLOCK), a power of two, and its warps (ROWS_WARPS /
+  COLS_WARPS; `launch_plan`; the leaf size reaches the kernel as SIZE_ARG says). alias: write
   the new param and moments into the old ones' buffers
   (pays off when the caller donates them); fast_math: MUFU approximations for the per-element
   log2 / exp2 / sqrt / division (adam_tile_triton's `_approx`); grad_clamp: finite gradients
@@ -454,12 +380,6 @@ def adam_step(param, grad, m_q, m_amax, m_code, v_q, v_amax, v_code, *, lr, b1, 
   if group_axis == -1:
     block = ROWS_BLOCK if block is None else block
     num_warps = ROWS_WARPS if num_warps is None else num_warps
-  elif COLS_KERNEL == "two_pass":   # row groups of G x column tiles of BLOCK, in chunks
-    block = COLS2_BLOCK if block is None else block
-    num_warps = COLS2_WARPS if num_warps is None else num_warps
-    why = two_pass_problem(block, min(COLS2_ROWS, group_size), num_warps)
-    if why is not None:
-      raise ValueError(f"adam_step_triton: {why}")
   else:   # row groups of G x column tiles of BLOCK
     block = COLS_BLOCK if block is None else block
     num_warps = COLS_WARPS if num_warps is None else num_warps

@@ -1,11 +1,9 @@
 """The Triton building blocks of the fused COAT AdamW step: per-element math, the moments'
-dequantize / requantize with dynamic range expansion, the step on one 2-D tile (`adam_tile`),
-or on a tile of G rows in two passes over chunks of its rows (`adam_tile_two_pass`).
+dequantize / requantize with dynamic range expansion, the step on one 2-D tile (`adam_tile`).
 
 adam_step_triton.py's row and column kernels are built from these; the math per group of G
-elements is coat_jax.adam_math's and coat_jax.expansion's. A tile's groups run along its axis
-AXIS (1: rows of G, 0: columns of G) with one metadata value per group at `meta_idx`; masks None
-build no mask at all (EVEN tiles).
+elements is coat_jax.adam_math's and coat_jax.expansion's. A tile's groups run along its axis AXIS (1: rows of G, 0: columns of
+G) with one metadata value per group at `meta_idx`; masks None build no mask at all (EVEN tiles).
 
 Written for few instructions per element (the step is as much issue-bound as memory-bound on
 Hopper: ~10 MUFU operations per element): everything that is per group (the dequantize and
@@ -34,9 +32,6 @@ except ImportError:  # pragma: no cover - CPU machines
   triton = tl = libdevice = None
 
 if triton is not None:
-  KEEP_IN_L2 = tl.constexpr("evict_last")    # eviction policies of `_load`
-  DROP_FROM_L2 = tl.constexpr("evict_first")
-  NO_HINT = tl.constexpr("")
 
   @triton.jit
   def _approx(x, PTX: tl.constexpr):
@@ -80,13 +75,13 @@ if triton is not None:
     return bits.to(tl.float32, bitcast=True)
 
   @triton.jit
-  def _load(ptr, mask, other, EVICT: tl.constexpr = NO_HINT):
+  def _load(ptr, mask, other):
     """tl.load masked (`other` where the mask is off), or unmasked where mask is None (EVEN
-    tiles build no mask at all); EVICT: its L2 eviction policy ("": the default)."""
+    tiles build no mask at all)."""
     if mask is None:
-      x = tl.load(ptr, eviction_policy=EVICT)
+      x = tl.load(ptr)
     else:
-      x = tl.load(ptr, mask=mask, other=other, eviction_policy=EVICT)
+      x = tl.load(ptr, mask=mask, other=other)
     return x
 
   @triton.jit
@@ -180,14 +175,14 @@ if triton is not None:
   @triton.jit
   def new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_a, m_c, v_a, v_c, gscale, omb1, omb2,
                   M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, FAST: tl.constexpr,
-                  GCLAMP: tl.constexpr, EVICT: tl.constexpr = NO_HINT):
+                  GCLAMP: tl.constexpr):
     """m' = b1 m + (1 - b1) g and v' = b2 v + (1 - b2) g^2 on a tile, b1 m and b2 v the old
     codes dequantized with their decayed coefficients (`load_meta`). g: the gradient times gscale
     (fused global-norm clipping: 1 without), finite values clamped to +-GCLAMP (NaN and inf
-    pass), as coat_jax.adam_math.adam_moments. EVICT: the loads' L2 eviction policy."""
-    m = _decayed(_load(mq_ptr + offs, mask, 0.0, EVICT).to(tl.float32), m_a, m_c, M_FMAX, FAST)
-    v = _decayed(_load(vq_ptr + offs, mask, 0.0, EVICT).to(tl.float32), v_a, v_c, V_FMAX, FAST)
-    g = _load(g_ptr + offs, mask, 0.0, EVICT).to(tl.float32) * gscale
+    pass), as coat_jax.adam_math.adam_moments."""
+    m = _decayed(_load(mq_ptr + offs, mask, 0.0).to(tl.float32), m_a, m_c, M_FMAX, FAST)
+    v = _decayed(_load(vq_ptr + offs, mask, 0.0).to(tl.float32), v_a, v_c, V_FMAX, FAST)
+    g = _load(g_ptr + offs, mask, 0.0).to(tl.float32) * gscale
     g = tl.where(tl.abs(g) < float("inf"), tl.minimum(tl.maximum(g, -GCLAMP), GCLAMP), g)
     return omb1 * g + m, (omb2 * g) * g + v
 
@@ -216,31 +211,6 @@ if triton is not None:
     tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
 
   @triton.jit
-  def step_coefficients(s_ptr, ma_ptr, mk_ptr, va_ptr, vk_ptr, meta_idx, meta_mask,
-                        EM: tl.constexpr, AXIS: tl.constexpr, FAST: tl.constexpr):
-    """What a tile's step needs before its elements: the scalars (lr, 1 - b1, 1 - b2, eps,
-    1 / sqrt(bc2), bc1, grad scale; `load_scalars`) and each moment's dequantize coefficients
-    (`load_meta`): (lr, omb1, omb2, eps, inv_sqrt_bc2, bc1, gscale, m_a, m_c, v_a, v_c)."""
-    lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = load_scalars(s_ptr)
-    m_a, m_c = load_meta(ma_ptr, mk_ptr, meta_idx, meta_mask, _log2(b1, FAST), EM, AXIS, FAST)
-    v_a, v_c = load_meta(va_ptr, vk_ptr, meta_idx, meta_mask, _log2(b2, FAST), EM, AXIS, FAST)
-    return lr, omb1, omb2, eps, inv_sqrt_bc2, bc1, gscale, m_a, m_c, v_a, v_c
-
-  @triton.jit
-  def moments_meta(m_hi, m_lo, v_hi, v_lo, M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
-                   M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr, EXPAND: tl.constexpr,
-                   EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
-                   NOEXP_K: tl.constexpr, FAST: tl.constexpr):
-    """Both moments' `group_meta` from their group ranges (`group_ranges`): (m_mx, m_steps, m_k,
-    m_c, v_mx, v_steps, v_k, v_c)."""
-    one = tl.full([], 1.0, tl.float32)   # a scalar: log2 FMAX once per program
-    m_mx, m_steps, m_k, m_c = group_meta(m_hi, m_lo, _log2(one * M_FMAX, FAST), M_FMAX, M_LOG2R,
-                                         EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST)
-    v_mx, v_steps, v_k, v_c = group_meta(v_hi, v_lo, _log2(one * V_FMAX, FAST), V_FMAX, V_LOG2R,
-                                         EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST)
-    return m_mx, m_steps, m_k, m_c, v_mx, v_steps, v_k, v_c
-
-  @triton.jit
   def adam_tile(offs, meta_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr, mq_ptr, ma_ptr,
                 mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr, mko_ptr, vqo_ptr,
                 vao_ptr, vko_ptr, AXIS: tl.constexpr, HAS_PARAM: tl.constexpr,
@@ -252,82 +222,20 @@ if triton is not None:
     metadata at `meta_idx`; masks None: none), weight decay `wd`, in one pass: `new_moments`,
     `store_param`, each moment's group ranges (`group_ranges`) and new metadata
     (`group_meta`), the codes (`quantize`). A group lies wholly inside or outside the mask."""
-    lr, omb1, omb2, eps, inv_sqrt_bc2, bc1, gscale, m_a, m_c, v_a, v_c = step_coefficients(
-        s_ptr, ma_ptr, mk_ptr, va_ptr, vk_ptr, meta_idx, meta_mask, EM, AXIS, FAST)
+    lr, b1, omb1, b2, omb2, eps, inv_sqrt_bc2, bc1, gscale = load_scalars(s_ptr)
+    m_a, m_c = load_meta(ma_ptr, mk_ptr, meta_idx, meta_mask, _log2(b1, FAST), EM, AXIS, FAST)
+    v_a, v_c = load_meta(va_ptr, vk_ptr, meta_idx, meta_mask, _log2(b2, FAST), EM, AXIS, FAST)
     m, v = new_moments(offs, mask, g_ptr, mq_ptr, vq_ptr, m_a, m_c, v_a, v_c, gscale, omb1,
                        omb2, M_FMAX, V_FMAX, FAST, GCLAMP)
-    store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, inv_sqrt_bc2 * bc1, eps * bc1, HAS_PARAM,
-                OUT_PARAM, FAST)
+    store_param(m, v, offs, mask, p_ptr, o_ptr, lr, wd, inv_sqrt_bc2 * bc1, eps * bc1,
+                HAS_PARAM, OUT_PARAM, FAST)
     m_hi, m_lo, v_hi, v_lo = group_ranges(m, v, AXIS)
-    m_mx, m_steps, m_k, m_c, v_mx, v_steps, v_k, v_c = moments_meta(
-        m_hi, m_lo, v_hi, v_lo, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R, EXPAND, EM, MAX_K, FLOOR,
-        NOEXP_K, FAST)
+    one = tl.zeros_like(b1) + 1.0
+    m_mx, m_steps, m_k, m_c = group_meta(m_hi, m_lo, _log2(one * M_FMAX, FAST), M_FMAX, M_LOG2R,
+                                         EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST)
+    v_mx, v_steps, v_k, v_c = group_meta(v_hi, v_lo, _log2(one * V_FMAX, FAST), V_FMAX, V_LOG2R,
+                                         EXPAND, EM, MAX_K, FLOOR, NOEXP_K, FAST)
     _store_codes(m, mqo_ptr, offs, mask, m_k, m_c, M_FMAX, EXPAND, AXIS, FAST)
     _store_codes(v, vqo_ptr, offs, mask, v_k, v_c, V_FMAX, EXPAND, AXIS, FAST)
-    store_meta(m_mx, m_steps, mao_ptr, mko_ptr, meta_idx, meta_mask)
-    store_meta(v_mx, v_steps, vao_ptr, vko_ptr, meta_idx, meta_mask)
-
-  @triton.jit
-  def fold_ranges(m, v, m_hi, m_lo, v_hi, v_lo, AXIS: tl.constexpr):
-    """`group_ranges` over a tile's chunks, one chunk (m, v) at a time: the running ranges
-    widened by the chunk's (reduced along tile axis AXIS)."""
-    c_m_hi, c_m_lo, c_v_hi, c_v_lo = group_ranges(m, v, AXIS)
-    return (tl.maximum(m_hi, c_m_hi), tl.minimum(m_lo, c_m_lo), tl.maximum(v_hi, c_v_hi),
-            tl.minimum(v_lo, c_v_lo))
-
-  @triton.jit
-  def adam_tile_two_pass(offs, row_step, meta_idx, mask, meta_mask, wd, s_ptr, p_ptr, g_ptr,
-                         mq_ptr, ma_ptr, mk_ptr, vq_ptr, va_ptr, vk_ptr, o_ptr, mqo_ptr, mao_ptr,
-                         mko_ptr, vqo_ptr, vao_ptr, vko_ptr, G: tl.constexpr,
-                         CHUNK: tl.constexpr, STAGES: tl.constexpr, EVICT: tl.constexpr,
-                         HAS_PARAM: tl.constexpr, OUT_PARAM: tl.constexpr,
-                         M_FMAX: tl.constexpr, V_FMAX: tl.constexpr,
-                         M_LOG2R: tl.constexpr, V_LOG2R: tl.constexpr, EXPAND: tl.constexpr,
-                         EM: tl.constexpr, MAX_K: tl.constexpr, FLOOR: tl.constexpr,
-                         NOEXP_K: tl.constexpr, FAST: tl.constexpr, GCLAMP: tl.constexpr):
-    """`adam_tile` on a tile of G rows whose groups are its columns (tile axis 0), in two passes
-    over its CHUNK-row slices (element offsets `offs` of the first, each next one `row_step` *
-    CHUNK elements further), each loop software-pipelined STAGES deep (EVICT: pass 1 loads what
-    pass 2 reads again as evict_last in L2, pass 2 as evict_first; triton 3.6 drops the hints
-    from pipelined loads, cp.async, so they act with STAGES 1 only):
-      1. per chunk `new_moments`, `store_param` and the columns' ranges (`fold_ranges`); then
-         each column's new metadata (`group_meta`);
-      2. per chunk `new_moments` again (the same loads and math: bit-identical m', v'), the codes
-         with the new metadata (`quantize`).
-    In place (outputs aliasing inputs, also packed moments at data0 / meta0) is safe: pass 1
-    writes only the param, each chunk's after loading it, and pass 2 does not read the param;
-    pass 2 stores a chunk's codes computed from the values it loaded there (and every pipelined
-    load of a chunk completes before the chunk is used); a code's store in pass 2 needs its
-    column's new metadata, which needs every code of the column loaded in pass 1 (in whichever
-    thread: the reduction orders them); the metadata is read before pass 1 and written after
-    pass 2, from values that need those reads. Chunks must give each thread elements of its
-    own (adam_step_triton.two_pass_problem): a copy of an element in a second thread could be
-    read there after the first stored it. Costs over one pass: pass 2 reads the gradient and
-    codes again (6 B per element, from L2 while the tile is still there) and decodes the old
-    moments again (4 more MUFU operations per element)."""
-    lr, omb1, omb2, eps, inv_sqrt_bc2, bc1, gscale, m_a, m_c, v_a, v_c = step_coefficients(
-        s_ptr, ma_ptr, mk_ptr, va_ptr, vk_ptr, meta_idx, meta_mask, EM, 0, FAST)
-    m_hi = tl.zeros(meta_idx.shape, tl.float32)   # the columns' ranges so far
-    v_hi = tl.zeros(meta_idx.shape, tl.float32)
-    m_lo = tl.full(meta_idx.shape, float("inf"), tl.float32)
-    v_lo = tl.full(meta_idx.shape, float("inf"), tl.float32)
-    for r0 in tl.range(0, G, CHUNK, num_stages=STAGES):
-      d = r0 * row_step
-      m, v = new_moments(offs, mask, g_ptr + d, mq_ptr + d, vq_ptr + d, m_a, m_c, v_a, v_c,
-                         gscale, omb1, omb2, M_FMAX, V_FMAX, FAST, GCLAMP,
-                         KEEP_IN_L2 if EVICT else NO_HINT)
-      store_param(m, v, offs, mask, p_ptr + d, o_ptr + d, lr, wd, inv_sqrt_bc2 * bc1, eps * bc1,
-                  HAS_PARAM, OUT_PARAM, FAST)
-      m_hi, m_lo, v_hi, v_lo = fold_ranges(m, v, m_hi, m_lo, v_hi, v_lo, 0)
-    m_mx, m_steps, m_k, m_qc, v_mx, v_steps, v_k, v_qc = moments_meta(
-        m_hi, m_lo, v_hi, v_lo, M_FMAX, V_FMAX, M_LOG2R, V_LOG2R, EXPAND, EM, MAX_K, FLOOR,
-        NOEXP_K, FAST)
-    for r0 in tl.range(0, G, CHUNK, num_stages=STAGES):
-      d = r0 * row_step
-      m, v = new_moments(offs, mask, g_ptr + d, mq_ptr + d, vq_ptr + d, m_a, m_c, v_a, v_c,
-                         gscale, omb1, omb2, M_FMAX, V_FMAX, FAST, GCLAMP,
-                         DROP_FROM_L2 if EVICT else NO_HINT)
-      _store_codes(m, mqo_ptr + d, offs, mask, m_k, m_qc, M_FMAX, EXPAND, 0, FAST)
-      _store_codes(v, vqo_ptr + d, offs, mask, v_k, v_qc, V_FMAX, EXPAND, 0, FAST)
     store_meta(m_mx, m_steps, mao_ptr, mko_ptr, meta_idx, meta_mask)
     store_meta(v_mx, v_steps, vao_ptr, vko_ptr, meta_idx, meta_mask)
