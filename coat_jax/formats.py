@@ -40,11 +40,11 @@ ACTIVATION_GROUP_SIZE = 16
 OPTIMIZER_GROUP_SIZE = 128
 # The axis of the optimizer's groups: each param's last axis, or COAT's layout (coat_jax.optim.group_axes).
 OPTIMIZER_GROUP_AXES = ("last", "coat")
-# The default (coat_adamw, coat_adamw_apply, config optimizer.group_axis): COAT's layout. It has the
-# lower moment error; llama-125m's loss is the same as with "last" within run-to-run noise
-# (docs/differences.md, section 4); its column kernel is slower than the row kernel
-# (docs/results.md, "The optimizer step"). Reverting it is this line.
-OPTIMIZER_GROUP_AXIS = "coat"
+# The default (coat_adamw, coat_adamw_apply, config optimizer.group_axis): each param's last axis.
+# Its row kernel streams at the byte floor; COAT's layout ("coat") has the lower moment error, the
+# same llama-125m loss within run-to-run noise over three seeds, and a column kernel 1.5x slower
+# (docs/results.md, "The optimizer step" and "The optimizer's group axis in training").
+OPTIMIZER_GROUP_AXIS = "last"
 
 # How per-group activation scales are stored: bfloat16, as COAT stores them (values are divided by
 # the bfloat16-rounded scale itself, so data * scale is the dequantized value exactly): 1.125

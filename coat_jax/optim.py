@@ -30,9 +30,10 @@ master weights with master_rounding="kahan", else None; see `coat_adamw_apply`).
     because the per-group metadata would be a large share of their bytes and they are a negligible
     share of the model (bitsandbytes keeps tensors under 4096 elements in 32 bit for the same
     reason).
-The group axis (`group_axes`): by default (group_axis="coat", COAT's layout) a Flax (in, out)
-kernel groups G consecutive input features of each output column (axis -2; metadata
-(..., in / G, out)), other leaves their last axis; group_axis="last" groups every leaf's last axis.
+The group axis (`group_axes`): by default (group_axis="last") every leaf groups G consecutive
+elements of its last axis (metadata (..., N / G)); with group_axis="coat" (COAT's layout) a Flax
+(in, out) kernel groups G consecutive input features of each output column (axis -2; metadata
+(..., in / G, out)), other leaves their last axis.
 Moments stay in the param's layout either way, so a param's sharding is valid for its moments and
 scales (see `state_shardings`).
 
@@ -120,9 +121,10 @@ def coat_adamw(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       param to the state (`CoatAdamWState.comp`, 2 bytes per param). This transformation's own
       update (optax's update/apply_updates, which rounds p + u to nearest outside it) supports
       only "nearest": it raises ValueError for the others, use `coat_adamw_apply`.
-    group_axis: "coat" (default: Flax kernels grouped along their input features, COAT's layout;
-      lower moment error, docs/differences.md section 4; a slower fused kernel, docs/results.md,
-      "The optimizer step") | "last" (every leaf's last axis) | callable params -> tree of
+    group_axis: "last" (default: every leaf's last axis; the fused kernel at the byte floor) |
+      "coat" (Flax kernels grouped along their input features, COAT's layout; lower moment
+      error, the same loss, docs/differences.md section 4; a 1.5x slower fused kernel,
+      docs/results.md, "The optimizer step") | callable params -> tree of
       axes: the axis each quantized moment groups along (`group_axes`; the callable is called
       with the updates when params are None).
       Same bytes of state either way; a state restores only into the group_axis it was made with.

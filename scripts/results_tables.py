@@ -107,15 +107,25 @@ def _optimizer_row(name: str, column: int) -> str:
   return r"re:\| " + re.escape(name) + r" \|" + r" [\d.x]+ \|" * (column - 1) + r" ([\d.]+)"
 
 
-OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name)
+OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name); the default second (the headline's)
   ("optax.adamw (XLA)", "optax.adamw"),
-  ("coat_adamw_apply, default (`group_axis=\"coat\"`, column kernel), per leaf",
+  ("coat_adamw_apply, default (`group_axis=\"last\"`, row kernel), per leaf",
+   "coat_adamw_apply, per leaf"),
+  ("same, `state_layout=\"packed\"`", "coat_adamw_apply, packed state"),
+  ("coat_adamw_apply, `group_axis=\"coat\"` (COAT's layout, column kernel), per leaf",
    "coat_adamw_apply, per leaf, groups along axis -2 (column kernel), tile 32 cols x 8 warps"),
   ("same, `state_layout=\"packed\"`",
    "coat_adamw_apply, packed state, groups along axis -2 (column kernel), tile 32 cols x 8 warps"),
-  ("coat_adamw_apply, `group_axis=\"last\"` (row kernel), per leaf", "coat_adamw_apply, per leaf"),
-  ("same, `state_layout=\"packed\"`", "coat_adamw_apply, packed state"),
 ]
+
+
+def _summary_field(run: str, field: str) -> str:
+  """A selector for `field` of the summary line run_gpu.sh prints for the run in `run`."""
+  return rf"re:{re.escape(run)} {{[^}}]*'{field}': ([\d.e+-]+)"
+
+
+SFT_RUNS = (("coat", "coat + coat_adamw", 64), ("bf16", "bf16 + optax.adamw", 64),
+            ("coat_b4", "coat + coat_adamw", 4), ("bf16_b4", "bf16 + optax.adamw", 4))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +151,9 @@ HEADLINE = [
    ".2f", "time"),
   ("optimizer state, bytes per parameter", "optimizer_step_h200", _optimizer_row("optax.adamw", 6),
    _optimizer_row(OPTIMIZER_ROWS[1][1], 6), ".2f", "less"),
+  ("Llama-2-7B full fine-tuning, `configs/llama2-7b-sft.yaml`, batch 64 x 2048 on one 141 GB "
+   "GPU: tokens/s", "sft_llama2_7b_h200", _summary_field("/tmp/sft_bf16", "tokens_per_s"),
+   _summary_field("/tmp/sft_coat", "tokens_per_s"), ",.0f", "faster"),
   ("llama-125m, 2000 steps on real text: final eval loss", "accuracy_llama125m_h100",
    "runs.bf16+adamw.final_eval_loss", "runs.coat+coat_adamw.final_eval_loss", ".4f", "pct"),
 ]
@@ -160,9 +173,11 @@ def headline(src: Sources) -> list[str]:
       ("Llama-2-7B on one 80 GB GPU, batch 8 x 2048, remat full: tokens/s (peak)",
        "llama2_7b_b8_h100", "does not fit (107.8 GB of weights, gradients and Adam state)",
        "equal_batch.0.tokens_per_s", "equal_batch.0.peak_bytes"),
-      ("Llama-2-13B on one 141 GB GPU, batch 16 x 2048, remat full: tokens/s (peak)",
-       "llama2_13b_h200", "does not fit (208 GB of weights, gradients and Adam state)",
-       "max_batch.coat+coat_adamw.1.tokens_per_s", "max_batch.coat+coat_adamw.1.peak_bytes")]:
+      ("Llama-2-13B on one 141 GB GPU, `configs/llama2-13b.yaml` through train.py, batch 32 x "
+       "4096: tokens/s (peak)", "configs_llama2_13b_h200",
+       "does not fit (208 GB of weights, gradients and Adam state)",
+       _summary_field("/tmp/cfg_llama2-13b", "tokens_per_s"),
+       _summary_field("/tmp/cfg_llama2-13b", "peak_memory_bytes"))]:
     gpu, date, cmd, raw = src.where(sid, short=True)
     coat = f"{src.value(sid, tok_sel):,.0f} ({src.value(sid, peak_sel) / 1e9:.2f} GB)"
     out.append(f"| {claim} | {bf16_text} | {coat} | | {gpu}, {date} | `{cmd}` | {raw} |")
@@ -202,23 +217,109 @@ def e2e(src: Sources) -> list[str]:
                                "compile s, unrolled", "compile s, scanned"], rows)
 
 
-SHIPPED_CONFIGS = (("tiny", "bf16 + adamw"), ("llama-125m", "bf16 + adamw"),
-                   ("olmo-1b", "coat + coat_adamw"), ("llama2-7b", "coat + coat_adamw"))
+SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
+                   ("llama-125m", "bf16 + adamw", "configs_train_py_h200"),
+                   ("olmo-1b", "coat + coat_adamw", "configs_train_py_h200"),
+                   ("llama2-7b", "coat + coat_adamw", "configs_train_py_h200"),
+                   ("llama2-13b", "coat + coat_adamw", "configs_llama2_13b_h200"))
 
 
 def train_py(src: Sources) -> list[str]:
   """Each shipped config through train.py: its summary line in the raw log."""
-  sid = "configs_train_py_h200"
-  key = lambda name, field: rf"re:/tmp/cfg_{re.escape(name)} {{[^}}]*'{field}': ([\d.e+-]+)"
   rows = []
-  for name, recipe in SHIPPED_CONFIGS:
-    cells = [recipe, (key(name, "tokens_per_s"), ",.0f"), (key(name, "mfu"), ".1%"),
-             f"{src.value(sid, key(name, 'peak_memory_bytes')) / 2**30:.2f}",
-             (key(name, "compile_s"), ".1f"),
-             (key(name, "first_step_s"), ".2f")]
+  for name, recipe, sid in SHIPPED_CONFIGS:
+    key = lambda field: _summary_field(f"/tmp/cfg_{name}", field)
+    cells = [recipe] + [fmt(src.value(sid, key(f)), spec) for f, spec in (
+        ("tokens_per_s", ",.0f"), ("mfu", ".1%"))] + [
+        f"{src.value(sid, key('peak_memory_bytes')) / 2**30:.2f}",
+        fmt(src.value(sid, key("compile_s")), ".1f"),
+        fmt(src.value(sid, key("first_step_s")), ".2f")]
     rows.append((f"`configs/{name}.yaml`", cells))
-  return rows_table(src, sid, ["config", "precision + optimizer", "tokens/s", "MFU",
-                               "device peak GiB", "compile s", "first step s"], rows)
+  out = rows_table(src, "configs_train_py_h200", ["config", "precision + optimizer", "tokens/s",
+                                                  "MFU", "device peak GiB", "compile s",
+                                                  "first step s"], rows)
+  return out + ["", "`configs/llama2-13b.yaml`: " + source_line(src, "configs_llama2_13b_h200")]
+
+
+def _plan_choice(text: str, run: str) -> str:
+  """The remat policy and microbatches the `[plan]` line of `run`'s section in a log chose."""
+  section = text[text.index(f"--out-dir {run} ") if f"--out-dir {run} " in text
+                 else text.index(f"run.out_dir={run} "):]
+  m = re.search(r"\[plan\] chose remat (\S+), (\d+) microbatch", section)
+  return f"{m.group(1)} / {m.group(2)}" if m else "as configured"
+
+
+def sft(src: Sources) -> list[str]:
+  """configs/llama2-7b-sft.yaml through train.py, coat and bf16 + optax.adamw."""
+  sid = "sft_llama2_7b_h200"
+  text = src.raw(sid)
+  rows = []
+  for run, recipe, batch in SFT_RUNS:
+    key = lambda field: _summary_field(f"/tmp/sft_{run}", field)
+    rows.append((recipe, [f"{batch} x 2048", _plan_choice(text, f"/tmp/sft_{run}"),
+                          (key("tokens_per_s"), ",.0f"), (key("mfu"), ".1%"),
+                          f"{src.value(sid, key('peak_memory_bytes')) / 2**30:.2f}",
+                          (key("compile_s"), ".1f"), (key("first_step_s"), ".2f")]))
+  tok = lambda run: src.value(sid, _summary_field(f"/tmp/sft_{run}", "tokens_per_s"))
+  rows.append(("coat vs bf16", ["64 x 2048", "", ratio("faster", tok("bf16"), tok("coat")),
+                                "", "", "", ""]))
+  rows.append(("coat vs bf16", ["4 x 2048", "", ratio("faster", tok("bf16_b4"), tok("coat_b4")),
+                                "", "", "", ""]))
+  return rows_table(src, sid, ["", "global batch", "remat / microbatches (plan)", "tokens/s",
+                               "MFU", "device peak GiB", "compile s", "first step s"], rows)
+
+
+def remat_sweep(src: Sources) -> list[str]:
+  """Each config at `remat: auto` and at each policy by hand (microbatches auto)."""
+  out = ["| config | remat | microbatches | tokens/s | device peak GiB | vs the best by hand |",
+         "|---|---|---|---|---|---|"]
+  for name, sid in (("olmo-1b", "remat_sweep_olmo1b_h200"),
+                    ("llama2-7b", "remat_sweep_llama2_7b_h200")):
+    text = src.raw(sid)
+    runs = {}
+    for remat in ("auto", "none", "fp8_residuals", "dots", "full"):
+      key = lambda field: _summary_field(f"/tmp/sweep_{remat}", field)
+      if re.search(key("tokens_per_s")[3:], text):
+        runs[remat] = (src.value(sid, key("tokens_per_s")),
+                       src.value(sid, key("peak_memory_bytes")) / 2**30,
+                       _plan_choice(text, f"/tmp/sweep_{remat}").split(" / ")[-1])
+    best = max(v[0] for r, v in runs.items() if r != "auto")
+    for remat, (tok, peak, micro) in runs.items():
+      out.append(f"| `{name}` | {remat} | {micro} | {tok:,.0f} | {peak:.2f} | "
+                 f"{100 * (tok / best - 1):+.1f} % |")
+    if "auto" not in runs:
+      out.append(f"| `{name}` | auto | | not measured in this run (stopped by its time limit "
+                 f"while the data cache was built) | | |")
+  return out + ["", source_line(src, "remat_sweep_olmo1b_h200"),
+                "Llama-2-7B: " + source_line(src, "remat_sweep_llama2_7b_h200")]
+
+
+def two_pass(src: Sources) -> list[str]:
+  sid = "adam_column_two_pass_h200"
+  text = src.raw(sid)
+  out = ["| column kernel, tile | GPU kernel ms | wall ms |", "|---|---|---|"]
+  for line in text.splitlines():
+    m = re.match(r"\| coat_adamw_apply, per leaf, groups along axis -2 \(column kernel\), "
+                 r"([^|]+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \|", line)
+    if m:
+      out.append(f"| {m.group(1).strip()} | {m.group(3)} | {m.group(2)} |")
+  return out + ["", source_line(src, sid)]
+
+
+def step_floor_h200(src: Sources) -> list[str]:
+  """The floor table of `step_floor --summary` (two runs; the second's rows that the first has
+  are left out)."""
+  text = src.raw("step_floor_h200")
+  rows, seen = [], set()
+  for line in text.splitlines():
+    if line.startswith("| ") and not line.startswith("| row "):
+      label = line.split("|")[1].strip()
+      if label not in seen:
+        seen.add(label)
+        rows.append(line)
+  header = next(line for line in text.splitlines() if line.startswith("| row "))
+  return [header, "|" + "---|" * (header.count("|") - 1)] + rows + [
+      "", source_line(src, "step_floor_h200")]
 
 
 def largest_batch(src: Sources) -> list[str]:
@@ -362,12 +463,15 @@ def group_axis(src: Sources) -> list[str]:
   out = ["| seed | eval loss, `group_axis: last` | eval loss, `group_axis: coat` | coat vs last |",
          "|---|---|---|---|"]
   for seed, sid, last, coat in ((0, "group_axis_loss_seed0_h100", "f32_master", "coat_group_axis"),
-                                (1, "group_axis_loss_seed1_h100", "group_axis_last", "f32_master")):
+                                (1, "group_axis_loss_seed1_h100", "group_axis_last", "f32_master"),
+                                (2, "group_axis_loss_seed2_h200", "group_axis_last",
+                                 "group_axis_coat")):
     loss = {r["variant"]: r["eval_loss"] for r in src.value(sid, "rows")}
     out.append(f"| {seed} | {loss[last]:.4f} | {loss[coat]:.4f} | "
                f"{ratio('pct', loss[last], loss[coat])} |")
   return out + ["", source_line(src, "group_axis_loss_seed0_h100"),
-                "Seed 1: " + source_line(src, "group_axis_loss_seed1_h100")]
+                "Seed 1: " + source_line(src, "group_axis_loss_seed1_h100"),
+                "Seed 2: " + source_line(src, "group_axis_loss_seed2_h200")]
 
 
 def step_floor(src: Sources) -> list[str]:
@@ -394,6 +498,7 @@ TABLES = {
   "layer": layer, "layer_fp8_attention": layer_fp8_attention, "optimizer": optimizer,
   "big_models": big_models, "accuracy": accuracy, "stability": stability, "formats": formats,
   "master_weights": master_weights, "group_axis": group_axis, "step_floor": step_floor,
+  "sft": sft, "remat_sweep": remat_sweep, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
 }
 
 

@@ -1,4 +1,4 @@
-"""coat_adamw(group_axis="coat" (the default) | callable): moments grouped along another axis than
+"""coat_adamw(group_axis="coat" (COAT's layout) | callable): moments grouped along another axis than
 the last (COAT's layout: the input features of (in, out) kernels), stored in the param's layout
 with scales (..., in / G, out), equal the last-axis quantization of the transposed moments
 transposed back; steps match float64 Adam; state bytes, shapes, shardings; bad values."""
@@ -239,8 +239,8 @@ def test_bad_values_raise_one_line(rng):
     jax.eval_shape(_opt(group_axis="coat").update, params, state, params)
   with pytest.raises(ValueError, match=r"optimizer.group_axis.*got 'hidden'"):
     schema.load(None, ["optimizer.group_axis=hidden"])
-  assert schema.load(None, []).optimizer.group_axis == formats.OPTIMIZER_GROUP_AXIS == "coat"
-  assert schema.load(None, ["optimizer.group_axis=last"]).optimizer.group_axis == "last"
+  assert schema.load(None, []).optimizer.group_axis == formats.OPTIMIZER_GROUP_AXIS == "last"
+  assert schema.load(None, ["optimizer.group_axis=coat"]).optimizer.group_axis == "coat"
 
 
 def test_per_shard_wrapper_keeps_column_groups_local(rng):

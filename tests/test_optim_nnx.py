@@ -88,10 +88,11 @@ def test_group_axes_ignore_nnx_variable_wrappers():
   wrapped, plain = nnx.state(model, nnx.Param), nnx.to_pure_dict(nnx.state(model, nnx.Param))
   assert jax.tree.leaves(group_axes("coat", wrapped)) == jax.tree.leaves(group_axes("coat", plain))
   assert group_axes("coat", plain)["l1"] == {"bias": -1, "kernel": -2}
-  tx = coat_adamw(LR)
+  tx = coat_adamw(LR, group_axis="coat")
   a, b = tx.init(wrapped), tx.init(nnx.as_pure(wrapped))
   assert jax.tree.structure(a) == jax.tree.structure(b)
   assert a.mu["l1"]["kernel"].amax.shape == (1, 256)   # (128 / G, 256): grouped along axis -2
+  assert coat_adamw(LR).init(wrapped).mu["l1"]["kernel"].amax.shape == (128, 2)  # default: last
 
 
 def test_update_takes_extra_args_and_contrib_wrappers(rng):

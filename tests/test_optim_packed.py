@@ -7,7 +7,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from coat_jax import packed_state
+from coat_jax import formats, packed_state
 from coat_jax.expansion import ExpandedMoment, metadata_shape
 from coat_jax.optim import coat_adamw, coat_adamw_apply, optimizer_state_bytes, state_shardings
 
@@ -66,14 +66,14 @@ def _assert_trees_equal_to_rounding(a, b):
 def _slots(tx_kwargs, params):
   from coat_jax.optim import group_axes
   leaves = jax.tree.leaves(params)
-  axes = jax.tree.leaves(group_axes(tx_kwargs.get("group_axis", "coat"), params))
+  axes = jax.tree.leaves(group_axes(tx_kwargs.get("group_axis", formats.OPTIMIZER_GROUP_AXIS), params))
   q = [np.size(p) >= tx_kwargs.get("min_quantized_size", 4096) for p in leaves]
   return packed_state.layout([np.shape(p) for p in leaves], q,
                              [a if qi else -1 for a, qi in zip(axes, q)], G)[0]
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(min_quantized_size=1000),
+    dict(min_quantized_size=1000, group_axis="coat"),
     dict(min_quantized_size=1000, group_axis="last", m_format="e5m2", max_grad_norm=0.5),
     dict(min_quantized_size=1000, master_rounding="stochastic", expand=False),
     dict(min_quantized_size=1000, master_rounding="kahan", v_format="int8"),
@@ -194,7 +194,7 @@ def test_layout_mismatches_and_bad_values_raise_one_clear_error(rng):
   with pytest.raises(ValueError, match="per-leaf layout; this coat_adamw was made with "
                                        "state_layout='packed'"):
     packed_tx.update(grads, leaves_tx.init(params), params)
-  other = coat_adamw(1e-3, min_quantized_size=1000, state_layout="packed", group_axis="last")
+  other = coat_adamw(1e-3, min_quantized_size=1000, state_layout="packed", group_axis="coat")
   with pytest.raises(ValueError, match="packed mu was made for another layout"):
     other.update(grads, packed_tx.init(params), params)
   # same buffer sizes, other group axis: caught by the layout's fingerprint

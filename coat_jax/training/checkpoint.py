@@ -328,8 +328,8 @@ class CheckpointMismatch(ValueError):
 def _mismatch_hint(key: str) -> str:
   if re.search(r"(^|\.)(mu|nu)(\.|$)", key):
     return (" (optimizer state: was it written with another optimizer.group_axis, group_size or "
-            "m/v format? checkpoints written before group_axis 'coat' became the default "
-            "(2026-11-23) grouped along 'last': --set optimizer.group_axis=last resumes those)")
+            "m/v format? runs of coat-jax 0.1, whose default group_axis was 'coat', resume with "
+            "--set optimizer.group_axis=coat)")
   return ""
 
 

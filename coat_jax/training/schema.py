@@ -85,9 +85,9 @@ class OptimizerConfig:
 
   `m_format`/`v_format`/`group_size`/`expand`/`expand_min`/`min_quantized_size`/`group_axis` are
   used by "coat_adamw" only (params with fewer elements than `min_quantized_size` keep float32
-  moments; expansion exponents are multiples of 1/`expand_min`; `group_axis` "coat" (default:
-  COAT's layout, Linear kernels grouped along their input features) or "last" (every leaf's last
-  axis; faster kernel), the axis of the moment groups: `coat_jax.optim.group_axes`; a checkpoint
+  moments; expansion exponents are multiples of 1/`expand_min`; `group_axis` "last" (default:
+  every leaf's last axis; the faster kernel) or "coat" (COAT's layout, Linear kernels grouped along
+  their input features), the axis of the moment groups: `coat_jax.optim.group_axes`; a checkpoint
   resumes only with the group_axis it was saved with).
   `decay_1d=False` leaves 1-D parameters (norm scales, biases) out of weight decay.
   `accumulate`: microbatches per optimizer step (gradient accumulation); `data.batch_size` is the
