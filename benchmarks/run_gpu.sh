@@ -120,7 +120,7 @@ for s in "$@"; do
              "${extra[@]}" --out-dir /tmp/sft_$v --overwrite
            summary /tmp/sft_$v 2>&1 | tee -a "$OUT/sft.log"; done ;;
     remat_sweep) c=${REMAT_CONFIG:-olmo-1b}
-             for r in auto ${REMATS:-none fp8_residuals dots full}; do
+             for r in ${REMATS:-none fp8_residuals dots full} auto; do  # auto last: data cache warm
                section remat_sweep ${CONFIG_LIMIT:-200} $PY train.py $(config_args $c) \
                  --set model.remat=$r --set run.steps=${CONFIG_STEPS:-8} --set checkpoint.enabled=false \
                  --set run.out_dir=/tmp/sweep_$r --overwrite
@@ -133,7 +133,8 @@ for s in "$@"; do
                  section largest 300 $PY train.py $(config_args llama2-13b) --plan --set precision=$1 \
                    --set optimizer.name=$2 "${master[@]}" --set model.hidden_size=$h --set model.num_layers=$l \
                    --set model.intermediate_size=$f --set model.num_heads=$((h / 128)) \
-                   --set model.num_kv_heads=$((h / 128)) --set data.seq_len=2048 --set data.batch_size=64
+                   --set model.num_kv_heads=$((h / 128)) --set data.seq_len=2048 --set data.batch_size=64 \
+                   --set model.remat=full  # the most frugal policy: only the microbatches are planned
                done; done ;;
     *) echo "unknown section $s" >&2 ;;
   esac
