@@ -280,6 +280,8 @@ class Planner:
       steps = 0 if self.devices[0].platform == "cpu" else 2
     # --plan: no state, no timing; several processes: timings could differ, so could choices.
     steps = steps if sample_batch is not None and jax.process_count() == 1 else 0
+    self.log("[plan] compiling candidate settings (XLA's 'Can't reduce memory use' warnings are "
+             "the candidates that do not fit)")
     found = self.candidates(all_policies=steps > 0)
     if not found:
       raise OutOfMemoryError(self.too_big_message(self.predict(self.configured(), self.limit)))
