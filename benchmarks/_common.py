@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 
 # Dense peaks of the GPUs the floors are counted against (NVIDIA's SXM datasheets, no sparsity):
-# FP8 and bf16 tensor-core FLOP/s, HBM bytes/s. The datasheet bandwidth is not reached: the
-# fastest stream measured on an H200 (2026-11-26, `python -m benchmarks.step.bench_optimizer`)
-# moved 3.878 TB/s, which step_floor.py takes as `--hbm-tbps 3.878`.
+# FP8 and bf16 tensor-core FLOP/s, HBM bytes/s. The datasheet bandwidth is not reached: on an H200
+# (2026-11-26, `python -m benchmarks.step.bench_optimizer`) the benchmark's best copy-like stream
+# moved 3.878 TB/s and the row Adam kernel 3.92 TB/s; step_floor.py takes a measured value as
+# `--hbm-tbps`.
 GPU_PEAKS = {
     "h100": {"name": "H100 SXM", "fp8_flops": 1979e12, "bf16_flops": 989e12,
              "hbm_bytes_per_s": 3.35e12},

@@ -5,8 +5,8 @@ Counted on the CPU from the traced train step (benchmarks/_floor.py: what each c
 how remat's recompute and microbatches are counted; no GPU, nothing allocated, ~1 s of CPU per
 trace), at a GPU's datasheet dense peaks: `--gpu h200` (default) or `h100` (`_common.GPU_PEAKS`:
 FP8 1979, bf16 989 TFLOP/s both; HBM 4.8 and 3.35 TB/s). `--hbm-tbps` puts a measured bandwidth
-in the datasheet's place (the H200's best stream, 2026-11-26, `python -m
-benchmarks.step.bench_optimizer`: 3.878 TB/s).
+in the datasheet's place (on the H200, 2026-11-26, `python -m benchmarks.step.bench_optimizer`:
+3.878 TB/s for its best copy-like stream, 3.92 TB/s for the row Adam kernel itself).
 
 Default: the step's floor per category (FP8 GEMM, bf16 GEMM, attention, quantize, optimizer), bf16
 and coat. With --profile (profile_step.py's --json of a bf16 and a coat variant), every category's
