@@ -24,6 +24,10 @@ from collections.abc import Callable, Sequence
 # (2026-11-26, `python -m benchmarks.step.bench_optimizer`) the benchmark's best copy-like stream
 # moved 3.878 TB/s and the row Adam kernel 3.92 TB/s; step_floor.py takes a measured value as
 # `--hbm-tbps`.
+# The optimizer benchmarks' parameter tree (bench_optimizer, adam_layout_floor, step_floor's
+# optimizer row): a Llama-2-7B-width tree of float32 matrices, 1.21e9 parameters.
+OPTIMIZER_SHAPES = [(4096, 4096)] * 56 + [(4096, 11008)] * 6
+
 GPU_PEAKS = {
     "h100": {"name": "H100 SXM", "fp8_flops": 1979e12, "bf16_flops": 989e12,
              "hbm_bytes_per_s": 3.35e12},

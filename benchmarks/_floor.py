@@ -44,6 +44,7 @@ import collections
 import functools
 import math
 
+from benchmarks._common import OPTIMIZER_SHAPES
 from benchmarks._hlo import step_config
 from benchmarks._signatures import as_if_on_hopper, is_kernel, kernel_name, signature_backend
 
@@ -57,9 +58,8 @@ COMPUTE = {"FP8 GEMM": ("FP8 GEMM flops", "fp8_flops"),
 BYTES = {"GEMM operands": "GEMM bytes", "attention": "attention bytes",
          "quantize": "quantize bytes", "optimizer": "optimizer bytes"}
 
-# The optimizer step that benchmarks/step/bench_optimizer.py times: a Llama-2-7B-width tree of
-# 56 x (4096, 4096) + 6 x (4096, 11008) float32 parameters.
-OPTIMIZER_PARAMS = 56 * 4096 * 4096 + 6 * 4096 * 11008
+# The optimizer step that benchmarks/step/bench_optimizer.py times.
+OPTIMIZER_PARAMS = sum(math.prod(s) for s in OPTIMIZER_SHAPES)
 
 
 def _nbytes(avals) -> int:

@@ -279,10 +279,12 @@ def remat_sweep(src: Sources) -> list[str]:
     runs = {}
     for remat in ("auto", "none", "fp8_residuals", "dots", "full"):
       key = lambda field: _summary_field(f"/tmp/sweep_{remat}", field)
-      if re.search(key("tokens_per_s")[3:], text):
-        runs[remat] = (src.value(sid, key("tokens_per_s")),
-                       src.value(sid, key("peak_memory_bytes")) / 2**30,
-                       _plan_choice(text, f"/tmp/sweep_{remat}").split(" / ")[-1])
+      try:
+        tokens = src.value(sid, key("tokens_per_s"))
+      except ValueError:   # the run left no summary (stopped before its end)
+        continue
+      runs[remat] = (tokens, src.value(sid, key("peak_memory_bytes")) / 2**30,
+                     _plan_choice(text, f"/tmp/sweep_{remat}").split(" / ")[-1])
     best = max(v[0] for r, v in runs.items() if r != "auto")
     for remat, (tok, peak, micro) in runs.items():
       out.append(f"| `{name}` | {remat} | {micro} | {tok:,.0f} | {peak:.2f} | "

@@ -18,11 +18,10 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from benchmarks._common import kernel_times
+from benchmarks._common import OPTIMIZER_SHAPES as SHAPES, kernel_times
 from coat_jax import kernels
 from coat_jax.optim import coat_adamw, coat_adamw_apply
 
-SHAPES = [(4096, 4096)] * 56 + [(4096, 11008)] * 6
 STREAMS = [("rows", 16, 4, 0), ("cols", 32, 8, 4), ("cols", 32, 4, 4), ("cols", 64, 8, 4),
            ("cols", 128, 8, 4), ("cols", 32, 8, 0), ("cols", 128, 8, 0)]
 

@@ -58,11 +58,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks._common import kernel_times, time_calls
+from benchmarks._common import OPTIMIZER_SHAPES as SHAPES, kernel_times, time_calls
 from coat_jax import kernels
 from coat_jax.optim import coat_adamw, coat_adamw_apply, optimizer_state_bytes
-
-SHAPES = [(4096, 4096)] * 56 + [(4096, 11008)] * 6
 
 
 def make_tree(shapes, key, scale_value):
