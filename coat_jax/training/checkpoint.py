@@ -138,16 +138,18 @@ class Checkpointer:
     async_save: write in a background thread while training continues.
     state_template: the state's arrays or ShapeDtypeStructs, when known: a state larger than a
       quarter of the available host memory is then streamed, synchronously (`storage.stream_bytes`).
+    enabled: False: nothing is ever saved (not even when forced); restoring still works.
   """
 
   def __init__(self, directory: str | os.PathLike, every: int, keep: int, async_save: bool,
-               state_template: Any = None):
+               state_template: Any = None, enabled: bool = True):
     import orbax.checkpoint as ocp
 
     _quiet_orbax()
     self._ocp = ocp
     self.directory = Path(directory).absolute()
     self.every = every
+    self.enabled = enabled
     self.stream_bytes = None
     if state_template is not None:
       stored = jax.tree.map(_abstract, state_template)  # typed keys as their uint32 data
@@ -169,11 +171,11 @@ class Checkpointer:
     return list(self._manager.all_steps())
 
   def should_save(self, step: int) -> bool:
-    return self.every > 0 and step % self.every == 0
+    return self.enabled and self.every > 0 and step % self.every == 0
 
   def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = False) -> bool:
     """Saves `state` (a pytree of arrays) and JSON `meta` at `step` if due (or `force`); True if saved."""
-    if not (force or self.should_save(step)) or self._last_saved == step:
+    if not self.enabled or not (force or self.should_save(step)) or self._last_saved == step:
       return False
     self.wait()  # the previous save done (orbax would wait too), so the disk's free space is true
     flat = flatten_state(keys_to_data(state))

@@ -182,7 +182,8 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
   with contextlib.ExitStack() as cleanup:
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir, cfg.checkpoint.every, cfg.checkpoint.keep,
                                          cfg.checkpoint.async_save,
-                                         state_template=built.abstract_state())
+                                         state_template=built.abstract_state(),
+                                         enabled=cfg.checkpoint.enabled)
     cleanup.callback(checkpointer.close)
     params, opt_state, rest, start_step, run_key = restore_or_init(
         cfg, checkpointer, built, resume, say, resume_from, allow_steps_change,
@@ -208,8 +209,6 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
       return value
 
     def save(step: int, force: bool) -> bool:
-      if not cfg.checkpoint.enabled:
-        return False
       meta = {"step": step, "data_position": step, "seed": cfg.run.seed,
               "epoch": dataset.epoch_of(step),
               "rng": np.asarray(jax.random.key_data(run_key)).tolist(), "config": cfg.to_dict()}
