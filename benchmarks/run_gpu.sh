@@ -15,8 +15,11 @@
 # configs (each shipped config through train.py as a user runs it, offline corpus: `--plan`, then a
 # few steps; first step, compile, tokens/s, MFU, device peak, host max RSS with the final save;
 # CONFIGS="..." picks configs, one call each for llama2-7b and llama2-13b), remat_sweep (one
-# config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), largest (the
-# largest Llama each mode fits at seq 2048, global batch 64: `--plan` per shape, LARGEST_SHAPES),
+# config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), equal7b
+# (configs/llama2-7b.yaml, bf16 + optax.adamw against coat at one batch and remat, no microbatches:
+# EQUAL_BATCHES, the first that every mode fits), largest (the largest Llama each optimizer fits at
+# seq 2048, global batch 64: `--plan` per shape, largest first, LARGEST_PLANS, LARGEST_LIMIT),
+# largest_run (train.py on one such shape: LARGEST_RUN),
 # sft (configs/llama2-7b-sft.yaml from a random Hugging Face directory of Llama-2-7B's shape made
 # on the machine: SFT_VARIANTS of coat / bf16 (+ optax.adamw), _b4 at batch 4 without microbatches).
 set -uo pipefail
@@ -45,6 +48,15 @@ config_args() {  # config_args NAME: train.py's arguments for a shipped config o
     --set run.log_every=1 --set run.plot=false --set run.tensorboard=false \
     --set checkpoint.every=100000 --set run.plan_timed_steps=${PLAN_TIMED_STEPS:-2}
 }
+largest_args() {  # largest_args OPTIMIZER H L F: a Llama of that shape (heads of 128) through the
+  # 13B recipe at seq 2048, global batch 64, remat full, the fewest microbatches that fit
+  local master=(--set model.param_dtype=float32 --set optimizer.master_rounding=nearest)
+  [ "$1" = coat_adamw ] && master=(--set model.param_dtype=bfloat16 --set optimizer.master_rounding=stochastic)
+  echo $(config_args llama2-13b) --set optimizer.name=$1 "${master[@]}" --set model.hidden_size=$2 \
+    --set model.num_layers=$3 --set model.intermediate_size=$4 --set model.num_heads=$(($2 / 128)) \
+    --set model.num_kv_heads=$(($2 / 128)) --set data.seq_len=2048 --set data.batch_size=64 \
+    --set model.remat=full --set optimizer.accumulate=auto
+}
 summary() {  # summary DIR: the numbers of a run's summary.json on one line
   $PY -c "import json, sys; s = json.load(open(sys.argv[1] + '/summary.json')); \
 print(sys.argv[1], {k: s.get(k) for k in ('step', 'compile_s', 'first_step_s', 'tokens_per_s', \
@@ -54,7 +66,9 @@ section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/N
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$name.log"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" | grep -v "^\s*$" | tail -n 60
-  echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name exit $rc" | tee -a "$OUT/$name.log"
+  return "$rc"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
@@ -125,17 +139,41 @@ for s in "$@"; do
                  --set model.remat=$r --set run.steps=${CONFIG_STEPS:-8} --set checkpoint.enabled=false \
                  --set run.out_dir=/tmp/sweep_$r --overwrite
                summary /tmp/sweep_$r 2>&1 | tee -a "$OUT/remat_sweep.log"; rm -rf /tmp/sweep_$r; done ;;
-    largest) for shape in ${LARGEST_SHAPES:-5120:40:13824 6144:48:16384 6144:52:16384 7168:48:19456}; do
-               IFS=: read -r h l f <<< "$shape"
-               for m in ${LARGEST_MODES:-bf16:adamw fp8_linear:adamw coat:coat_adamw}; do
-                 set -- ${m/:/ }; master=(--set model.param_dtype=float32 --set optimizer.master_rounding=nearest)
-                 [ "$2" = coat_adamw ] && master=(--set model.param_dtype=bfloat16 --set optimizer.master_rounding=stochastic)
-                 section largest 300 $PY train.py $(config_args llama2-13b) --plan --set precision=$1 \
-                   --set optimizer.name=$2 "${master[@]}" --set model.hidden_size=$h --set model.num_layers=$l \
-                   --set model.intermediate_size=$f --set model.num_heads=$((h / 128)) \
-                   --set model.num_kv_heads=$((h / 128)) --set data.seq_len=2048 --set data.batch_size=64 \
-                   --set model.remat=full  # the most frugal policy: only the microbatches are planned
+    equal7b) for b in ${EQUAL_BATCHES:-8 4}; do  # the first batch every mode fits, no microbatches
+               ok=1
+               for m in ${EQUAL_MODES:-bf16:adamw coat:coat_adamw}; do set -- ${m/:/ }
+                 master=(); [ "$2" = adamw ] && master=(--set model.param_dtype=float32 --set optimizer.master_rounding=nearest)
+                 section equal7b ${CONFIG_LIMIT:-240} $PY train.py $(config_args llama2-7b) --set precision=$1 \
+                   --set optimizer.name=$2 "${master[@]}" --set model.remat=${EQUAL_REMAT:-full} \
+                   --set optimizer.accumulate=1 --set data.batch_size=$b --set run.steps=${CONFIG_STEPS:-6} \
+                   --set checkpoint.enabled=false --set run.out_dir=/tmp/equal_$1_$b --overwrite || ok=0
+                 summary /tmp/equal_$1_$b 2>&1 | tee -a "$OUT/equal7b.log"
+                 [ $ok = 1 ] || break
+               done
+               [ $ok = 1 ] && break
+             done ;;
+    largest)  # LARGEST_PLANS: PRECISION+OPTIMIZER:H:L:F:H:L:F..., shapes largest first; the first
+             # that fits ends that entry and is appended to $OUT/largest_fits.txt (plans at remat full,
+             # microbatches auto, global batch 64 x 2048; LARGEST_LIMIT: run.device_memory_limit,
+             # 0 the device's own, 80767614976 an 80 GB H100's share at XLA_PYTHON_CLIENT_MEM_FRACTION 0.95)
+             for plan in ${LARGEST_PLANS:-coat+coat_adamw:5120:52:13824:5120:48:13824 bf16+adamw:4096:36:11008:4096:32:11008}; do
+               IFS=: read -r mode rest <<< "$plan"; IFS=: read -ra dims <<< "$rest"
+               prec=${mode%+*} opt=${mode#*+}
+               for ((i = 0; i < ${#dims[@]}; i += 3)); do
+                 h=${dims[i]} l=${dims[i+1]} f=${dims[i+2]}
+                 n=$(wc -l < "$OUT/largest.log" 2>/dev/null || echo 0)
+                 section largest ${LARGEST_TIMEOUT:-240} $PY train.py $(largest_args $opt $h $l $f) \
+                   --set precision=$prec --set run.device_memory_limit=${LARGEST_LIMIT:-0} --plan
+                 if tail -n +$((n + 1)) "$OUT/largest.log" | grep -q "^  chosen"; then
+                   echo "$mode $h $l $f ${LARGEST_LIMIT:-0}" >> "$OUT/largest_fits.txt"; break
+                 fi
                done; done ;;
+    largest_run) IFS=: read -r mode h l f <<< "${LARGEST_RUN:-coat+coat_adamw:5120:48:13824}"
+             prec=${mode%+*} opt=${mode#*+}
+             section largest ${CONFIG_LIMIT:-420} $PY train.py $(largest_args $opt $h $l $f) \
+               --set precision=$prec --set run.steps=${CONFIG_STEPS:-3} --set checkpoint.enabled=false \
+               --set run.out_dir=/tmp/largest --overwrite
+             summary /tmp/largest 2>&1 | tee -a "$OUT/largest.log" ;;
     *) echo "unknown section $s" >&2 ;;
   esac
 done

@@ -110,8 +110,10 @@ def rounded_step(cfg: CoatAdamWConfig, args: StepArgs, leaves: StepLeaves, i: in
   on its float32 value x (p, or p + c with Kahan), y = x - lr * (m / denom + wd * x), stored as
   p' = round(y) stochastically (bits from (element, step, leaf i)), or as p' = bf16(y),
   c' = bf16(y - p') (Kahan). Returns (p', m', v', c'). A stacked (layers, ...) leaf goes one
-  layer at a time (lax.map), so the float32 working copy is one layer's, not the whole
-  stack's (22.6 GB for Llama-2-13B's MLP stack); the rounding bits use the flat element index
+  layer at a time in a loop that writes each layer's results over its inputs (the param, moment
+  and compensation stacks are the loop's carry, updated in place), so the step holds one layer's
+  float32 working copy and no second copy of the stacks (a loop mapping layers to new stacks
+  held both: 2 more bytes per param at the peak); the rounding bits use the flat element index
   (offset), so the result is the whole leaf's."""
   g, p, use_decay, c, axis = (leaves.grads[i], leaves.params[i], leaves.decay[i],
                               leaves.comp[i], leaves.axes[i])
@@ -132,8 +134,14 @@ def rounded_step(cfg: CoatAdamWConfig, args: StepArgs, leaves: StepLeaves, i: in
   if p.ndim < 3 or p.ndim + axis == 0:
     return one(g, p, m, v, c)
   rows = p.size // p.shape[0]
-  return jax.lax.map(lambda a: one(*a[1:], offset=a[0] * rows),
-                     (jnp.arange(p.shape[0], dtype=jnp.uint32), g, p, m, v, c))
+  take = lambda tree, k: jax.tree.map(
+      lambda x: jax.lax.dynamic_index_in_dim(x, k, keepdims=False), tree)
+
+  def layer(k, stacks):
+    new = one(take(g, k), *take(stacks, k), offset=k.astype(jnp.uint32) * rows)
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, k, 0), stacks, new)
+
+  return jax.lax.fori_loop(0, p.shape[0], layer, (p, m, v, c))
 
 
 def _rounded(cfg: CoatAdamWConfig, leaves: StepLeaves) -> list[bool]:

@@ -1,7 +1,9 @@
 """Optimizer step time and state bytes: optax.adamw vs coat_adamw (optax chain) vs coat_adamw_apply.
 
 Parameters of a Llama-2-7B-width tree: 56 x (4096, 4096) + 6 x (4096, 11008) float32 =
-1.21e9 (scaled by --scale on the row count), random gradients, on the default device. Each step is
+1.21e9 (scaled by --scale on the row count), random gradients, on the default device; --stacked
+holds the same matrices as a scanned model (`model.scan_layers`, the default) does, stacked in 7
+leaves (4 x (14, 4096, 4096) + 3 x (2, 4096, 11008)): one kernel launch per stacked leaf. Each step is
 one jitted call `(params, state, grads) -> (params, state)` with params, state and grads donated
 (inside a train step the gradients are temporaries, so a kernel may write over them; each call gets
 a fresh copy, made before its timer starts); "wall ms" is the median over --steps timed calls
@@ -28,7 +30,8 @@ kernel, coat_adamw's default for Flax kernels), stepped by the column kernel of
 pallas_kernels/adam/adam_step_triton.py (G-row x BLOCK-column tiles, no transposes); compare
 coat_cols with coat_leaf and apply_cols with apply_leaf. --cols-tiles repeats the column rows once
 per tile of the column kernel: BLOCKxWARPS (G rows x BLOCK columns, WARPS warps); default
-adam_step_triton's COLS_BLOCK / COLS_WARPS. --scale keeps whole groups along axis
+adam_step_triton's COLS_BLOCK / COLS_WARPS; --rows-tiles likewise for the row kernel's rows
+(BLOCK rows of G per program; default ROWS_BLOCK / ROWS_WARPS). --scale keeps whole groups along axis
 -2 only where the scaled row counts stay multiples of 128 (e.g. 0.25; 4096 x 0.001 = 4 rows pads
 each group).
 
@@ -51,6 +54,7 @@ own bytes and mix (10 B read, 6 B written per element; `stream_bandwidths`). "wa
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -237,6 +241,10 @@ CONFIGS = {
                   "reference", 0),
 }
 COLUMN_ROWS = ("coat_cols", "apply_cols", "apply_cols_packed")
+ROW_KERNEL_ROWS = ("coat_leaf", "chain_leaf", "coat_clip", "apply_leaf", "apply_clip",
+                   "coat_packed", "apply_packed")
+# --stacked: OPTIMIZER_SHAPES' 56 square and 6 wide matrices as a scanned model's stacked leaves
+STACKED_SHAPES = [(14, 4096, 4096)] * 4 + [(2, 4096, 11008)] * 3
 PACKED_ROWS = ("coat_packed", "apply_packed", "apply_cols_packed")
 DEFAULT_ROWS = ["optax", "optax_chain", "coat_leaf", "chain_leaf", "apply_leaf"]
 
@@ -250,6 +258,12 @@ def main():
                       help="also print top GPU kernels per step and HLO copy counts")
   parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                       help=f"comma-separated optimizers, of {list(CONFIGS)}")
+  parser.add_argument("--stacked", action="store_true",
+                      help="the same matrices stacked as a scanned model holds them: "
+                           f"{STACKED_SHAPES} (7 leaves instead of 62)")
+  parser.add_argument("--rows-tiles", default="",
+                      help="row kernel tiles BLOCKxWARPS,... for the rows grouped along the last "
+                           "axis (BLOCK rows of G; default: the kernel's ROWS_BLOCK / ROWS_WARPS)")
   parser.add_argument("--cols-tiles", default="",
                       help="column kernel tiles BLOCKxWARPS,... for the column rows (default: "
                            "the kernel's COLS_BLOCK / COLS_WARPS)")
@@ -261,19 +275,24 @@ def main():
   from pallas_kernels.adam import adam_step_triton
   try:
     tiles = adam_step_triton.parse_cols_tiles(args.cols_tiles)
+    row_tiles = adam_step_triton.parse_cols_tiles(args.rows_tiles)
   except ValueError as e:
-    parser.error(f"--cols-tiles: {e}")
+    parser.error(f"--cols-tiles / --rows-tiles: {e}")
   default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS)
-  runs = []   # (row key, column tile or None)
+  default_row_tile = (adam_step_triton.ROWS_BLOCK, adam_step_triton.ROWS_WARPS)
+  runs = []   # (row key, tile or None)
   for key in names:
-    runs += [(key, t) for t in tiles] if key in COLUMN_ROWS and tiles else [(key, None)]
+    sweep = tiles if key in COLUMN_ROWS else row_tiles if key in ROW_KERNEL_ROWS else []
+    runs += [(key, t) for t in sweep] if sweep else [(key, None)]
 
   rows = lambda r: max(1, round(r * args.scale))
-  shapes = [(rows(r), c) for r, c in SHAPES]
-  n = sum(r * c for r, c in shapes)
+  shapes = [(s[0], rows(s[1]), s[2]) for s in STACKED_SHAPES] if args.stacked else [
+      (rows(r), c) for r, c in SHAPES]
+  n = sum(math.prod(s) for s in shapes)
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind} ({dev.platform}); params: {n:.4g} float32 "
-        f"({len(shapes)} matrices); steps: {args.steps}", flush=True)
+        f"({len(shapes)} leaves{', stacked' if args.stacked else ''}); steps: {args.steps}",
+        flush=True)
   print(f"jax-triton kernel available: {adam_step_triton.available()}", flush=True)
   key_p, key_g = jax.random.split(jax.random.key(0))
   params_fn = lambda: make_tree(shapes, key_p, 0.02)
@@ -294,11 +313,19 @@ def main():
       adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS = tile
       jax.clear_caches()
       name = f"{name}, tile {tile[0]} cols x {tile[1]} warps"
+    elif key in ROW_KERNEL_ROWS and row_tiles:
+      adam_step_triton.ROWS_BLOCK, adam_step_triton.ROWS_WARPS = tile
+      jax.clear_caches()
+      name = f"{name}, tile {tile[0]} rows x {tile[1]} warps"
     with kernels.backend(backend):
       ms, piped, bpp, device_ms = bench_optimizer(
           name, make(), params_fn, grads, args.steps, args.profile,
           group_axis=_columns if key in COLUMN_ROWS else "last",
           state_layout="packed" if key in PACKED_ROWS else "leaves")
+    if tile is not None:  # later rows run at the kernels' default tiles
+      adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS = default_tile
+      adam_step_triton.ROWS_BLOCK, adam_step_triton.ROWS_WARPS = default_row_tile
+      jax.clear_caches()
     moved = 4 + 4 + 4 + 2 * bpp + extra  # read param + grad + state, write param + state
     floor_ms = moved * n / bw * 1e3
     rows_out.append((name, ms, piped, bpp, moved, floor_ms, device_ms))
