@@ -158,16 +158,6 @@ def _tree_bytes(tree) -> int:
                  if hasattr(x, "shape")))
 
 
-def _shard_shapes(tree):
-  """ShapeDtypeStructs of each leaf's per-device shard (the leaf itself without a sharding)."""
-  import jax
-
-  def one(a):
-    sh = getattr(a, "sharding", None)
-    return jax.ShapeDtypeStruct(sh.shard_shape(a.shape) if sh is not None else a.shape, a.dtype)
-  return jax.tree.map(one, tree)
-
-
 def measure_one(args: argparse.Namespace) -> dict:
   """Builds, compiles and times one mode at args.batch; returns a JSON-able dict (never raises)."""
   out: dict = {"mode": args.one, "batch": args.batch, "seq_len": args.seq_len, "preset": args.preset,
@@ -187,7 +177,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   from coat_jax.models import llama as llama_lib
   from coat_jax.training import mesh as mesh_lib, metrics as metrics_lib, schema
   from coat_jax.training.build import build, memory_budget
-  from coat_jax.training.plan import memory_analysis
+  from coat_jax.training.plan import memory_analysis, shard_shapes
 
   precision, opt_name = args.one.split("+")
   overrides = [f"model.preset={args.preset}", "model.dtype=auto", f"model.remat={args.remat}",
@@ -208,7 +198,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   # Per device: each leaf counted at its shard's shape (the whole array where replicated), so a
   # mesh that shards the state (FSDP) divides it; on one device the shards are the arrays.
   params_sh, opt_sh, _ = built.abstract_state()
-  budget = memory_budget(cfg.optimizer, _shard_shapes(params_sh), _shard_shapes(opt_sh))
+  budget = memory_budget(cfg.optimizer, shard_shapes(params_sh), shard_shapes(opt_sh))
   params_bytes, opt_bytes = budget["params"], budget["optimizer_state"]
   stats = dev.memory_stats() or {}
   limit = stats.get("bytes_limit")

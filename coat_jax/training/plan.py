@@ -123,7 +123,8 @@ class Prediction:
     return max(0, (self.peak or 0) - self.floor)
 
 
-def _shard_shapes(tree: Any) -> Any:
+def shard_shapes(tree: Any) -> Any:
+  """ShapeDtypeStructs of each leaf's per-device shard (the leaf itself without a sharding)."""
   def one(a):
     sh = getattr(a, "sharding", None)
     return jax.ShapeDtypeStruct(sh.shard_shape(a.shape) if sh is not None else a.shape, a.dtype)
@@ -189,7 +190,7 @@ class Planner:
       cfg = setting.apply(self.cfg)
       built = build(cfg, self.mesh, vocab_size=self.vocab_size)
       params, opt_state, _ = built.abstract_state()
-      budget = memory_budget(cfg.optimizer, _shard_shapes(params), _shard_shapes(opt_state))
+      budget = memory_budget(cfg.optimizer, shard_shapes(params), shard_shapes(opt_state))
       state = budget["params"] + budget["optimizer_state"]
       floor = state + budget["grads"] + budget["accumulator"]
       pred = self.predictions[setting] = Prediction(setting, cfg, None, state, floor, built=built)
