@@ -154,6 +154,11 @@ HEADLINE = [
   ("Llama-2-7B full fine-tuning, `configs/llama2-7b-sft.yaml`, batch 64 x 2048 on one 141 GB "
    "GPU: tokens/s", "sft_llama2_7b_h200", _summary_field("/tmp/sft_bf16", "tokens_per_s"),
    _summary_field("/tmp/sft_coat", "tokens_per_s"), ",.0f", "faster"),
+  ("Llama-2-7B through train.py (`configs/llama2-7b.yaml`), batch 8 x 4096, remat full for "
+   "both, no microbatches: tokens/s", "equal_batch_7b_h200",
+   _summary_field("/tmp/equal_bf16_8", "tokens_per_s"),
+   _summary_field("/tmp/equal_coat_8", "tokens_per_s"), ",.0f", "faster"),
+  ("same: device peak (GB)", "equal_batch_7b_h200", "bf16_peak_gb", "coat_peak_gb", ".2f", "less"),
   ("llama-125m, 2000 steps on real text: final eval loss", "accuracy_llama125m_h100",
    "runs.bf16+adamw.final_eval_loss", "runs.coat+coat_adamw.final_eval_loss", ".4f", "pct"),
 ]
@@ -168,6 +173,21 @@ def headline(src: Sources) -> list[str]:
     gpu, date, cmd, raw = src.where(sid, short=True)
     out.append(f"| {claim} | {fmt(b, spec)} | {fmt(c, spec)} | {ratio(kind, b, c)} | {gpu}, {date} "
                f"| `{cmd}` | {raw} |")
+  # The largest Llama each mode trains on one GPU (plans; the coat H200 model ran too).
+  best = {}
+  for gpu, p, sid in _largest_rows(src):
+    if p["fits"] and p["params"] > best.get((gpu, p["mode"]), ({"params": 0}, ""))[0]["params"]:
+      best[(gpu, p["mode"])] = (p, sid)
+  for gpu in dict.fromkeys(g for _, g in LARGEST_SOURCES):
+    (b, sid_b), (c, sid) = best[(gpu, "bf16 + adamw")], best[(gpu, "coat + coat_adamw")]
+    g, date, cmd, raw = src.where(sid, short=True)
+    if sid_b != sid:   # each mode's plan in its own log
+      cmd = f"{src.where(sid_b)[2]}; {cmd}"
+      raw = f"{src.where(sid_b, short=True)[3]}, {raw}"
+    out.append(f"| Largest Llama on {gpu}, seq 2048, global batch 64 through microbatches: "
+               f"parameters (`train.py --plan`) | {b['params'] / 1e9:.2f}e9 | "
+               f"{c['params'] / 1e9:.2f}e9 | {c['params'] / b['params']:.2f}x larger | {g}, "
+               f"{date} | `{cmd}` | {raw} |")
   # The models that only coat fits on one GPU.
   for claim, sid, bf16_text, tok_sel, peak_sel in [
       ("Llama-2-7B on one 80 GB GPU, batch 8 x 2048, remat full: tokens/s (peak)",
@@ -495,12 +515,168 @@ def step_floor(src: Sources) -> list[str]:
   return out
 
 
+# ---------------------------------------------------------------------------------------------
+# The largest model per GPU: `train.py --plan` sections of run_gpu.sh's `largest` logs.
+
+LLAMA_VOCAB = 32000   # the offline corpus's vocabulary in the largest-model runs
+
+
+def llama_params(hidden: int, layers: int, ffn: int, vocab: int = LLAMA_VOCAB) -> int:
+  """Parameters of a Llama (untied embedding and head, heads of 128 with as many KV heads)."""
+  return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) + hidden
+
+
+def largest_plans(text: str) -> list[dict]:
+  """Each `--plan` section of a log: mode, shape, device limit, fits, predicted GiB, microbatches."""
+  plans = []
+  for section in text.split("=== largest (")[1:]:
+    head = section.split("\n", 1)[0]
+    if " --plan" not in head:
+      continue
+    get = lambda key: re.search(rf"--set {re.escape(key)}=(\S+)", head).group(1)
+    row = re.search(r"^  (chosen|as configured) +\S+ +(\d+) \S+ +\d+ +([\d.]+) GiB", section, re.M)
+    device = re.search(r"^device: 1 x (.+?), ([\d.]+) GiB each", section, re.M)
+    shape = tuple(int(get(k)) for k in ("model.hidden_size", "model.num_layers",
+                                        "model.intermediate_size"))
+    plans.append(dict(mode=f"{get('precision')} + {get('optimizer.name')}", shape=shape,
+                      params=llama_params(*shape), fits=row.group(1) == "chosen",
+                      micro=int(row.group(2)), predicted=float(row.group(3)),
+                      device_gib=float(device.group(2))))
+  return plans
+
+
+LARGEST_SOURCES = (("largest_plans_h200", "one H200 (141 GB)"), ("largest_coat_h200", "one H200 (141 GB)"),
+                   ("largest_80gb_h200", "one 80 GB GPU"))
+
+
+def _largest_rows(src: Sources):
+  """(GPU label, plan) for every plan; the coat rows of the first H200 log (before the in-place
+  rounding step) are left out where the second measured coat again."""
+  rows = []
+  for sid, gpu in LARGEST_SOURCES:
+    for plan in largest_plans(src.raw(sid)):
+      if sid == "largest_plans_h200" and plan["mode"].startswith("coat"):
+        continue
+      rows.append((gpu, plan, sid))
+  return rows
+
+
+def _largest_run(src: Sources) -> tuple[float, float, float]:
+  """tokens/s, MFU and device peak GiB of the train.py run on the largest coat model."""
+  key = lambda field: src.value("largest_coat_h200", _summary_field("/tmp/largest", field))
+  return key("tokens_per_s"), key("mfu"), key("peak_memory_bytes") / 2**30
+
+
+def largest_models(src: Sources) -> list[str]:
+  """Every shape planned, per GPU and mode: fits or not, the plan's microbatches and peak."""
+  out = ["| GPU | precision + optimizer | hidden x layers | params | fits at 64 x 2048 | "
+         "microbatches | predicted peak GiB | train.py tokens/s |", "|---|---|---|---|---|---|---|---|"]
+  tokens, mfu, peak = _largest_run(src)
+  for gpu, p, sid in _largest_rows(src):
+    h, layers, _ = p["shape"]
+    ran = (f"{tokens:,.0f} ({mfu:.1%} MFU, {peak:.2f} GiB measured)"
+           if sid == "largest_coat_h200" and p["fits"] and p["shape"] == (5120, 52, 13824) else "")
+    out.append(f"| {gpu} | {p['mode']} | {h} x {layers} | {p['params'] / 1e9:.2f}e9 | "
+               f"{'yes' if p['fits'] else 'no'} | {p['micro'] if p['fits'] else ''} | "
+               f"{p['predicted']:.2f} of {p['device_gib']:.2f} | {ran} |")
+  return out + ["", "Before the in-place rounding step (bf16 and fp8_linear rows): " +
+                source_line(src, "largest_plans_h200"),
+                "coat on the H200: " + source_line(src, "largest_coat_h200"),
+                "80 GB: " + source_line(src, "largest_80gb_h200")]
+
+
+def largest_summary(src: Sources) -> list[str]:
+  """The README's table: per GPU and mode, the largest shape that fits."""
+  best = {}
+  for gpu, p, _ in _largest_rows(src):
+    if p["fits"] and p["params"] > best.get((gpu, p["mode"]), {"params": 0})["params"]:
+      best[(gpu, p["mode"])] = p
+  out = ["| GPU | bf16 + optax.adamw | fp8_linear + optax.adamw | coat + coat_adamw |",
+         "|---|---|---|---|"]
+  for gpu in dict.fromkeys(g for _, g in LARGEST_SOURCES):
+    cells = []
+    for mode in ("bf16 + adamw", "fp8_linear + adamw", "coat + coat_adamw"):
+      p = best.get((gpu, mode))
+      cells.append("" if p is None else f"{p['params'] / 1e9:.1f}e9 ({p['shape'][0]} x "
+                                        f"{p['shape'][1]} layers)")
+    out.append(f"| {gpu} | " + " | ".join(cells) + " |")
+  tokens, mfu, peak = _largest_run(src)
+  return out + ["", f"Llama shapes (heads of 128, vocabulary 32000), seq 2048, global batch 64 "
+                f"through microbatches, remat full, planned by `train.py --plan` "
+                f"({src.meta['largest_coat_h200']['gpu']}, {src.meta['largest_coat_h200']['date']}; "
+                f"the 80 GB GPU is the H200 held to an H100's 75.22 GiB by "
+                f"`run.device_memory_limit`); the 16.8e9 coat model ran through train.py at "
+                f"{tokens:,.0f} tokens/s ({mfu:.1%} MFU, {peak:.2f} GiB). Each plan with its command "
+                f"and raw log is in docs/results.md, \"The largest model one GPU trains\"."]
+
+
+def equal_batch_7b(src: Sources) -> list[str]:
+  """configs/llama2-7b.yaml through train.py at one batch and remat for both modes."""
+  sid = "equal_batch_7b_h200"
+  key = lambda run, field: _summary_field(f"/tmp/equal_{run}_8", field)
+  rows = []
+  for run, label in (("bf16", "bf16 + optax.adamw"), ("coat", "coat + coat_adamw")):
+    rows.append((label, [(key(run, "tokens_per_s"), ",.0f"), (key(run, "mfu"), ".1%"),
+                         f"{src.value(sid, key(run, 'peak_memory_bytes')) / 2**30:.2f}",
+                         (key(run, "compile_s"), ".1f"), (key(run, "first_step_s"), ".2f")]))
+  v = lambda run, field: src.value(sid, key(run, field))
+  rows.append(("coat vs bf16", [ratio("faster", v("bf16", "tokens_per_s"), v("coat", "tokens_per_s")),
+                                "", ratio("less", v("bf16", "peak_memory_bytes"),
+                                          v("coat", "peak_memory_bytes")),
+                                f"{v('coat', 'compile_s') / v('bf16', 'compile_s'):.2f}x", ""]))
+  return rows_table(src, sid, ["", "tokens/s", "MFU", "device peak GiB", "compile s",
+                               "first step s"], rows)
+
+
+OPTIMIZER_STACKED_ROWS = [  # (label, bench_optimizer's row name)
+  ("optax.adamw (XLA)", "optax.adamw"),
+  ("coat_adamw_apply, per leaf, default tile (16 rows x 4 warps)",
+   "coat_adamw_apply, per leaf, tile 16 rows x 4 warps"),
+  ("same, tile 8 rows x 4 warps", "coat_adamw_apply, per leaf, tile 8 rows x 4 warps"),
+  ("coat_adamw_apply, packed state, default tile", "coat_adamw_apply, packed state, tile 16 rows x 4 warps"),
+  ("same, tile 8 rows x 4 warps", "coat_adamw_apply, packed state, tile 8 rows x 4 warps"),
+]
+
+
+def optimizer_stacked(src: Sources) -> list[str]:
+  sid = "optimizer_stacked_h200"
+  base = [src.value(sid, _optimizer_row("optax.adamw", c)) for c in (1, 2, 3)]
+  rows = []
+  for label, name in OPTIMIZER_STACKED_ROWS:
+    wall, piped, kernel = (src.value(sid, _optimizer_row(name, c)) for c in (1, 2, 3))
+    rows.append((label, [f"{wall:.2f}", f"{piped:.2f}", f"{kernel:.2f}",
+                         f"{wall / base[0]:.2f}x", f"{piped / base[1]:.2f}x",
+                         f"{kernel / base[2]:.2f}x", (_optimizer_row(name, 10), ".2f")]))
+  return rows_table(src, sid, ["optimizer", "wall ms", "pipelined ms", "GPU kernel ms",
+                               "wall vs optax", "pipelined vs optax", "kernel vs optax",
+                               "kernel / floor"], rows)
+
+
+def step_memory_sr(src: Sources) -> list[str]:
+  sid = "step_memory_sr_h200"
+  text = src.raw(sid)
+  before, after = text.split("## after")
+  pat = r"RESULT {}: .*?temp ([\d.]+), predicted_bytes ([\d.]+)"
+  rows = []
+  for label, part, name in (("stochastic, a loop mapping layers to new stacks", before, "big_sr"),
+                            ("round to nearest (no rounding loop)", before, "big_nearest"),
+                            ("stochastic, the loop updating the stacks in place", after, "big_sr")):
+    m = re.search(pat.format(name), part)
+    rows.append(f"| {label} | {float(m.group(1)):.3f} | {float(m.group(2)):.3f} | "
+                f"{float(m.group(2)) * 15.5535e9 / 2**30:.2f} |")
+  return (["| bfloat16 master weights, rounding step | temporaries B/param | predicted B/param | "
+           "predicted GiB |", "|---|---|---|---|"] + rows + ["", source_line(src, sid)])
+
+
 TABLES = {
   "headline": headline, "e2e": e2e, "train_py": train_py, "largest_batch": largest_batch,
   "layer": layer, "layer_fp8_attention": layer_fp8_attention, "optimizer": optimizer,
   "big_models": big_models, "accuracy": accuracy, "stability": stability, "formats": formats,
   "master_weights": master_weights, "group_axis": group_axis, "step_floor": step_floor,
   "sft": sft, "remat_sweep": remat_sweep, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
+  "largest_models": largest_models, "largest_summary": largest_summary,
+  "equal_batch_7b": equal_batch_7b, "optimizer_stacked": optimizer_stacked,
+  "step_memory_sr": step_memory_sr,
 }
 
 
