@@ -14,7 +14,9 @@
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU),
 # configs (each shipped config through train.py as a user runs it, offline corpus: `--plan`, then a
 # few steps; first step, compile, tokens/s, MFU, device peak, host max RSS with the final save;
-# CONFIGS="..." picks configs, one call each for llama2-7b and llama2-13b), remat_sweep (one
+# CONFIGS="..." picks configs, one call each for llama2-7b, llama2-13b and llama-17b; CONFIG_EXTRA:
+# more train.py arguments, e.g. "--set checkpoint.enabled=false" where the final checkpoint cannot
+# fit the machine's disk), remat_sweep (one
 # config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), equal7b
 # (configs/llama2-7b.yaml, bf16 + optax.adamw against coat at one batch and remat, no microbatches:
 # EQUAL_BATCHES, the first that every mode fits), largest (the largest Llama each optimizer fits at
@@ -117,7 +119,7 @@ for s in "$@"; do
                [ "${CONFIG_PLAN:-1}" = 1 ] && section configs 240 $PY train.py $(config_args $c) --plan
                [ "${CONFIG_RUN:-1}" = 1 ] || continue
                section configs ${CONFIG_LIMIT:-420} $PY "${HOST_RSS[@]}" $PY train.py $(config_args $c) \
-                 --set run.steps=${CONFIG_STEPS:-6} --out-dir /tmp/cfg_$c --overwrite
+                 --set run.steps=${CONFIG_STEPS:-6} ${CONFIG_EXTRA:-} --out-dir /tmp/cfg_$c --overwrite
                summary /tmp/cfg_$c 2>&1 | tee -a "$OUT/configs.log"
                du -sh /tmp/cfg_$c/checkpoints 2>&1 | tee -a "$OUT/configs.log"
                rm -rf /tmp/cfg_$c/checkpoints; done ;;
