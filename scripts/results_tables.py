@@ -184,10 +184,7 @@ def headline(src: Sources) -> list[str]:
     out.append(f"| {claim} | {fmt(b, spec)} | {fmt(c, spec)} | {ratio(kind, b, c)} | {gpu}, {date} "
                f"| `{cmd}` | {raw} |")
   # The largest Llama each mode trains on one GPU (plans; the coat H200 model ran too).
-  best = {}
-  for gpu, p, sid in _largest_rows(src):
-    if p["fits"] and p["params"] > best.get((gpu, p["mode"]), ({"params": 0}, ""))[0]["params"]:
-      best[(gpu, p["mode"])] = (p, sid)
+  best = _largest_fits(src)
   for gpu in dict.fromkeys(g for _, g in LARGEST_SOURCES):
     (b, sid_b), (c, sid) = best[(gpu, "bf16 + adamw")], best[(gpu, "coat + coat_adamw")]
     g, date, cmd, raw = src.where(sid, short=True)
@@ -571,6 +568,15 @@ def _largest_rows(src: Sources):
   return rows
 
 
+def _largest_fits(src: Sources) -> dict[tuple[str, str], tuple[dict, str]]:
+  """(GPU label, mode) -> (the largest plan that fits, its source)."""
+  best = {}
+  for gpu, p, sid in _largest_rows(src):
+    if p["fits"] and p["params"] > best.get((gpu, p["mode"]), ({"params": 0}, ""))[0]["params"]:
+      best[(gpu, p["mode"])] = (p, sid)
+  return best
+
+
 def _largest_run(src: Sources) -> tuple[float, float, float]:
   """tokens/s, MFU and device peak GiB of the train.py run on the largest coat model."""
   key = lambda field: src.value("largest_coat_h200", _summary_field("/tmp/largest", field))
@@ -597,16 +603,13 @@ def largest_models(src: Sources) -> list[str]:
 
 def largest_summary(src: Sources) -> list[str]:
   """The README's table: per GPU and mode, the largest shape that fits."""
-  best = {}
-  for gpu, p, _ in _largest_rows(src):
-    if p["fits"] and p["params"] > best.get((gpu, p["mode"]), {"params": 0})["params"]:
-      best[(gpu, p["mode"])] = p
+  best = _largest_fits(src)
   out = ["| GPU | bf16 + optax.adamw | fp8_linear + optax.adamw | coat + coat_adamw |",
          "|---|---|---|---|"]
   for gpu in dict.fromkeys(g for _, g in LARGEST_SOURCES):
     cells = []
     for mode in ("bf16 + adamw", "fp8_linear + adamw", "coat + coat_adamw"):
-      p = best.get((gpu, mode))
+      p = best.get((gpu, mode), (None, ""))[0]
       cells.append("" if p is None else f"{p['params'] / 1e9:.1f}e9 ({p['shape'][0]} x "
                                         f"{p['shape'][1]} layers)")
     out.append(f"| {gpu} | " + " | ".join(cells) + " |")
@@ -636,8 +639,6 @@ def equal_batch_7b(src: Sources) -> list[str]:
                                 f"{v('coat', 'compile_s') / v('bf16', 'compile_s'):.2f}x", ""]))
   return rows_table(src, sid, ["", "tokens/s", "MFU", "device peak GiB", "compile s",
                                "first step s"], rows)
-
-
 
 
 def optimizer_stacked(src: Sources) -> list[str]:

@@ -166,12 +166,12 @@ def test_launch_plan_masks_and_refuses_clearly():
     at.launch_plan((256, 64), G, -1, 16, size_arg="static")
 
 
-def test_parse_cols_tiles():
-  assert at.parse_cols_tiles("32x4, 128x8,") == [(32, 4), (128, 8)]
-  assert at.parse_cols_tiles("") == []
+def test_parse_tiles():
+  assert at.parse_tiles("32x4, 128x8,") == [(32, 4), (128, 8)]
+  assert at.parse_tiles("") == []
   for bad in ("32", "48x4", "32x4x4", "64xax4", "0x4"):
     with pytest.raises(ValueError, match="BLOCKxWARPS"):
-      at.parse_cols_tiles(bad)
+      at.parse_tiles(bad)
 
 
 @pytest.mark.gpu

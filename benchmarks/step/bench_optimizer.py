@@ -274,8 +274,8 @@ def main():
     parser.error(f"unknown --rows {bad}; choose from {list(CONFIGS)}")
   from pallas_kernels.adam import adam_step_triton
   try:
-    tiles = adam_step_triton.parse_cols_tiles(args.cols_tiles)
-    row_tiles = adam_step_triton.parse_cols_tiles(args.rows_tiles)
+    tiles = adam_step_triton.parse_tiles(args.cols_tiles)
+    row_tiles = adam_step_triton.parse_tiles(args.rows_tiles)
   except ValueError as e:
     parser.error(f"--cols-tiles / --rows-tiles: {e}")
   default_tile = (adam_step_triton.COLS_BLOCK, adam_step_triton.COLS_WARPS)

@@ -264,9 +264,10 @@ def step_scalars(lr, b1, b2, eps, weight_decay, count, grad_scale=None) -> jax.A
   return jnp.stack(vals + [jnp.float32(0.0)] * (16 - len(vals)))
 
 
-def parse_cols_tiles(text: str) -> list[tuple[int, int]]:
-  """Column tiles for benchmarks' sweeps: 'BLOCKxWARPS' (G rows x BLOCK columns, WARPS warps),
-  comma-separated -> [(COLS_BLOCK, COLS_WARPS), ...]."""
+def parse_tiles(text: str) -> list[tuple[int, int]]:
+  """Kernel tiles for benchmarks' sweeps: 'BLOCKxWARPS' (BLOCK columns of a G-row tile for the
+  column kernel, BLOCK rows of G for the row kernel; WARPS warps), comma-separated ->
+  [(BLOCK, WARPS), ...]."""
   tiles = []
   for t in filter(None, (s.strip() for s in text.split(","))):
     try:
@@ -274,7 +275,7 @@ def parse_cols_tiles(text: str) -> list[tuple[int, int]]:
     except ValueError:
       v = []
     if len(v) != 2 or min(v) <= 0 or any(x & (x - 1) for x in v):
-      raise ValueError(f"column tile {t!r} is not BLOCKxWARPS (powers of two)")
+      raise ValueError(f"tile {t!r} is not BLOCKxWARPS (powers of two)")
     tiles.append(tuple(v))
   return tiles
 
