@@ -247,7 +247,7 @@ def e2e(src: Sources) -> list[str]:
 SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
                    ("llama-125m", "bf16 + adamw", "configs_train_py_h200"),
                    ("olmo-1b", "coat + coat_adamw", "configs_train_py_h200"),
-                   ("llama2-7b", "coat + coat_adamw", "configs_train_py_h200"),
+                   ("llama2-7b", "coat + coat_adamw", "configs_llama2_7b_h200"),
                    ("llama2-13b", "coat + coat_adamw", "configs_llama2_13b_h200"))
 
 
@@ -265,7 +265,47 @@ def train_py(src: Sources) -> list[str]:
   out = rows_table(src, "configs_train_py_h200", ["config", "precision + optimizer", "tokens/s",
                                                   "MFU", "device peak GiB", "compile s",
                                                   "first step s"], rows)
-  return out + ["", "`configs/llama2-13b.yaml`: " + source_line(src, "configs_llama2_13b_h200")]
+  return out + ["", "`configs/llama2-7b.yaml`: " + source_line(src, "configs_llama2_7b_h200"),
+                "", "`configs/llama2-13b.yaml`: " + source_line(src, "configs_llama2_13b_h200")]
+
+
+PLAN_RUNS = (("llama2-7b", "configs_llama2_7b_h200", 16 * 4096),
+             ("llama2-13b", "configs_llama2_13b_h200", 32 * 4096))
+
+
+def plan_candidates(src: Sources) -> list[str]:
+  """The candidates `auto` timed before the first step (one step each) in the shipped configs'
+  runs, from the `[plan]` line: each policy at the fewest microbatches that fit."""
+  out = ["| config | remat / microbatches | step s (one timed step) | tokens/s | vs the fastest "
+         "| chosen |", "|---|---|---|---|---|---|"]
+  for name, sid, tokens in PLAN_RUNS:
+    line = re.search(r"\[plan\] chose remat (\S+), (\d+) microbatch.*timed steps (.*)",
+                     src.raw(sid))
+    timed = [(c, float(t)) for c, t in re.findall(r"(\S+/\d+): ([\d.]+) s", line.group(3))]
+    fastest = min(t for _, t in timed)
+    chosen = f"{line.group(1)}/{line.group(2)}"
+    for cand, t in timed:
+      out.append(f"| `{name}` | {cand.replace('/', ' / ')} | {t:.3f} | {tokens / t:,.0f} | "
+                 f"{100 * (fastest / t - 1):+.1f} % | {'yes' if cand == chosen else ''} |")
+  return out + ["", "Llama-2-7B: " + source_line(src, "configs_llama2_7b_h200"),
+                "Llama-2-13B: " + source_line(src, "configs_llama2_13b_h200")]
+
+
+def compile_7b(src: Sources) -> list[str]:
+  """The 7B step's compile time, scanned and unrolled, from bench_e2e --compile-only's table."""
+  sid = "compile_llama2_7b_h200"
+  cell = lambda mode, layers, k: src.value(
+      sid, rf"re:\n{re.escape(mode)}\s+{layers}\s.*?([\d.]+)\s+[\d.]+\n" if k == "compile"
+      else rf"re:\n{re.escape(mode)}\s+{layers}\s.*?([\d.]+)\n")
+  rows = []
+  for label, mode in (("bf16 + optax.adamw", "bf16+adamw"), ("coat + coat_adamw", "coat+coat_adamw")):
+    rows.append((label, [fmt(cell(mode, layers, k), ".1f" if k == "compile" else ".2f")
+                         for layers in ("scanned", "unrolled") for k in ("compile", "pred")]))
+  ratios = [f"{cell('coat+coat_adamw', layers, 'compile') / cell('bf16+adamw', layers, 'compile'):.2f}x"
+            for layers in ("scanned", "unrolled")]
+  rows.append(("coat vs bf16", [ratios[0], "", ratios[1], ""]))
+  return rows_table(src, sid, ["", "compile s, scanned", "XLA predicted GB, scanned",
+                               "compile s, unrolled", "XLA predicted GB, unrolled"], rows)
 
 
 def _plan_choice(text: str, run: str) -> str:
@@ -676,7 +716,8 @@ TABLES = {
   "layer": layer, "layer_fp8_attention": layer_fp8_attention, "optimizer": optimizer,
   "big_models": big_models, "accuracy": accuracy, "stability": stability, "formats": formats,
   "master_weights": master_weights, "group_axis": group_axis, "step_floor": step_floor,
-  "sft": sft, "remat_sweep": remat_sweep, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
+  "sft": sft, "remat_sweep": remat_sweep,
+  "plan_candidates": plan_candidates, "compile_7b": compile_7b, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
   "largest_models": largest_models, "largest_summary": largest_summary,
   "equal_batch_7b": equal_batch_7b, "optimizer_stacked": optimizer_stacked,
   "step_memory_sr": step_memory_sr,
