@@ -99,6 +99,43 @@ def test_layer_loop_matches_lax_scan(remat, unroll, rng):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_layer_loop_adds_its_gradient_into_grads_into(unroll, rng):
+  """layer_loop(..., grads_into=G): the cotangent of the stacked params is G + the gradient of
+  lax.scan (float64), G's own is zero; a G of another dtype or structure is refused."""
+  def fn(x, p):
+    return x + jnp.tanh(x @ p["w"]) * p["s"]
+
+  n = 4
+  f64 = lambda shape, scale=0.3: jnp.asarray(scale * rng.standard_normal(shape), jnp.float64)
+  with jax.enable_x64():
+    params = {"w": f64((n, 8, 8)), "s": f64((n, 8), 1.0)}
+    into = {"w": f64((n, 8, 8), 5.0), "s": f64((n, 8), 5.0)}
+    x = f64((3, 8), 1.0)
+    loss_scan = lambda p: jnp.sum(jax.lax.scan(lambda c, q: (fn(c, q), None), x, p)[0] ** 2)
+    loss_loop = lambda p, g: jnp.sum(layer_loop(fn, x, p, unroll, g) ** 2)
+    l0, g0 = jax.value_and_grad(loss_scan)(params)
+    l1, (g1, g_into) = jax.jit(jax.value_and_grad(loss_loop, argnums=(0, 1)))(params, into)
+    np.testing.assert_allclose(l1, l0, rtol=1e-12)
+    for k in params:
+      assert np.linalg.norm(np.asarray(g0[k])) > 0
+      np.testing.assert_allclose(g1[k], into[k] + g0[k], rtol=1e-12, atol=1e-12)
+      np.testing.assert_array_equal(g_into[k], 0)
+    with pytest.raises(ValueError, match="dtypes must be equal"):
+      layer_loop(fn, x, params, unroll, jax.tree.map(lambda a: a.astype(jnp.float32), into))
+    with pytest.raises(ValueError, match="structure"):
+      layer_loop(fn, x, params, unroll, {"w": into["w"]})
+
+
+def test_layer_grads_into_needs_the_layer_loop(rng):
+  cfg = tiny(dtype="float32", num_layers=2, scan_impl="lax")
+  model = Llama(cfg, rngs=nnx.Rngs(0))
+  tokens = tokens_for(rng, cfg, seq=8)
+  into = jax.tree.map(jnp.zeros_like, nnx.to_pure_dict(nnx.state(model.layers, nnx.Param)))
+  with pytest.raises(ValueError, match="layer_grads_into needs scan_layers=True"):
+    model.loss(tokens, tokens, layer_grads_into=into)
+
+
 def test_vjp_loop_matches_lax_scan_coat(rng):
   """`scan_impl="vjp_loop"` in the coat model: lax.scan's loss and gradients."""
   import dataclasses

@@ -198,7 +198,8 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   # Per device: each leaf counted at its shard's shape (the whole array where replicated), so a
   # mesh that shards the state (FSDP) divides it; on one device the shards are the arrays.
   params_sh, opt_sh, _ = built.abstract_state()
-  budget = memory_budget(cfg.optimizer, shard_shapes(params_sh), shard_shapes(opt_sh))
+  budget = memory_budget(cfg.optimizer, shard_shapes(params_sh), shard_shapes(opt_sh),
+                         built.sums_layer_grads_in_place)
   params_bytes, opt_bytes = budget["params"], budget["optimizer_state"]
   stats = dev.memory_stats() or {}
   limit = stats.get("bytes_limit")

@@ -49,7 +49,8 @@ def measure(config: str | None, overrides: list[str], vocab_size: int | None) ->
   cfg = schema.load(config, overrides)
   built = build(cfg, mesh_lib.make_mesh(cfg.mesh), vocab_size=vocab_size)
   params, opt_state, rest = built.abstract_state()
-  budget = memory_budget(cfg.optimizer, shard_shapes(params), shard_shapes(opt_state))
+  budget = memory_budget(cfg.optimizer, shard_shapes(params), shard_shapes(opt_state),
+                         built.sums_layer_grads_in_place)
   tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32,
                                 sharding=built.batch_sharding)
   t0 = time.perf_counter()

@@ -222,6 +222,13 @@ def resolve_scan_impl(scan_impl: str) -> str:
   return "vjp_loop" if devices == 1 else "lax"
 
 
+def uses_layer_loop(cfg: LlamaConfig) -> bool:
+  """Whether the model runs its decoder blocks through `layer_loop` (scanned layers, "vjp_loop"
+  resolved): only then can the backward add the stacked gradient into a given tree
+  (`Llama.hidden_states`' layer_grads_into)."""
+  return cfg.scan_layers and resolve_scan_impl(cfg.scan_impl) == "vjp_loop"
+
+
 def resolve_loss_impl(cfg: LlamaConfig, num_tokens: int) -> str:
   """The loss `cfg.loss_impl` runs for a batch of `num_tokens` tokens; "auto" picks the smaller.
 
@@ -302,11 +309,17 @@ class Llama(nnx.Module):
     return ops.rope_frequencies(self.cfg.head_dim, seq_len, theta=self.cfg.rope_theta,
                                 scaling=self.cfg.rope_scaling)
 
-  def hidden_states(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  def hidden_states(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                    layer_grads_into: Any = None) -> jax.Array:
     """tokens (B, S) int -> final normalized hidden states (B, S, D) in the compute dtype.
 
     segment_ids (B, S) ints: several examples packed into each row; attention stays within an
-    example and positions restart at each (`segment_positions`)."""
+    example and positions restart at each (`segment_positions`).
+    layer_grads_into: None, or a pure dict of the stacked decoder parameters' structure, shapes
+    and dtypes (the `layers` entry of the params), G: the gradient taken for the stacked
+    parameters is then G + dL/dlayers, added layer by layer into G's buffers (`layer_loop`'s
+    grads_into; gradient accumulation's running sum). Needs `scan_layers` and the "vjp_loop"
+    implementation (`uses_layer_loop`); ValueError otherwise."""
     if tokens.ndim != 2:
       raise ValueError(f"Llama: tokens must be (batch, seq), got shape {tokens.shape}")
     if tokens.shape[1] > self.cfg.max_seq_len:
@@ -319,8 +332,17 @@ class Llama(nnx.Module):
     cos, sin = self.rope(tokens.shape[1])
     x = self.embed(tokens)
     policy = REMAT_POLICIES[self.cfg.remat]
+    if layer_grads_into is not None and not uses_layer_loop(self.cfg):
+      raise ValueError("Llama: layer_grads_into needs scan_layers=True and the 'vjp_loop' layer "
+                       f"loop; this model has scan_layers={self.cfg.scan_layers}, "
+                       f"scan_impl={self.cfg.scan_impl!r} (runs "
+                       f"{resolve_scan_impl(self.cfg.scan_impl)!r})")
     if self.cfg.scan_layers:
       graphdef, stacked = nnx.split(self.layers)
+      grads_into = None
+      if layer_grads_into is not None:   # stacked's own tree (State of Params) over G's arrays
+        grads_into = jax.tree.map(lambda a: a, stacked)
+        nnx.replace_by_pure_dict(grads_into, layer_grads_into)
 
       def block(x, layer_params):
         return nnx.merge(graphdef, layer_params)(x, cos, sin, positions, segment_ids)
@@ -328,7 +350,7 @@ class Llama(nnx.Module):
       if self.cfg.remat != "none":
         block = jax.checkpoint(block, policy=policy, prevent_cse=False)
       if resolve_scan_impl(self.cfg.scan_impl) == "vjp_loop":
-        x = layer_loop(block, x, stacked, self.cfg.scan_unroll)
+        x = layer_loop(block, x, stacked, self.cfg.scan_unroll, grads_into)
       else:
         x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, stacked,
                             unroll=self.cfg.scan_unroll)
@@ -343,25 +365,27 @@ class Llama(nnx.Module):
     h, _ = self.norm(x)
     return h
 
-  def logits(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  def logits(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+             layer_grads_into: Any = None) -> jax.Array:
     """tokens (B, S) int32 -> logits (B, S, vocab_size) in the compute dtype, as the LM head
     writes them: what the training loss reads (ops.softmax_cross_entropy computes in float32
     and writes its gradient in this dtype). Same values and gradients as the float32 logits of
     `__call__`; on the H100 XLA fuses that cast away anyway (same peak and step time, measured
-    on OLMo-1B), so this only keeps the loss from depending on it. segment_ids: as
-    `hidden_states`."""
-    h = self.hidden_states(tokens, segment_ids)
+    on OLMo-1B), so this only keeps the loss from depending on it. segment_ids,
+    layer_grads_into: as `hidden_states`."""
+    h = self.hidden_states(tokens, segment_ids, layer_grads_into)
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
   def loss(self, tokens: jax.Array, labels: jax.Array, *, mask: jax.Array | None = None,
-           segment_ids: jax.Array | None = None) -> jax.Array:
+           segment_ids: jax.Array | None = None, layer_grads_into: Any = None) -> jax.Array:
     """Mean next-token cross-entropy (nats, float32 scalar) of tokens (B, S) against labels (B, S).
 
     `cfg.loss_impl` (resolve_loss_impl) picks how: "fused" never holds all logits
     (`ops.lm_head_loss`, chunks of `cfg.loss_chunk_tokens`); "logits" is `logits` and then
     `ops.softmax_cross_entropy`. Same values and gradients to float32 rounding.
     mask (B, S), 0/1: the mean runs over the labels it counts (`ops.masked_mean`; supervised
-    fine-tuning counts response tokens only). segment_ids: as `hidden_states`."""
+    fine-tuning counts response tokens only). segment_ids, layer_grads_into: as
+    `hidden_states` (the gradient of the stacked layers comes out added to layer_grads_into)."""
     if labels.shape != tokens.shape:
       raise ValueError(f"Llama.loss: labels shape {labels.shape} must equal tokens shape "
                        f"{tokens.shape}")
@@ -369,9 +393,10 @@ class Llama(nnx.Module):
       raise ValueError(f"Llama.loss: mask shape {mask.shape} must equal labels shape "
                        f"{labels.shape}")
     if resolve_loss_impl(self.cfg, labels.size) == "logits":
-      per_token = ops.softmax_cross_entropy(self.logits(tokens, segment_ids), labels)
-      return ops.masked_mean(per_token, mask)
-    h, chunk = self.hidden_states(tokens, segment_ids), self.cfg.loss_chunk_tokens
+      logits = self.logits(tokens, segment_ids, layer_grads_into)
+      return ops.masked_mean(ops.softmax_cross_entropy(logits, labels), mask)
+    h = self.hidden_states(tokens, segment_ids, layer_grads_into)
+    chunk = self.cfg.loss_chunk_tokens
     if self.lm_head is None:
       return self.embed.attend_loss(h, labels, chunk, mask)
     return self.lm_head.loss(h, labels, chunk, mask)

@@ -24,6 +24,18 @@ bfloat16 value to bfloat16 is exact); only the gradients are rounded. The copy i
 per param while the backward runs; params already in bfloat16 are used as they are (no copy).
 The optimizer upcasts (coat_adamw's step runs in float32). With k > 1 the running sum is still
 kept in `accum_dtype`: float32 (4 bytes per param) unless accum_dtype is bfloat16 too.
+
+Summing in place (`loss_adds_into_sink`): a loss function may take the running sum S as a 4th
+argument, the sink, and be built so that its gradient comes out as S + dL/dparams for every leaf
+(e.g. a layer loop whose backward adds each layer's gradient into S's buffers: `layer_loop`'s
+grads_into). The body then takes that gradient as the new sum,
+
+  S_i = grad(L(., batch_i) with sink S_{i-1}) = S_{i-1} + dL(params, batch_i)/dparams,
+
+the same sum as S_{i-1} + g_i, but the microbatch gradient g_i of the leaves summed in place
+never exists beside S: one gradient-sized tree less at the peak. It needs every gradient in the
+accumulator's dtype (a custom VJP's cotangent has its primal's dtype; `sums_in_place`), else the
+body adds as above.
 """
 from __future__ import annotations
 
@@ -60,25 +72,47 @@ def split_microbatches(batch: jax.Array, num_microbatches: int) -> jax.Array:
   return jnp.swapaxes(batch.reshape(per, num_microbatches, *batch.shape[1:]), 0, 1)
 
 
+def sums_in_place(params: Any, num_microbatches: int, accum_dtype: str,
+                  grad_dtype: str = "param") -> bool:
+  """Whether a loss that adds its gradient into the running sum (`loss_adds_into_sink`) is used
+  for these params: with k > 1 microbatches and every gradient's dtype (`grad_params`) equal to
+  the accumulator's. `params`: arrays or ShapeDtypeStructs."""
+  if num_microbatches == 1:
+    return False
+  acc = jnp.dtype(accum_dtype)
+  return all(gradient_dtype(p.dtype, grad_dtype) == acc for p in jax.tree.leaves(params))
+
+
+def gradient_dtype(param_dtype, grad_dtype: str = "param") -> jnp.dtype:
+  """The dtype of a param's gradient: bfloat16 for a floating param with grad_dtype="bfloat16"
+  (`grad_params`), else the param's own."""
+  floating = jnp.issubdtype(param_dtype, jnp.floating)
+  return jnp.dtype(jnp.bfloat16 if grad_dtype == "bfloat16" and floating else param_dtype)
+
+
 def accumulated_value_and_grad(loss_fn: Callable[..., tuple[jax.Array, Any]],
                                num_microbatches: int, accum_dtype: str = "float32",
-                               grad_dtype: str = "param"):
+                               grad_dtype: str = "param", loss_adds_into_sink: bool = False):
   """value_and_grad of `loss_fn(params, state, batch) -> (loss, new_state)` over microbatches.
 
   Returns f(params, state, batch) -> ((mean loss, final state), mean grads). `state` (e.g. the
   model's non-parameter state) is threaded through the microbatches in order. Grads have the
   params' dtypes, or bfloat16 with grad_dtype="bfloat16" (`grad_params`); the running sum is kept
   in `accum_dtype` ("float32" or "bfloat16").
+  loss_adds_into_sink: `loss_fn(params, state, batch, sink=None)` takes the running sum (a tree of
+  the params' structure in `accum_dtype`) as `sink`, and its gradient with respect to params
+  is sink + the loss's gradient for every leaf; the sum is then made in place where
+  `sums_in_place` holds (the module docstring), and loss_fn is called without a sink elsewhere.
   """
   if grad_dtype not in GRAD_DTYPES:
     raise ValueError(f"gradients: grad_dtype must be one of {GRAD_DTYPES}, got {grad_dtype!r}")
-  inner = _accumulated(loss_fn, num_microbatches, accum_dtype)
+  inner = _accumulated(loss_fn, num_microbatches, accum_dtype, loss_adds_into_sink)
   if grad_dtype == "param":
     return inner
   return lambda params, state, batch: inner(grad_params(params, grad_dtype), state, batch)
 
 
-def _accumulated(loss_fn, num_microbatches, accum_dtype):
+def _accumulated(loss_fn, num_microbatches, accum_dtype, loss_adds_into_sink):
   if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) \
       or num_microbatches < 1:
     raise ValueError(f"gradient accumulation: the number of microbatches must be an int >= 1, "
@@ -95,10 +129,15 @@ def _accumulated(loss_fn, num_microbatches, accum_dtype):
     micro = jax.tree.map(lambda b: split_microbatches(b, num_microbatches), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), params)
 
+    in_place = loss_adds_into_sink and sums_in_place(params, num_microbatches, accum_dtype)
+
     def body(carry, mb):
       grads_sum, loss_sum, st = carry
-      (loss, st), grads = grad_fn(params, st, mb)
-      grads_sum = jax.tree.map(lambda a, g: a + g.astype(acc_dtype), grads_sum, grads)
+      if in_place:   # grads_sum + this microbatch's gradient (the sink is not differentiated)
+        (loss, st), grads_sum = grad_fn(params, st, mb, grads_sum)
+      else:
+        (loss, st), grads = grad_fn(params, st, mb)
+        grads_sum = jax.tree.map(lambda a, g: a + g.astype(acc_dtype), grads_sum, grads)
       return (grads_sum, loss_sum + loss.astype(jnp.float32), st), None
 
     (grads_sum, loss_sum, state), _ = jax.lax.scan(

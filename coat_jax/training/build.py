@@ -24,7 +24,7 @@ from flax import nnx
 from coat_jax import kernels, ops
 from coat_jax.precision import resolve_dtype
 from coat_jax.training import corpus, mesh as mesh_lib, pretrained, sft, token_files
-from coat_jax.training.accumulate import accumulated_value_and_grad
+from coat_jax.training.accumulate import accumulated_value_and_grad, sums_in_place
 from coat_jax.training.dataset import TokenDataset
 from coat_jax.training.schema import AUTO, DataConfig, OptimizerConfig, RunConfig
 
@@ -163,14 +163,32 @@ def build_apply(opt: OptimizerConfig, tx, schedule):
   return coat_adamw_apply(schedule, *args, **kwargs)
 
 
-def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any) -> dict[str, int]:
+def sums_layer_grads_in_place(llama_cfg, opt: OptimizerConfig, params_abstract: Any) -> bool:
+  """Whether the train step adds each microbatch's gradient of the stacked decoder layers
+  (params["layers"]) into the accumulator inside the backward, instead of making the gradient and
+  then adding it: with k > 1 microbatches, every gradient in `accumulate_dtype`
+  (`accumulate.sums_in_place`, e.g. bfloat16 gradients into a bfloat16 sum) and the layers run by
+  `layer_loop` (`llama.uses_layer_loop`: scanned, "vjp_loop"). The stacked gradient then never
+  exists beside the sum: one stacked-gradient tree less at the peak (`memory_budget`)."""
+  from coat_jax.models.llama import uses_layer_loop
+  return (isinstance(opt.accumulate, int) and uses_layer_loop(llama_cfg)
+          and sums_in_place(params_abstract, opt.accumulate, opt.accumulate_dtype, opt.grad_dtype))
+
+
+def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any,
+                  layer_grads_in_place: bool = False) -> dict[str, int]:
   """Bytes of the training state one step holds, from dtypes and shapes (no activations).
 
   params: the master weights; grads: the gradient tree the optimizer reads (bfloat16 for
   `grad_dtype: bfloat16` or bfloat16 params); weight_copy: the bfloat16 copy the backward runs at
   (grad_dtype bfloat16 over non-bfloat16 params), alive during forward and backward (without
   remat it stands in for the bfloat16 weights the backward would save as residuals anyway);
-  accumulator: the running gradient sum in `accumulate_dtype` (accumulate > 1); optimizer_state:
+  accumulator: the running gradient sum in `accumulate_dtype` (accumulate > 1) beside the
+  gradients. With `layer_grads_in_place` (`sums_layer_grads_in_place`, the build's
+  `Built.sums_layer_grads_in_place`) the backward writes the stacked layers' gradient into the
+  sum's own buffers, and each leaf's sum dies as the mean the optimizer reads is made from it,
+  so the accumulator counts only the other leaves' (embedding, final norm, LM head): a stacked
+  leaf's microbatch gradient and its sum are one buffer, counted in grads; optimizer_state:
   every optimizer-state leaf (moments, their scales, Kahan compensation); step_workspace: the
   float32 working copy (in and out, 8 B/element) that the stochastic/Kahan step makes of the
   largest bfloat16 param, or of one layer of a stacked (layers, ...) param (that rounding is not
@@ -194,7 +212,11 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
   out["grads"] = sum(size(x) * (2 if id(x) in converted else jnp.dtype(x.dtype).itemsize)
                      for x in leaves)
   acc = jnp.dtype(opt.accumulate_dtype).itemsize
-  out["accumulator"] = sum(size(x) * acc for x in leaves) if opt.accumulate > 1 else 0
+  summed = ([x for x in jax.tree.leaves(params_abstract.get("layers", {})) if hasattr(x, "shape")]
+            if layer_grads_in_place else [])
+  in_place = {id(x) for x in summed}
+  out["accumulator"] = (sum(size(x) * acc for x in leaves if id(x) not in in_place)
+                        if opt.accumulate > 1 else 0)
   out["optimizer_state"] = sum(size(x) * jnp.dtype(x.dtype).itemsize
                                for x in jax.tree.leaves(opt_abstract) if hasattr(x, "shape"))
   rounded = ([size(x) // (x.shape[0] if len(x.shape) >= 3 else 1) for x in leaves
@@ -205,17 +227,31 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any)
   return out
 
 
-def batch_loss(model, batch) -> jax.Array:
+def batch_loss(model, batch, layer_grads_into: Any = None) -> jax.Array:
   """The training loss of a batch (dataset.py's formats): next-token cross-entropy of tokens
   (B, S + 1); for a dict batch over the labels whose loss_mask is 1 and that lie in their
   input's segment, with attention and positions per segment (`Llama.loss`). With gradient
-  accumulation each microbatch's mean counts equally, whatever its number of counted tokens."""
+  accumulation each microbatch's mean counts equally, whatever its number of counted tokens.
+  layer_grads_into: `Llama.loss`'s (the stacked layers' gradient comes out added to it)."""
   if not isinstance(batch, dict):
-    return model.loss(batch[:, :-1], batch[:, 1:])
+    return model.loss(batch[:, :-1], batch[:, 1:], layer_grads_into=layer_grads_into)
   tokens, segments = batch["tokens"], batch["segment_ids"]
   same = segments[:, 1:] == segments[:, :-1]
   mask = jnp.where(same, batch["loss_mask"][:, 1:], 0)
-  return model.loss(tokens[:, :-1], tokens[:, 1:], mask=mask, segment_ids=segments[:, :-1])
+  return model.loss(tokens[:, :-1], tokens[:, 1:], mask=mask, segment_ids=segments[:, :-1],
+                    layer_grads_into=layer_grads_into)
+
+
+@jax.custom_vjp
+def add_into_gradient(p: jax.Array, sink: jax.Array) -> jax.Array:
+  """p, unchanged; its gradient comes out as ct + sink (and sink's as zero): a leaf whose gradient
+  the backward does not sum in place still returns sink + dL/dp, as `accumulate`'s
+  loss_adds_into_sink asks of every leaf."""
+  return p
+
+
+add_into_gradient.defvjp(lambda p, sink: (p, sink),
+                         lambda sink, ct: (ct + sink.astype(ct.dtype), None))
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -272,9 +308,30 @@ def model_parts(llama_cfg, seed: int, mesh, group_size: int | None = None,
   return parts, lambda s=seed: init_jit(jax.random.key(s))
 
 
+def training_loss(parts: ModelParts) -> Callable[..., tuple[jax.Array, Any]]:
+  """loss_fn(params, rest, tokens, sink=None) -> (loss, the model's new other state), `batch_loss`
+  of the model `parts` merges from params and rest. With a sink (the running gradient sum: the
+  params' tree, each leaf in its gradient's dtype) the gradient with respect to params is
+  sink + dL/dparams for every leaf (accumulate.py's loss_adds_into_sink): the stacked layers'
+  added in their backward loop (`Llama.loss`'s layer_grads_into), every other leaf's by
+  `add_into_gradient`. The sink needs a model whose layers run by `layer_loop`."""
+  def loss_fn(params, rest, tokens, sink=None):
+    layer_grads_into = None
+    if sink is not None:
+      layer_grads_into = sink["layers"]
+      params = {k: v if k == "layers" else jax.tree.map(add_into_gradient, v, sink[k])
+                for k, v in params.items()}
+    model = parts.merge(params, rest)
+    loss = batch_loss(model, tokens, layer_grads_into)
+    _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    return loss, nnx.to_pure_dict(new_rest)
+
+  return loss_fn
+
+
 def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, accumulate: int = 1,
                accumulate_dtype: str = "float32", grad_dtype: str = "param",
-               skip_nonfinite: bool = False,
+               skip_nonfinite: bool = False, layer_grads_in_place: bool = False,
                kernel_config: kernels.KernelConfig = kernels.KernelConfig()):
   """Jitted (train_step, eval_step) with explicit in/out shardings; train_step donates its state.
 
@@ -286,19 +343,17 @@ def make_steps(parts: ModelParts, tx, opt_shardings, mesh, apply_fn=None, *, acc
   grad_dtype: "param" or "bfloat16" (gradients of a bfloat16 copy of the weights; accumulate.py).
   skip_nonfinite: a step whose loss or gradient norm is not finite returns params and optimizer
     state unchanged (`lax.cond`: the update is not computed; `run.on_nonfinite: skip`).
+  layer_grads_in_place: each microbatch's backward adds the stacked layers' gradient into the
+    accumulator (`sums_layer_grads_in_place` says when the model and dtypes allow it).
   kernel_config: the kernels both steps trace with (`coat_jax.kernels.use`; the run config's
   `kernels:` section).
   """
   apply_fn = apply_fn or optax_apply(tx)
   batch_sh, rep = mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)
 
-  def loss_fn(params, rest, tokens):
-    model = parts.merge(params, rest)
-    loss = batch_loss(model, tokens)
-    _, _, new_rest = nnx.split(model, nnx.Param, ...)
-    return loss, nnx.to_pure_dict(new_rest)
-
-  grad_fn = accumulated_value_and_grad(loss_fn, accumulate, accumulate_dtype, grad_dtype)
+  loss_fn = training_loss(parts)
+  grad_fn = accumulated_value_and_grad(loss_fn, accumulate, accumulate_dtype, grad_dtype,
+                                       loss_adds_into_sink=layer_grads_in_place)
 
   def keep(grads, opt_state, params):
     return params, opt_state
@@ -345,6 +400,7 @@ class Built(NamedTuple):
   eval_step: Callable
   batch_sharding: Any
   init: Callable[..., tuple[Any, Any, Any]]
+  sums_layer_grads_in_place: bool = False   # `sums_layer_grads_in_place`; memory_budget's flag
 
   def abstract_state(self) -> tuple[Any, Any, Any]:
     """(params, opt_state, rest) as sharded ShapeDtypeStructs."""
@@ -399,11 +455,12 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     rep = mesh_lib.replicated(mesh)
     opt_sh = (opt_sh, jax.tree.map(lambda _: rep, opt_abstract[1]))
     apply_fn = optax_apply(tx)
+  in_place = sums_layer_grads_in_place(llama_cfg, cfg.optimizer, parts.params_abstract)
   train_step, eval_step = make_steps(parts, tx, opt_sh, mesh, apply_fn, accumulate=micro,
                                      accumulate_dtype=cfg.optimizer.accumulate_dtype,
                                      grad_dtype=cfg.optimizer.grad_dtype,
                                      skip_nonfinite=cfg.run.on_nonfinite == "skip",
-                                     kernel_config=cfg.kernels)
+                                     layer_grads_in_place=in_place, kernel_config=cfg.kernels)
   opt_init = jax.jit(tx.init, in_shardings=(parts.params_shardings,), out_shardings=opt_sh)
 
   def init(seed: int | None = None):
@@ -411,4 +468,4 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     return params, opt_init(params), rest
 
   return Built(llama_cfg, parts, tx, schedule, opt_abstract, opt_sh, train_step, eval_step,
-               mesh_lib.batch_sharding(mesh), init)
+               mesh_lib.batch_sharding(mesh), init, in_place)

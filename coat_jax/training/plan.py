@@ -190,7 +190,8 @@ class Planner:
       cfg = setting.apply(self.cfg)
       built = build(cfg, self.mesh, vocab_size=self.vocab_size)
       params, opt_state, _ = built.abstract_state()
-      budget = memory_budget(cfg.optimizer, shard_shapes(params), shard_shapes(opt_state))
+      budget = memory_budget(cfg.optimizer, shard_shapes(params), shard_shapes(opt_state),
+                             built.sums_layer_grads_in_place)
       state = budget["params"] + budget["optimizer_state"]
       floor = state + budget["grads"] + budget["accumulator"]
       pred = self.predictions[setting] = Prediction(setting, cfg, None, state, floor, built=built)
