@@ -163,14 +163,17 @@ for s in "$@"; do
                prec=${mode%+*} opt=${mode#*+}
                for ((i = 0; i < ${#dims[@]}; i += 3)); do
                  h=${dims[i]} l=${dims[i+1]} f=${dims[i+2]}
-                 n=$(wc -l < "$OUT/largest.log" 2>/dev/null || echo 0)
+                 n=$( (wc -l < "$OUT/largest.log") 2>/dev/null || echo 0)
                  section largest ${LARGEST_TIMEOUT:-240} $PY train.py $(largest_args $opt $h $l $f) \
                    --set precision=$prec --set run.device_memory_limit=${LARGEST_LIMIT:-0} --plan
                  if tail -n +$((n + 1)) "$OUT/largest.log" | grep -q "^  chosen"; then
                    echo "$mode $h $l $f ${LARGEST_LIMIT:-0}" >> "$OUT/largest_fits.txt"; break
                  fi
                done; done ;;
-    largest_run) IFS=: read -r mode h l f <<< "${LARGEST_RUN:-coat+coat_adamw:5120:48:13824}"
+    largest_run)  # LARGEST_RUN=PRECISION+OPTIMIZER:H:L:F, or unset: the last plan `largest` found fitting
+             fit=$(tail -n 1 "$OUT/largest_fits.txt" 2>/dev/null | awk '{print $1 ":" $2 ":" $3 ":" $4}')
+             [ -n "${LARGEST_RUN:-$fit}" ] || { echo "largest_run: no LARGEST_RUN and no plan found fitting" | tee -a "$OUT/largest.log"; continue; }
+             IFS=: read -r mode h l f <<< "${LARGEST_RUN:-$fit}"
              prec=${mode%+*} opt=${mode#*+}
              section largest ${CONFIG_LIMIT:-420} $PY train.py $(largest_args $opt $h $l $f) \
                --set precision=$prec --set run.steps=${CONFIG_STEPS:-3} --set checkpoint.enabled=false \

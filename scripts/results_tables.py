@@ -641,6 +641,32 @@ def largest_models(src: Sources) -> list[str]:
                 "80 GB: " + source_line(src, "largest_80gb_h200")]
 
 
+def summed_in_place(src: Sources) -> list[str]:
+  """coat's largest shapes with the layers' gradient summed in place: the plans, the buffer
+  report's total for the 20.3e9 step, and the train.py run."""
+  sid, run = "largest_summed_in_place_h200", "/tmp/largest"
+  text = src.raw(sid)
+  out = ["| hidden x layers | params | microbatches | predicted peak GiB | fits | train.py |",
+         "|---|---|---|---|---|---|"]
+  for p in largest_plans(text):
+    h, layers, _ = p["shape"]
+    out.append(f"| {h} x {layers} | {p['params'] / 1e9:.2f}e9 | {p['micro']} | "
+               f"{p['predicted']:.2f} of {p['device_gib']:.2f} | {'yes' if p['fits'] else 'no'} | |")
+    if p["shape"] == (6144, 44, 16384):
+      total = src.value("step_buffers_20b_h200", r"re:Total bytes: \d+ \(([\d.]+)GiB\)")
+      out.append(f"| {h} x {layers}, no mean tree after the loop | {p['params'] / 1e9:.2f}e9 | "
+                 f"{p['micro']} | {total:.2f} of {p['device_gib']:.2f} | no | |")
+  m = re.search(r"\[plan\] chose remat \S+, (\d+) microbatch.*?predicted ([\d.]+) GiB per device "
+                r"of ([\d.]+) GiB", text)
+  key = lambda field: src.value(sid, _summary_field(run, field))
+  params = src.value(sid, r"re:\[run\] model \S+ \(([\d.]+)M params") * 1e6
+  out.append(f"| 5120 x 48 | {params / 1e9:.2f}e9 | {m.group(1)} | {float(m.group(2)):.2f} of "
+             f"{float(m.group(3)):.2f} | yes | {key('tokens_per_s'):,.0f} tokens/s, "
+             f"{key('mfu'):.1%} MFU, {key('peak_memory_bytes') / 2**30:.2f} GiB measured |")
+  return out + ["", source_line(src, sid),
+                "Buffers of the 20.3e9 step: " + source_line(src, "step_buffers_20b_h200")]
+
+
 def largest_summary(src: Sources) -> list[str]:
   """The README's table: per GPU and mode, the largest shape that fits."""
   best = _largest_fits(src)
@@ -717,7 +743,8 @@ TABLES = {
   "big_models": big_models, "accuracy": accuracy, "stability": stability, "formats": formats,
   "master_weights": master_weights, "group_axis": group_axis, "step_floor": step_floor,
   "sft": sft, "remat_sweep": remat_sweep,
-  "plan_candidates": plan_candidates, "compile_7b": compile_7b, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
+  "plan_candidates": plan_candidates, "compile_7b": compile_7b,
+  "summed_in_place": summed_in_place, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
   "largest_models": largest_models, "largest_summary": largest_summary,
   "equal_batch_7b": equal_batch_7b, "optimizer_stacked": optimizer_stacked,
   "step_memory_sr": step_memory_sr,

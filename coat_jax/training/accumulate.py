@@ -30,10 +30,13 @@ argument, the sink, and be built so that its gradient comes out as S + dL/dparam
 (e.g. a layer loop whose backward adds each layer's gradient into S's buffers: `layer_loop`'s
 grads_into). The body then takes that gradient as the new sum,
 
-  S_i = grad(L(., batch_i) with sink S_{i-1}) = S_{i-1} + dL(params, batch_i)/dparams,
+  S_i = grad(L(., batch_i) / k with sink S_{i-1}) = S_{i-1} + (1/k) dL(params, batch_i)/dparams,
 
-the same sum as S_{i-1} + g_i, but the microbatch gradient g_i of the leaves summed in place
-never exists beside S: one gradient-sized tree less at the peak. It needs every gradient in the
+so S_k is the mean gradient itself: the microbatch gradient g_i of the leaves summed in place
+never exists beside S, and no mean tree is made from S after the loop (one gradient-sized tree
+less at the peak, and one pass over it less). Dividing each g_i by k before the sum rather than
+the sum after it is exact for k a power of two (an exponent shift) and otherwise one rounding
+per term, in a sum that rounds each term anyway. It needs every gradient in the
 accumulator's dtype (a custom VJP's cotangent has its primal's dtype; `sums_in_place`), else the
 body adds as above.
 """
@@ -125,6 +128,14 @@ def _accumulated(loss_fn, num_microbatches, accum_dtype, loss_adds_into_sink):
     return grad_fn
   acc_dtype = jnp.dtype(accum_dtype)
 
+  inv = 1.0 / num_microbatches
+
+  def scaled_loss(params, state, batch, sink):   # the summed-in-place body differentiates L / k
+    loss, state = loss_fn(params, state, batch, sink)
+    return loss * inv, (loss, state)
+
+  grad_scaled = jax.value_and_grad(scaled_loss, has_aux=True)
+
   def fn(params, state, batch):
     micro = jax.tree.map(lambda b: split_microbatches(b, num_microbatches), batch)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), params)
@@ -133,8 +144,8 @@ def _accumulated(loss_fn, num_microbatches, accum_dtype, loss_adds_into_sink):
 
     def body(carry, mb):
       grads_sum, loss_sum, st = carry
-      if in_place:   # grads_sum + this microbatch's gradient (the sink is not differentiated)
-        (loss, st), grads_sum = grad_fn(params, st, mb, grads_sum)
+      if in_place:   # grads_sum + this microbatch's gradient / k (the sink is not differentiated)
+        (_, (loss, st)), grads_sum = grad_scaled(params, st, mb, grads_sum)
       else:
         (loss, st), grads = grad_fn(params, st, mb)
         grads_sum = jax.tree.map(lambda a, g: a + g.astype(acc_dtype), grads_sum, grads)
@@ -142,7 +153,8 @@ def _accumulated(loss_fn, num_microbatches, accum_dtype, loss_adds_into_sink):
 
     (grads_sum, loss_sum, state), _ = jax.lax.scan(
         body, (zeros, jnp.zeros((), jnp.float32), state), micro)
-    inv = 1.0 / num_microbatches
+    if in_place:   # already the mean, in the gradients' own dtype: no second tree is made
+      return (loss_sum * inv, state), grads_sum
     grads = jax.tree.map(lambda s, p: (s * jnp.asarray(inv, acc_dtype)).astype(p.dtype),
                          grads_sum, params)
     return (loss_sum * inv, state), grads
