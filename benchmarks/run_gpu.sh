@@ -21,7 +21,8 @@
 # (configs/llama2-7b.yaml, bf16 + optax.adamw against coat at one batch and remat, no microbatches:
 # EQUAL_BATCHES, the first that every mode fits), largest (the largest Llama each optimizer fits at
 # seq 2048, global batch 64: `--plan` per shape, largest first, LARGEST_PLANS, LARGEST_LIMIT),
-# largest_run (train.py on one such shape: LARGEST_RUN),
+# largest_run (train.py on one such shape: LARGEST_RUN, or the last that `largest` found fitting),
+# step_memory (benchmarks/step/step_memory.py: STEP_MEMORY_ARGS), layer takes LAYER_ARGS,
 # sft (configs/llama2-7b-sft.yaml from a random Hugging Face directory of Llama-2-7B's shape made
 # on the machine: SFT_VARIANTS of coat / bf16 (+ optax.adamw), _b4 at batch 4 without microbatches).
 set -uo pipefail
@@ -86,7 +87,8 @@ for s in "$@"; do
     quant_sweep) section quant_sweep 300 $PY -m benchmarks.kernels.bench_kernels_mgpu --sweep ${SWEEP_ARGS:-} ;;
     ops) section ops 240 $PY -m benchmarks.layer.bench_ops ;;
     profile) section profile 200 $PY -m benchmarks.layer.profile_layer ;;
-    layer) section layer 420 $PY -m benchmarks.layer.bench_layer --json "$OUT/layer.json" ;;
+    layer) section layer 420 $PY -m benchmarks.layer.bench_layer --json "$OUT/layer.json" ${LAYER_ARGS:-} ;;
+    step_memory) section step_memory ${CONFIG_LIMIT:-300} $PY -m benchmarks.step.step_memory ${STEP_MEMORY_ARGS:-} ;;
     optimizer) section optimizer 420 $PY -m benchmarks.step.bench_optimizer ${OPT_ARGS:-} ;;
     train1b) for m in ${TRAIN1B_MODES:-bf16:adamw fp8_linear:adamw coat:coat_adamw}; do set -- ${m/:/ }
                section train1b 200 $PY train.py --config configs/olmo-1b.yaml --no-progress \

@@ -28,3 +28,13 @@ def test_accumulator_appears_in_the_count_and_the_prediction():
     assert r["predicted_bytes"] == (r["argument_size_in_bytes"] + r["output_size_in_bytes"]
                                     - r["alias_size_in_bytes"] + r["temp_size_in_bytes"])
     assert r["temp_size_in_bytes"] > 0
+
+
+def test_a_linear_switch_in_a_variant_reaches_the_traced_step():
+  """`linear.NAME=VALUE` is an FP8 linear switch, not a config key: a bad value is refused by the
+  switch (so it was routed there), a good one compiles the tiny step."""
+  base = ["model.num_layers=1", "data.seq_len=32", "data.batch_size=8", "precision=coat"]
+  with pytest.raises(ValueError, match="swiglu_weight_codes must be one of"):
+    step_memory.measure("configs/tiny.yaml", base + ["linear.swiglu_weight_codes=bogus"], None)
+  r = step_memory.measure("configs/tiny.yaml", base + ["linear.swiglu_weight_codes=kernel"], None)
+  assert r["params"] > 0 and r["temp_size_in_bytes"] > 0

@@ -19,6 +19,14 @@ bfloat16 master weights (docs/results.md, "The largest model one GPU trains"):
       --set data.batch_size=64 --set optimizer.accumulate=64 --set model.remat=full \
       --set model.num_layers=48 --variant stochastic= \
       --variant nearest=optimizer.master_rounding=nearest
+A variant may also set one of the FP8 linears' switches (`linear.NAME=VALUE`,
+coat_jax.ops.linear_layer._ablation), e.g. the gate/up weights' transposed codes by the kernel
+against XLA's relayout of the stacked weights (GPU, 20.3e9 params at one sequence per microbatch):
+  python -m benchmarks.step.step_memory --config configs/llama2-13b.yaml --set model.hidden_size=6144 \
+      --set model.num_layers=44 --set model.intermediate_size=16384 --set model.num_heads=48 \
+      --set model.num_kv_heads=48 --set data.seq_len=2048 --set data.batch_size=64 \
+      --set optimizer.accumulate=64 --set model.remat=full --vocab-size 32000 \
+      --variant xla= --variant kernel=linear.swiglu_weight_codes=kernel
 CPU smoke (XLA's CPU buffers differ from the GPU's; the jnp reference kernels run there):
   JAX_PLATFORMS=cpu python -m benchmarks.step.step_memory --config configs/tiny.yaml \
       --variant one=optimizer.accumulate=1 --variant four=optimizer.accumulate=4
@@ -38,14 +46,23 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
   return name, [item for item in rest.split(",") if item]
 
 
+LINEAR_SWITCH = "linear."   # a variant's KEY=VALUE naming one of the FP8 linears' switches
+
+
 def measure(config: str | None, overrides: list[str], vocab_size: int | None) -> dict:
-  """One variant's byte counts per device and its parameter count."""
+  """One variant's byte counts per device and its parameter count. An override
+  `linear.NAME=VALUE` sets the FP8 linears' switch NAME (`coat_jax.ops.linear_layer._ablation`)
+  while the step is traced, instead of a config key."""
   import jax
   import numpy as np
+  from coat_jax.ops import linear_layer
   from coat_jax.training import mesh as mesh_lib, schema
   from coat_jax.training.build import build, memory_budget
   from coat_jax.training.plan import memory_analysis, shard_shapes
 
+  switches = dict(o[len(LINEAR_SWITCH):].split("=", 1) for o in overrides
+                  if o.startswith(LINEAR_SWITCH))
+  overrides = [o for o in overrides if not o.startswith(LINEAR_SWITCH)]
   cfg = schema.load(config, overrides)
   built = build(cfg, mesh_lib.make_mesh(cfg.mesh), vocab_size=vocab_size)
   params, opt_state, rest = built.abstract_state()
@@ -54,7 +71,8 @@ def measure(config: str | None, overrides: list[str], vocab_size: int | None) ->
   tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32,
                                 sharding=built.batch_sharding)
   t0 = time.perf_counter()
-  compiled = built.train_step.lower(params, opt_state, rest, tokens).compile()
+  with linear_layer._ablation(**switches):
+    compiled = built.train_step.lower(params, opt_state, rest, tokens).compile()
   mem = memory_analysis(compiled) or {}
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(shard_shapes(params)))
   return dict(params=n, compile_s=time.perf_counter() - t0, budget=budget, **mem)

@@ -80,9 +80,13 @@ def weight_codes_t(w, dtype):
   W^T from the float32 parameter gained nothing over this on the H100 with the layers scanned,
   likely XLA's relayout of the stacked weights for a transposed read (linear_layer._ablation's
   `weight_transpose` note); the Mosaic GPU quantize's transposed codes plus a copy to interleave
-  them were slower."""
+  them were slower. Under `linear_layer._ablation(swiglu_weight_codes="kernel")` the quantize
+  kernel writes W^T's codes itself, from W as it lies (no relayout of a stacked W by XLA)."""
   wc = w.astype(dtype)
   amax = weight_amax(wc)
+  if option("swiglu_weight_codes") == "kernel":
+    q = kernels.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=True)
+    return amax, QuantizedArray(q.data_t, q.scale, q.fmt)
   q = kernels.quantize_per_tensor(wc, "e4m3", amax=amax, producer_fusion=True)
   return amax, QuantizedArray(jnp.swapaxes(jax.lax.optimization_barrier(q.data), 0, 1), q.scale,
                               q.fmt)
