@@ -216,6 +216,18 @@ def device_env(n: int, env: dict | None = None) -> dict:
           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}
 
 
+LINEAR_SWITCH = "linear."   # `--set linear.NAME=VALUE`: one of the FP8 linears' switches
+
+
+def split_linear_switches(overrides: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+  """(the FP8 linears' switches, the other overrides) of `--set` items: `linear.NAME=VALUE` names
+  a switch of `coat_jax.ops.linear_layer._ablation` (not configuration: the benchmark sets it
+  while the step is traced), every other item is a config key."""
+  switches = dict(o[len(LINEAR_SWITCH):].split("=", 1) for o in overrides
+                  if o.startswith(LINEAR_SWITCH))
+  return switches, [o for o in overrides if not o.startswith(LINEAR_SWITCH)]
+
+
 def config_parser(doc: str, default_config: str, set_help: str) -> argparse.ArgumentParser:
   """An argument parser (description: the script's docstring's first line) with the train.py
   config options every training-run script takes: --config (default configs/<default_config>)

@@ -90,6 +90,19 @@ def test_e2e_compile_only_reports_the_prediction_and_runs_nothing(capsys):
     e2e.parse_args(["--compile-only", "--find-max-batch"])
 
 
+def test_e2e_linear_switch_reaches_the_child_trace():
+  """`--set linear.NAME=VALUE` is an FP8 linear switch set while the child traces, not a config
+  key: a bad value is the switch's error, a good one compiles and is reported."""
+  base = ["--one", "coat+coat_adamw", "--preset", "tiny", "--set", "model.num_layers=1",
+          "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128",
+          "--seq-len", "16", "--batch", "8", "--compile-only"]
+  bad = e2e.measure_one(e2e.parse_args(base + ["--set", "linear.swiglu_weight_codes=bogus"]))
+  assert bad["status"] == "error" and "swiglu_weight_codes must be one of" in bad["error"]
+  good = e2e.measure_one(e2e.parse_args(base + ["--set", "linear.swiglu_weight_codes=kernel"]))
+  assert good["status"] == "compiled", good.get("error")
+  assert good["linear_switches"] == {"swiglu_weight_codes": "kernel"}
+
+
 def test_e2e_layers_option():
   """--layers runs children scanned, unrolled or both; it may not be given together with a
   --set of model.scan_layers (two answers to one question), a one-line parser error."""

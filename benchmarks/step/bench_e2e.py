@@ -71,7 +71,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks._common import Budget, device_env, module_command, parse_modes
+from benchmarks._common import (Budget, device_env, module_command, parse_modes,
+                                split_linear_switches)
 from benchmarks._hlo import hlo_ops
 from coat_jax.models.llama import REMAT_POLICIES  # no device is touched by this import
 
@@ -100,7 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="decoder blocks scanned (model.scan_layers: true, the default), unrolled, "
                       "or best: each mode both ways, ratios against bf16's best row")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="extra train.py config override for the children, e.g. model.num_layers=2")
+                 help="extra train.py config override for the children, e.g. model.num_layers=2; "
+                      "linear.NAME=VALUE sets an FP8 linear switch (linear_layer._ablation)")
   p.add_argument("--compile-only", action="store_true",
                  help="compile each step and report XLA's predicted peak (arguments + its temp "
                       "allocation, which the device allocates whole), run no step")
@@ -175,6 +177,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   import numpy as np
 
   from coat_jax.models import llama as llama_lib
+  from coat_jax.ops import linear_layer
   from coat_jax.training import mesh as mesh_lib, metrics as metrics_lib, schema
   from coat_jax.training.build import build, memory_budget
   from coat_jax.training.plan import memory_analysis, shard_shapes
@@ -185,7 +188,8 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
                f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}", "run.steps=1000"]
   if args.attention_impl:
     overrides.append(f"model.attention_impl={args.attention_impl}")
-  cfg = schema.load(None, overrides + list(args.overrides))
+  switches, config_overrides = split_linear_switches(args.overrides)
+  cfg = schema.load(None, overrides + config_overrides)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   built = build(cfg, mesh, seed=0)
   llama_cfg, parts, opt_abstract = built.llama_cfg, built.parts, built.opt_abstract
@@ -222,7 +226,9 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   batch_sh = built.batch_sharding
   tokens_abs = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), np.int32, sharding=batch_sh)
   t0 = time.perf_counter()
-  compiled = built.train_step.lower(*built.abstract_state(), tokens_abs).compile()
+  with linear_layer._ablation(**switches):   # read while the step is traced
+    compiled = built.train_step.lower(*built.abstract_state(), tokens_abs).compile()
+  out["linear_switches"] = switches
   out["compile_s"] = time.perf_counter() - t0
   mem = memory_analysis(compiled)   # None where the backend reports none
   if mem is not None:

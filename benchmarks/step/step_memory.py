@@ -37,6 +37,8 @@ import argparse
 import math
 import time
 
+from benchmarks._common import split_linear_switches
+
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
   """'NAME=KEY=VALUE,KEY=VALUE' (or 'NAME=' for the base) -> (NAME, [KEY=VALUE, ...])."""
@@ -44,9 +46,6 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
   if not sep or not name:
     raise ValueError(f"--variant {text!r} is not NAME=[KEY=VALUE,...]")
   return name, [item for item in rest.split(",") if item]
-
-
-LINEAR_SWITCH = "linear."   # a variant's KEY=VALUE naming one of the FP8 linears' switches
 
 
 def measure(config: str | None, overrides: list[str], vocab_size: int | None) -> dict:
@@ -60,9 +59,7 @@ def measure(config: str | None, overrides: list[str], vocab_size: int | None) ->
   from coat_jax.training.build import build, memory_budget
   from coat_jax.training.plan import memory_analysis, shard_shapes
 
-  switches = dict(o[len(LINEAR_SWITCH):].split("=", 1) for o in overrides
-                  if o.startswith(LINEAR_SWITCH))
-  overrides = [o for o in overrides if not o.startswith(LINEAR_SWITCH)]
+  switches, overrides = split_linear_switches(overrides)
   cfg = schema.load(config, overrides)
   built = build(cfg, mesh_lib.make_mesh(cfg.mesh), vocab_size=vocab_size)
   params, opt_state, rest = built.abstract_state()
