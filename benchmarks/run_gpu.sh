@@ -63,7 +63,7 @@ largest_args() {  # largest_args OPTIMIZER H L F: a Llama of that shape (heads o
 summary() {  # summary DIR: the numbers of a run's summary.json on one line
   $PY -c "import json, sys; s = json.load(open(sys.argv[1] + '/summary.json')); \
 print(sys.argv[1], {k: s.get(k) for k in ('step', 'compile_s', 'first_step_s', 'tokens_per_s', \
-'mfu', 'peak_memory_bytes', 'peak_memory_kind', 'wall_s', 'train_loss_last')})" "$1"
+'mfu', 'peak_memory_bytes', 'peak_memory_kind', 'host_max_rss_bytes', 'wall_s', 'train_loss_last')})" "$1"
 }
 section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2

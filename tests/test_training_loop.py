@@ -71,6 +71,9 @@ def test_tiny_default_loss_falls_and_writes_outputs(cache, tmp_path):
   assert "train loss" in summary_line(s) and "tokens/s" in summary_line(s)
   # the first step (trace, compile, run) timed apart, and it is part of the run's wall time
   assert 0 < s["first_step_s"] < s["wall_s"] and "first step" in summary_line(s)
+  # the host memory the run held, for a save or compile that needs too much of it: more than
+  # the training state this process holds on CPU
+  assert s["host_max_rss_bytes"] > s["num_params"] * 4
 
 
 def test_checkpoints_disabled_writes_none(cache, tmp_path):

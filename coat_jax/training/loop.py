@@ -265,7 +265,8 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
     # The end (normal, early stop or signal): checkpoint, final eval, logs, plot.
     logger.flush()
     if save(step, force=True):
-      say(f"[run] checkpoint at step {step} in {ckpt_dir}")
+      say(f"[run] checkpoint at step {step} in {ckpt_dir} (host max RSS so far "
+          f"{metrics_lib.format_bytes(metrics_lib.host_max_rss_bytes())})")
     try:
       final_eval = evaluate(step)
     except Exception as e:
@@ -286,6 +287,7 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
         "final_eval_loss": final_eval, "tokens_per_s": tokens_per_s,
         "mfu": metrics_lib.mfu(flops_per_token, tokens_per_s, devices_used) if tokens_per_s else None,
         "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,
+        "host_max_rss_bytes": metrics_lib.host_max_rss_bytes(),
         "flops_per_token": flops_per_token, "wall_s": time.time() - t_start,
         "first_step_s": logger.first_step_s, "compile_s": planner.compile_s,
         "nonfinite_steps_skipped": guard.skipped,

@@ -72,8 +72,13 @@ def peak_memory_bytes(devices: Iterable[jax.Device]) -> tuple[int, str]:
       best = max(best or 0, int(stats["peak_bytes_in_use"]))
   if best is not None:
     return best, "device peak"
+  return host_max_rss_bytes(), "host max RSS"
+
+
+def host_max_rss_bytes() -> int:
+  """The most host memory this process has held so far (its max resident set size), in bytes."""
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  return int(rss if sys.platform == "darwin" else rss * 1024), "host max RSS"
+  return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def format_bytes(n: float) -> str:

@@ -39,7 +39,8 @@ class StepLogger:
       jax.block_until_ready(out["loss"])
       self.first_step_s = time.perf_counter() - self._started
       (self.say if self.bar.disable else self.bar.write)(
-          f"[run] first step in {self.first_step_s:.1f} s (compiled before it: [plan])")
+          f"[run] first step in {self.first_step_s:.1f} s (compiled before it: [plan]); host "
+          f"max RSS so far {metrics_lib.format_bytes(metrics_lib.host_max_rss_bytes())}")
       self._throughput.reset()
       self._compiled = True
       log_now = log_now or step == 1  # log the starting loss
