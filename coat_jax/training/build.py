@@ -24,7 +24,8 @@ from flax import nnx
 from coat_jax import kernels, ops
 from coat_jax.precision import resolve_dtype
 from coat_jax.training import corpus, mesh as mesh_lib, pretrained, sft, token_files
-from coat_jax.training.accumulate import accumulated_value_and_grad, sums_in_place
+from coat_jax.training.accumulate import (accumulated_value_and_grad, gradient_dtype,
+                                          sums_in_place)
 from coat_jax.training.dataset import TokenDataset
 from coat_jax.training.schema import AUTO, DataConfig, OptimizerConfig, RunConfig
 
@@ -204,13 +205,10 @@ def memory_budget(opt: OptimizerConfig, params_abstract: Any, opt_abstract: Any,
 
   leaves = [x for x in jax.tree.leaves(params_abstract) if hasattr(x, "shape")]
   bf16 = jnp.dtype(jnp.bfloat16)
-  is_float = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
-  to_bf16 = [x for x in leaves if opt.grad_dtype == "bfloat16" and is_float(x) and x.dtype != bf16]
+  grad_of = lambda x: gradient_dtype(x.dtype, opt.grad_dtype)   # the backward's dtype for x
   out = {"params": sum(size(x) * jnp.dtype(x.dtype).itemsize for x in leaves)}
-  out["weight_copy"] = sum(size(x) * 2 for x in to_bf16)
-  converted = {id(x) for x in to_bf16}
-  out["grads"] = sum(size(x) * (2 if id(x) in converted else jnp.dtype(x.dtype).itemsize)
-                     for x in leaves)
+  out["weight_copy"] = sum(size(x) * grad_of(x).itemsize for x in leaves if grad_of(x) != x.dtype)
+  out["grads"] = sum(size(x) * grad_of(x).itemsize for x in leaves)
   acc = jnp.dtype(opt.accumulate_dtype).itemsize
   summed = ([x for x in jax.tree.leaves(params_abstract.get("layers", {})) if hasattr(x, "shape")]
             if layer_grads_in_place else [])
