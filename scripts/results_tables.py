@@ -269,6 +269,13 @@ def train_py(src: Sources) -> list[str]:
                 "", "`configs/llama2-13b.yaml`: " + source_line(src, "configs_llama2_13b_h200")]
 
 
+# train.py's `[plan]` line: the remat and microbatches chosen, the predicted peak against the
+# device, and (where `auto` timed candidates) each candidate's step.
+PLAN_LINE = re.compile(r"\[plan\] chose remat (?P<remat>\S+), (?P<micro>\d+) microbatch\S*: "
+                       r"predicted (?P<predicted>[\d.]+) GiB per device of (?P<limit>[\d.]+) GiB"
+                       r"[^\n]*?(?:timed steps (?P<timed>[^\n]*))?$", re.M)
+
+
 PLAN_RUNS = (("llama2-7b", "configs_llama2_7b_h200", 16 * 4096),
              ("llama2-13b", "configs_llama2_13b_h200", 32 * 4096))
 
@@ -279,11 +286,10 @@ def plan_candidates(src: Sources) -> list[str]:
   out = ["| config | remat / microbatches | step s (one timed step) | tokens/s | vs the fastest "
          "| chosen |", "|---|---|---|---|---|---|"]
   for name, sid, tokens in PLAN_RUNS:
-    line = re.search(r"\[plan\] chose remat (\S+), (\d+) microbatch.*timed steps (.*)",
-                     src.raw(sid))
-    timed = [(c, float(t)) for c, t in re.findall(r"(\S+/\d+): ([\d.]+) s", line.group(3))]
+    line = PLAN_LINE.search(src.raw(sid))
+    timed = [(c, float(t)) for c, t in re.findall(r"(\S+/\d+): ([\d.]+) s", line["timed"])]
     fastest = min(t for _, t in timed)
-    chosen = f"{line.group(1)}/{line.group(2)}"
+    chosen = f"{line['remat']}/{line['micro']}"
     for cand, t in timed:
       out.append(f"| `{name}` | {cand.replace('/', ' / ')} | {t:.3f} | {tokens / t:,.0f} | "
                  f"{100 * (fastest / t - 1):+.1f} % | {'yes' if cand == chosen else ''} |")
@@ -312,8 +318,8 @@ def _plan_choice(text: str, run: str) -> str:
   """The remat policy and microbatches the `[plan]` line of `run`'s section in a log chose."""
   section = text[text.index(f"--out-dir {run} ") if f"--out-dir {run} " in text
                  else text.index(f"run.out_dir={run} "):]
-  m = re.search(r"\[plan\] chose remat (\S+), (\d+) microbatch", section)
-  return f"{m.group(1)} / {m.group(2)}" if m else "as configured"
+  m = PLAN_LINE.search(section)
+  return f"{m['remat']} / {m['micro']}" if m else "as configured"
 
 
 def sft(src: Sources) -> list[str]:
@@ -656,12 +662,14 @@ def summed_in_place(src: Sources) -> list[str]:
       total = src.value("step_buffers_20b_h200", r"re:Total bytes: \d+ \(([\d.]+)GiB\)")
       out.append(f"| {h} x {layers}, no mean tree after the loop | {p['params'] / 1e9:.2f}e9 | "
                  f"{p['micro']} | {total:.2f} of {p['device_gib']:.2f} | no | |")
-  m = re.search(r"\[plan\] chose remat \S+, (\d+) microbatch.*?predicted ([\d.]+) GiB per device "
-                r"of ([\d.]+) GiB", text)
+  m = PLAN_LINE.search(text)
   key = lambda field: src.value(sid, _summary_field(run, field))
   params = src.value(sid, r"re:\[run\] model \S+ \(([\d.]+)M params") * 1e6
-  out.append(f"| 5120 x 48 | {params / 1e9:.2f}e9 | {m.group(1)} | {float(m.group(2)):.2f} of "
-             f"{float(m.group(3)):.2f} | yes | {key('tokens_per_s'):,.0f} tokens/s, "
+  head = text[:m.start()].rsplit("=== largest (", 1)[1]   # the run's command line
+  h, layers = (re.search(rf"--set model\.{k}=(\d+)", head).group(1)
+               for k in ("hidden_size", "num_layers"))
+  out.append(f"| {h} x {layers} | {params / 1e9:.2f}e9 | {m['micro']} | {float(m['predicted']):.2f} "
+             f"of {float(m['limit']):.2f} | yes | {key('tokens_per_s'):,.0f} tokens/s, "
              f"{key('mfu'):.1%} MFU, {key('peak_memory_bytes') / 2**30:.2f} GiB measured |")
   return out + ["", source_line(src, sid),
                 "Buffers of the 20.3e9 step: " + source_line(src, "step_buffers_20b_h200")]
