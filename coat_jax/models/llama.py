@@ -332,7 +332,8 @@ class Llama(nnx.Module):
     cos, sin = self.rope(tokens.shape[1])
     x = self.embed(tokens)
     policy = REMAT_POLICIES[self.cfg.remat]
-    if layer_grads_into is not None and not uses_layer_loop(self.cfg):
+    in_layer_loop = uses_layer_loop(self.cfg)
+    if layer_grads_into is not None and not in_layer_loop:
       raise ValueError("Llama: layer_grads_into needs scan_layers=True and the 'vjp_loop' layer "
                        f"loop; this model has scan_layers={self.cfg.scan_layers}, "
                        f"scan_impl={self.cfg.scan_impl!r} (runs "
@@ -349,7 +350,7 @@ class Llama(nnx.Module):
 
       if self.cfg.remat != "none":
         block = jax.checkpoint(block, policy=policy, prevent_cse=False)
-      if resolve_scan_impl(self.cfg.scan_impl) == "vjp_loop":
+      if in_layer_loop:
         x = layer_loop(block, x, stacked, self.cfg.scan_unroll, grads_into)
       else:
         x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, stacked,
