@@ -139,37 +139,9 @@ def test_linear_ablation_rejects_unknown_values_and_defaults_to_the_library_choi
   assert {k: linear_layer.option(k) for k in linear_layer._ABLATIONS} == dict(
       weight_quant="per_use", amax="fused", weight_quantize="forward_kernel",
       activation_quantize="kernel", gradient_quantize="kernel", swiglu_quantize="gemm_epilogue",
-      weight_transpose="codes", swiglu_weight_codes="xla")
+      weight_transpose="codes")
   with linear_layer._ablation(amax="kernel"):
     with linear_layer._ablation(weight_quant="once"):   # nested: both
       assert (linear_layer.option("amax"), linear_layer.option("weight_quant")) == (
           "kernel", "once")
     assert linear_layer.option("weight_quant") == "per_use"
-
-
-def test_swiglu_weight_codes_by_the_kernel_give_the_same_values_in_interpret_mode():
-  """swiglu_linears with the gate/up weights' transposed codes from the quantize kernel
-  (interpret mode) against XLA's quantize and transpose: the same values and gradients, bit for
-  bit (one scale, one rounding of the same products; only who writes the transpose differs)."""
-  rng = np.random.default_rng(OPTIONS_SEED)
-  print(f"seed {OPTIONS_SEED}")
-  x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-  w_gate, w_up = (jnp.asarray(0.1 * rng.standard_normal((K, N)), jnp.float32) for _ in range(2))
-  ct = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
-
-  def values(choice):
-    def f(x, wg, wu):
-      x_q = linear_layer.quantize_input(x)
-      y, pb = jax.vjp(lambda x, wg, wu: ops.swiglu_linears(x, wg, wu, mode="coat", x_q=x_q)[0],
-                      x, wg, wu)
-      return y, pb(ct)
-    with linear_layer._ablation(swiglu_weight_codes=choice), \
-        kernels.backend("quantize=pallas,gemm=pallas"):
-      return jax.jit(f)(x, w_gate, w_up)
-
-  (y0, g0), (y1, g1) = values("xla"), values("kernel")
-  assert float(jnp.abs(y0.astype(jnp.float32)).max()) > 0
-  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
-  for a, b in zip(g1, g0):
-    assert np.isfinite(np.asarray(a, np.float32)).all() and np.abs(np.asarray(a, np.float32)).max() > 0
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

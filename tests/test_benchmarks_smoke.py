@@ -96,11 +96,11 @@ def test_e2e_linear_switch_reaches_the_child_trace():
   base = ["--one", "coat+coat_adamw", "--preset", "tiny", "--set", "model.num_layers=1",
           "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128",
           "--seq-len", "16", "--batch", "8", "--compile-only"]
-  bad = e2e.measure_one(e2e.parse_args(base + ["--set", "linear.swiglu_weight_codes=bogus"]))
-  assert bad["status"] == "error" and "swiglu_weight_codes must be one of" in bad["error"]
-  good = e2e.measure_one(e2e.parse_args(base + ["--set", "linear.swiglu_weight_codes=kernel"]))
+  bad = e2e.measure_one(e2e.parse_args(base + ["--set", "linear.weight_transpose=bogus"]))
+  assert bad["status"] == "error" and "weight_transpose must be one of" in bad["error"]
+  good = e2e.measure_one(e2e.parse_args(base + ["--set", "linear.weight_transpose=cast"]))
   assert good["status"] == "compiled", good.get("error")
-  assert good["linear_switches"] == {"swiglu_weight_codes": "kernel"}
+  assert good["linear_switches"] == {"weight_transpose": "cast"}
 
 
 def test_e2e_layers_option():

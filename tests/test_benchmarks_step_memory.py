@@ -34,7 +34,7 @@ def test_a_linear_switch_in_a_variant_reaches_the_traced_step():
   """`linear.NAME=VALUE` is an FP8 linear switch, not a config key: a bad value is refused by the
   switch (so it was routed there), a good one compiles the tiny step."""
   base = ["model.num_layers=1", "data.seq_len=32", "data.batch_size=8", "precision=coat"]
-  with pytest.raises(ValueError, match="swiglu_weight_codes must be one of"):
-    step_memory.measure("configs/tiny.yaml", base + ["linear.swiglu_weight_codes=bogus"], None)
-  r = step_memory.measure("configs/tiny.yaml", base + ["linear.swiglu_weight_codes=kernel"], None)
+  with pytest.raises(ValueError, match="weight_transpose must be one of"):
+    step_memory.measure("configs/tiny.yaml", base + ["linear.weight_transpose=bogus"], None)
+  r = step_memory.measure("configs/tiny.yaml", base + ["linear.weight_transpose=cast"], None)
   assert r["params"] > 0 and r["temp_size_in_bytes"] > 0

@@ -263,3 +263,29 @@ def test_gpu_kernel_matches_float64():
 @pytest.mark.gpu
 def test_gpu_op_against_float64_no_worse_than_the_default_path():
   test_op_against_float64_no_worse_than_the_default_path()
+
+
+def test_weight_codes_t_are_the_transposed_codes_of_the_weight_from_the_kernel():
+  """`ops.swiglu.weight_codes_t` (the quantize kernel in Mosaic GPU interpret mode writing W^T's
+  codes): W's amax, the reference's per-tensor E4M3 scale, and codes equal to the reference's
+  quantize of the bf16 W, transposed, bit for bit; the kernel runs (its refs in the trace)."""
+  from coat_jax import quantize
+  from coat_jax.ops.swiglu import weight_codes_t
+  seed = 20261128
+  print(f"seed {seed}")
+  rng = np.random.default_rng(seed)
+  w = jnp.asarray(0.05 * rng.standard_normal((256, 384)), jnp.float32)
+  codes_t = lambda w: weight_codes_t(w, jnp.bfloat16)
+  with kernels.backend("quantize=mosaic"):
+    amax, q = jax.jit(codes_t)(w)
+    assert "Ref<gmem>" in str(jax.make_jaxpr(codes_t)(w))   # the kernel's global-memory refs
+  with kernels.backend("quantize=reference"):
+    assert "Ref<gmem>" not in str(jax.make_jaxpr(codes_t)(w))
+  wb = w.astype(jnp.bfloat16)
+  assert float(amax) == float(jnp.max(jnp.abs(wb.astype(jnp.float32)))) > 0
+  ref = jax.jit(lambda wb, a: quantize.quantize_per_tensor(wb, "e4m3", amax=a))(wb, amax)
+  assert q.data.shape == (384, 256) and q.data.dtype == jnp.float8_e4m3fn
+  assert float(q.scale) == float(ref.scale)
+  codes, ref_t = np.asarray(q.data, np.float32), np.asarray(ref.data, np.float32).T
+  assert np.abs(codes).max() > 0
+  np.testing.assert_array_equal(codes, ref_t)

@@ -80,9 +80,7 @@ def parse_args(argv=None):
                          "epilogue (gemm_epilogue), from one read of gate and up (fused), or h "
                          "by XLA and two per-group quantizes (separate)",
       "weight_transpose": "FP8 modes: W^T for the forward GEMM by transposing W's FP8 codes "
-                          "(codes) or quantizing the transposed cast weight (cast)",
-      "swiglu_weight_codes": "coat: the gate/up weights' transposed codes by XLA's quantize and "
-                             "transpose (xla) or by the quantize kernel (kernel)"}
+                          "(codes) or quantizing the transposed cast weight (cast)"}
   for name, choices in linear_layer._ABLATIONS.items():
     p.add_argument("--" + name.replace("_", "-"), default=choices[0], choices=choices,
                    help=helps[name])

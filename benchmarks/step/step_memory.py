@@ -20,13 +20,13 @@ bfloat16 master weights (docs/results.md, "The largest model one GPU trains"):
       --set model.num_layers=48 --variant stochastic= \
       --variant nearest=optimizer.master_rounding=nearest
 A variant may also set one of the FP8 linears' switches (`linear.NAME=VALUE`,
-coat_jax.ops.linear_layer._ablation), e.g. the gate/up weights' transposed codes by the kernel
-against XLA's relayout of the stacked weights (GPU, 20.3e9 params at one sequence per microbatch):
+coat_jax.ops.linear_layer._ablation), e.g. W^T for the forward GEMM from W's transposed codes
+against a quantize of the transposed cast weight (GPU, 20.3e9 params, one sequence per microbatch):
   python -m benchmarks.step.step_memory --config configs/llama2-13b.yaml --set model.hidden_size=6144 \
       --set model.num_layers=44 --set model.intermediate_size=16384 --set model.num_heads=48 \
       --set model.num_kv_heads=48 --set data.seq_len=2048 --set data.batch_size=64 \
       --set optimizer.accumulate=64 --set model.remat=full --vocab-size 32000 \
-      --variant xla= --variant kernel=linear.swiglu_weight_codes=kernel
+      --variant codes= --variant cast=linear.weight_transpose=cast
 CPU smoke (XLA's CPU buffers differ from the GPU's; the jnp reference kernels run there):
   JAX_PLATFORMS=cpu python -m benchmarks.step.step_memory --config configs/tiny.yaml \
       --variant one=optimizer.accumulate=1 --variant four=optimizer.accumulate=4

@@ -63,7 +63,7 @@ _ABLATIONS = {"weight_quant": ("per_use", "once"), "amax": ("fused", "kernel"),
               "weight_quantize": ("forward_kernel", "kernel", "xla"),
               "activation_quantize": ("kernel", "xla"), "gradient_quantize": ("kernel", "xla"),
               "swiglu_quantize": ("gemm_epilogue", "fused", "separate"),
-              "weight_transpose": ("codes", "cast"), "swiglu_weight_codes": ("xla", "kernel")}
+              "weight_transpose": ("codes", "cast")}
 # The switches set away from the first choice, ((name, value), ...): a JAX user context, part of
 # jit's cache key (a trace made under other switches is never reused).
 _SWITCHES = jax.make_user_context(default_value=())
@@ -113,9 +113,8 @@ def _ablation(**switches: str):
   FP8 GEMM whose epilogue writes SwiGLU's h, its maxima and gate's and up's 1 x 16 codes
   (`kernels.gemm_swiglu_quantize`; gate and up are never written in bf16; their codes are
   quantized from the float32 products, so they may differ from the others' by one code step,
-  no less accurate); the gate/up weights' codes are made by XLA in two passes, quantized as
-  they lie, then transposed and interleaved as FP8 codes (`ops.swiglu.weight_codes_t`;
-  weight_quant="per_use" always for these two). "fused" makes h, its amax
+  no less accurate); the gate/up weights' transposed codes come from the quantize kernel
+  (`ops.swiglu.weight_codes_t`; weight_quant="per_use" always for these two). "fused" makes h, its amax
   and the codes from one read of gate and up written by two GEMMs (`kernels.swiglu_quantize`;
   one kernel on Hopper); "separate": h and its amax by XLA, then a per-group quantize of each
   of gate and up (two more reads); these two give the same values.
@@ -127,13 +126,6 @@ def _ablation(**switches: str):
   (N, L, K), 4.3 GB for OLMo-1B); "codes" with the kernel reads the parameter as it lies: no
   relayout (0 instead of 21 in OLMo-1B's step), at one more kernel module per weight shape to
   compile.
-  swiglu_weight_codes: how `ops.swiglu.weight_codes_t` makes the gate/up weights' transposed FP8
-  codes for the gate/up GEMM. "xla" (default): XLA's quantize fused with the cast, then XLA's
-  transpose of the codes. Inside the scan over layers XLA may then relayout the whole stacked
-  gate and up weights for the transposed read: on the H200, 20.3e9 params with 64 microbatches,
-  two (L, K, F) bfloat16 copies (16.5 GiB) made inside the microbatch loop. "kernel": the
-  dispatch's quantize kernel writes W^T's codes from the layer's slice as it lies (its operand
-  layout is fixed), so no relayout, at one kernel module per weight shape. Same values either way.
   Switches not named keep their values. Read while a function is traced: trace (jit) it inside
   the `with`; the switches are part of jit's cache key.
   """

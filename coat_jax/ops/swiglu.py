@@ -74,22 +74,15 @@ def swiglu(gate: jax.Array, up: jax.Array, *, mode: str):
 
 
 def weight_codes_t(w, dtype):
-  """W (K, F) -> (its amax, W^T's per-tensor E4M3 codes (F, K)) by XLA's ops in two passes: the
-  quantize of W as it lies (fused with the cast), then the transpose of its FP8 codes (fused with
-  the dispatch's interleave of gate and up); the barrier keeps them apart. One fusion quantizing
-  W^T from the float32 parameter gained nothing over this on the H100 with the layers scanned,
-  likely XLA's relayout of the stacked weights for a transposed read (linear_layer._ablation's
-  `weight_transpose` note); the Mosaic GPU quantize's transposed codes plus a copy to interleave
-  them were slower. Under `linear_layer._ablation(swiglu_weight_codes="kernel")` the quantize
-  kernel writes W^T's codes itself, from W as it lies (no relayout of a stacked W by XLA)."""
+  """W (K, F) -> (its amax, W^T's per-tensor E4M3 codes (F, K)): the dispatch's quantize writes
+  W^T's codes itself, reading the layer's slice of W as it lies. Letting XLA transpose W's codes
+  instead made XLA relayout the whole stacked gate and up weights inside the microbatch loop
+  (on an H200, 20.3e9 parameters: two bfloat16 (L, K, F) copies, 14.6 GiB more at the step's
+  peak, `benchmarks/step/step_memory.py`), at the same layer time."""
   wc = w.astype(dtype)
   amax = weight_amax(wc)
-  if option("swiglu_weight_codes") == "kernel":
-    q = kernels.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=True)
-    return amax, QuantizedArray(q.data_t, q.scale, q.fmt)
-  q = kernels.quantize_per_tensor(wc, "e4m3", amax=amax, producer_fusion=True)
-  return amax, QuantizedArray(jnp.swapaxes(jax.lax.optimization_barrier(q.data), 0, 1), q.scale,
-                              q.fmt)
+  q = kernels.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=True)
+  return amax, QuantizedArray(q.data_t, q.scale, q.fmt)
 
 
 @jax.custom_vjp
