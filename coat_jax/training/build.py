@@ -94,8 +94,11 @@ def model_config(cfg: RunConfig, data_vocab: int | None):
 
 
 def lr_schedule(opt: OptimizerConfig, total_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to `lr`, then cosine/linear decay to `lr * min_lr_ratio` (or constant)."""
-  warmup = min(opt.warmup, total_steps)
+  """Linear warmup from 0 to `lr` over `opt.warmup` steps, then cosine/linear decay to
+  `lr * min_lr_ratio` (or constant) by `total_steps`. A run shorter than its warmup stays in the
+  warmup (its last lr below `lr`): the warmup is never squeezed into a short run, whose last steps
+  would then take the full `lr` after a few steps of warmup."""
+  warmup = opt.warmup
   decay_steps = max(1, total_steps - warmup)
   if opt.schedule == "cosine":
     after = optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.min_lr_ratio)
