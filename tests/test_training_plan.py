@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from coat_jax.training import mesh as mesh_lib
+from coat_jax.training import metrics as metrics_lib
 from coat_jax.training import plan as plan_lib
 from coat_jax.training import schema
 from coat_jax.training.build import build
@@ -85,6 +86,26 @@ def test_auto_takes_the_fewest_microbatches_without_remat_that_fit(planner):
   assert all(p.step_s is not None and p.step_s > 0 for p in found)
   assert winner.step_s == min(p.step_s for p in found)
   planner.limit = None
+
+
+def test_a_tight_candidate_brings_its_policy_next_microbatch_count_to_the_timing(planner):
+  """Timed auto: a candidate predicted within plan_lib.TIGHT of the limit (XLA may have added
+  recompute to fit it) is timed against its policy's next microbatch count; a loose one is not."""
+  none1 = planner.predict(Setting.of(planner.cfg, "none", 1))
+  none2 = planner.predict(Setting.of(planner.cfg, "none", 2))
+  timed = Planner(planner.cfg, planner.mesh, 512, log=QUIET)
+  timed.predictions = planner.predictions
+  timed.limit = int(none2.peak / (plan_lib.TIGHT + 0.01))   # none/2 tight
+  assert none1.peak > timed.limit, (none1.peak, timed.limit)
+  found = [p.setting for p in timed.candidates(all_policies=True)]
+  assert found[:2] == [Setting.of(planner.cfg, "none", 2), Setting.of(planner.cfg, "none", 4)]
+  assert len(found) == len(set(found))
+  assert all(s.accumulate < 2 for s in found[2:])   # later policies still need fewer than 2
+  assert [p.setting for p in timed.candidates(all_policies=False)] == found[:1]  # untimed: one
+  timed.limit = int(none2.peak / 0.9)   # none/2 loose, none/1 still over
+  assert none1.peak > timed.limit, (none1.peak, timed.limit)
+  assert Setting.of(planner.cfg, "none", 4) not in [
+      p.setting for p in timed.candidates(all_policies=True)]
 
 
 def _limit_below_configured(planner) -> int:
@@ -168,6 +189,23 @@ def test_out_of_memory_during_the_run_is_one_line_and_keeps_the_last_checkpoint(
   ck.close()
   assert step == 2 and meta["step"] == 2
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+
+
+def test_a_run_after_timed_candidates_says_its_device_peak_includes_them(
+    planner, cache, tmp_path, monkeypatch):
+  """The device's peak counter has no reset: after the planner timed several candidates, the
+  run's summary says its device peak covers them and records the trained step's prediction."""
+  none1 = planner.predict(Setting.of(planner.cfg, "none", 1))
+  none2 = planner.predict(Setting.of(planner.cfg, "none", 2))
+  limit = (none1.peak + none2.peak) // 2
+  monkeypatch.setattr(metrics_lib, "peak_memory_bytes", lambda devices: (limit, "device peak"))
+  cfg = mini(cache, "model.remat=auto", "optimizer.accumulate=auto", "run.plan_timed_steps=1",
+             f"run.device_memory_limit={limit}", f"run.out_dir={tmp_path}", "run.steps=1",
+             "checkpoint.enabled=false")
+  summary = run(cfg, log=QUIET)
+  assert summary["peak_memory_kind"].startswith("device peak over the planner's timed candidates")
+  assert 0 < summary["predicted_peak_bytes"] <= limit
+  assert metrics_lib.format_bytes(summary["predicted_peak_bytes"]) in summary["peak_memory_kind"]
 
 
 def test_schema_takes_auto_and_byte_sizes():

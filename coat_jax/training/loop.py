@@ -277,6 +277,10 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
       eval_history[step] = final_eval
     checkpointer.close()
     mem, mem_kind = metrics_lib.peak_memory_bytes(devices_used)
+    if mem_kind == "device peak" and planner.timed_candidates():
+      # The device's peak has no reset: the candidates the planner timed count in it.
+      mem_kind += (f" over the planner's timed candidates; the trained step predicted "
+                   f"{metrics_lib.format_bytes(chosen.peak)}")
     tokens_per_s = logger.median_tokens_per_s()
     history = logger.history
     summary = {
@@ -287,6 +291,7 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
         "final_eval_loss": final_eval, "tokens_per_s": tokens_per_s,
         "mfu": metrics_lib.mfu(flops_per_token, tokens_per_s, devices_used) if tokens_per_s else None,
         "peak_memory_bytes": mem, "peak_memory_kind": mem_kind, "num_params": n_params,
+        "predicted_peak_bytes": chosen.peak,
         "host_max_rss_bytes": metrics_lib.host_max_rss_bytes(),
         "flops_per_token": flops_per_token, "wall_s": time.time() - t_start,
         "first_step_s": logger.first_step_s, "compile_s": planner.compile_s,

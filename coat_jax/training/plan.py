@@ -25,9 +25,11 @@ full; for each policy the fewest microbatches. A policy is a candidate only with
 microbatches than every policy before it (more recompute at no fewer microbatches is never
 faster). With `run.plan_timed_steps` > 0 (default on accelerators; one process only, so that
 every process chooses alike) every candidate runs that many steps on a fresh state (made again
-for the run) and the fastest wins. Each policy's microbatch search compiles the fewest
-first and skips counts whose activations, scaled as 1/microbatches from the last compile, cannot
-fit (an optimistic estimate: it never skips one that fits).
+for the run) and the fastest wins; a candidate predicted within 5 % of the limit (`TIGHT`) brings
+its policy's next microbatch count along, since near the limit more microbatches can be faster.
+Each policy's microbatch search compiles the fewest first and skips counts whose activations,
+scaled as 1/microbatches from the last compile, cannot fit (an optimistic estimate: it never
+skips one that fits).
 
 A setting whose params + gradients + optimizer state (`build.memory_budget`, all alive at the
 update) exceed the device alone is ruled out without compiling.
@@ -50,6 +52,12 @@ from coat_jax.training.metrics import format_bytes
 from coat_jax.training.schema import AUTO, RunConfig, parse_bytes
 
 REMAT_ORDER = ("none", "fp8_residuals", "dots", "full")  # fastest first (olmo-1b, coat, H100)
+# A prediction above this fraction of the device's limit is "tight": XLA's rematerialization
+# aims a few percent under the limit (its warnings on an H200 of 132.81 GiB: 127.45 to 130.38
+# GiB), so the step may carry recompute XLA added. Llama-2-7B, seq 4096, 16 sequences, coat, H200
+# (2026-11-28, train.py configs/llama2-7b.yaml): remat none with 2 microbatches, 130.68 GiB
+# predicted, 3.706 s per step; with 4 (a run earlier that day), 3.53 s.
+TIGHT = 0.95
 
 
 def _size(n: float | None) -> str:
@@ -249,12 +257,13 @@ class Planner:
 
   def candidates(self, all_policies: bool) -> list[Prediction]:
     """Fitting predictions for the `auto` knobs, fastest first by rule (each policy with fewer
-    microbatches than the ones before it); only the first unless `all_policies`."""
+    microbatches than the ones before it; with `all_policies` and auto microbatches, a tight one
+    followed by its policy's next count); only the first unless `all_policies`."""
     auto_r, auto_k = self.cfg.model.remat == AUTO, self.cfg.optimizer.accumulate == AUTO
     base = Setting.of(self.cfg, remat="none" if auto_r else None, accumulate=1 if auto_k else None)
     out: list[Prediction] = []
     for remat in self._remats() if auto_r else [base.remat]:
-      below = out[-1].setting.accumulate if out else None
+      below = min(p.setting.accumulate for p in out) if out else None
       if auto_k:
         pred = self._fewest_microbatches(base.replace(remat=remat), self.limit, below)
       else:  # the same microbatches: the first policy that fits is the fastest
@@ -262,9 +271,18 @@ class Planner:
         pred = pred if pred.fits(self.limit) else None
       if pred is not None:
         out.append(pred)
+        if all_policies and auto_k and self._tight(pred):  # XLA may recompute to fit: time more
+          more = self._fewest_microbatches(base.replace(remat=remat), self.limit,
+                                           above=pred.setting.accumulate)
+          out += [more] if more is not None else []
         if not (all_policies and auto_k) or pred.setting.accumulate == 1:
           break
     return out
+
+  def _tight(self, pred: Prediction) -> bool:
+    """Predicted within TIGHT of the device's limit: XLA's own rematerialization (its target
+    lies a few percent under the limit) may have added recompute to make it fit."""
+    return self.limit is not None and pred.peak is not None and pred.peak > TIGHT * self.limit
 
   def choose(self, sample_batch: np.ndarray | None = None) -> Prediction:
     """The prediction the run trains with (its executable compiled): the configured setting, or
@@ -319,6 +337,10 @@ class Planner:
           raise
         state = None
     del state
+
+  def timed_candidates(self) -> list[Prediction]:
+    """The predictions whose steps `time_steps` ran (their peaks count in the device's)."""
+    return [p for p in self.predictions.values() if p.step_s is not None]
 
   # -- what fits ------------------------------------------------------------------------------
 
