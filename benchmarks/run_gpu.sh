@@ -14,7 +14,7 @@
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU),
 # configs (each shipped config through train.py as a user runs it, offline corpus: `--plan`, then a
 # few steps; first step, compile, tokens/s, MFU, device peak, host max RSS with the final save;
-# CONFIGS="..." picks configs, one call each for llama2-7b, llama2-13b and llama-17b; CONFIG_EXTRA:
+# CONFIGS="..." picks configs, one call each for llama2-7b, llama2-13b and llama-20b; CONFIG_EXTRA:
 # more train.py arguments, e.g. "--set checkpoint.enabled=false" where the final checkpoint cannot
 # fit the machine's disk), remat_sweep (one
 # config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), equal7b

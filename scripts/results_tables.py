@@ -248,7 +248,8 @@ SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
                    ("llama-125m", "bf16 + adamw", "configs_train_py_h200"),
                    ("olmo-1b", "coat + coat_adamw", "configs_train_py_h200"),
                    ("llama2-7b", "coat + coat_adamw", "configs_llama2_7b_h200"),
-                   ("llama2-13b", "coat + coat_adamw", "configs_llama2_13b_h200"))
+                   ("llama2-13b", "coat + coat_adamw", "configs_llama2_13b_h200"),
+                   ("llama-20b", "coat + coat_adamw", "largest_20b_h200"))
 
 
 def train_py(src: Sources) -> list[str]:
@@ -266,7 +267,8 @@ def train_py(src: Sources) -> list[str]:
                                                   "MFU", "device peak GiB", "compile s",
                                                   "first step s"], rows)
   return out + ["", "`configs/llama2-7b.yaml`: " + source_line(src, "configs_llama2_7b_h200"),
-                "", "`configs/llama2-13b.yaml`: " + source_line(src, "configs_llama2_13b_h200")]
+                "", "`configs/llama2-13b.yaml`: " + source_line(src, "configs_llama2_13b_h200"),
+                "", "`configs/llama-20b.yaml`: " + source_line(src, "largest_20b_h200")]
 
 
 # train.py's `[plan]` line: the remat and microbatches chosen, the predicted peak against the
@@ -587,19 +589,38 @@ def largest_plans(text: str) -> list[dict]:
     if " --plan" not in head:
       continue
     get = lambda key: re.search(rf"--set {re.escape(key)}=(\S+)", head).group(1)
-    row = re.search(r"^  (chosen|as configured) +\S+ +(\d+) \S+ +\d+ +([\d.]+) GiB", section, re.M)
+    # ">" before the peak: a lower bound, the state alone over the device (no compile)
+    row = re.search(r"^  (chosen|as configured) +\S+ +(\d+) \S+ +\d+ +(>?)([\d.]+) GiB", section,
+                    re.M)
     device = re.search(r"^device: 1 x (.+?), ([\d.]+) GiB each", section, re.M)
     shape = tuple(int(get(k)) for k in ("model.hidden_size", "model.num_layers",
                                         "model.intermediate_size"))
     plans.append(dict(mode=f"{get('precision')} + {get('optimizer.name')}", shape=shape,
                       params=llama_params(*shape), fits=row.group(1) == "chosen",
-                      micro=int(row.group(2)), predicted=float(row.group(3)),
+                      micro=int(row.group(2)), predicted=float(row.group(4)),
+                      at_least=row.group(3),
                       device_gib=float(device.group(2))))
   return plans
 
 
 LARGEST_SOURCES = (("largest_plans_h200", "one H200 (141 GB)"), ("largest_coat_h200", "one H200 (141 GB)"),
-                   ("largest_80gb_h200", "one 80 GB GPU"))
+                   ("largest_20b_h200", "one H200 (141 GB)"), ("largest_80gb_h200", "one 80 GB GPU"))
+LARGEST_RUN = ("largest_20b_h200", "/tmp/cfg_llama-20b")   # train.py on the largest coat model
+
+
+def config_run_plan(src: Sources, sid: str) -> dict:
+  """The shipped config's train.py run in `sid` as a plan row: its shape (the source's values,
+  checked against the run's parameter count) and the `[plan]` line it trained with."""
+  text = src.raw(sid)
+  m = PLAN_LINE.search(text)
+  shape = tuple(int(src.value(sid, k)) for k in ("hidden", "layers", "ffn"))
+  params = src.value(sid, r"re:\[run\] model \S+ \(([\d.]+)M params") * 1e6
+  if abs(llama_params(*shape) - params) > 1e5:
+    raise ValueError(f"{sid}: the shape {shape} has {llama_params(*shape)} params, the run {params}")
+  prec, opt = re.search(r"precision (\S+)\), optimizer (\S+),", text).groups()
+  return dict(mode=f"{prec} + {opt}", shape=shape, params=llama_params(*shape), fits=True,
+              micro=int(m["micro"]), predicted=float(m["predicted"]),
+              device_gib=float(m["limit"]), ran=True)
 
 
 def _largest_rows(src: Sources):
@@ -611,6 +632,8 @@ def _largest_rows(src: Sources):
       if sid == "largest_plans_h200" and plan["mode"].startswith("coat"):
         continue
       rows.append((gpu, plan, sid))
+    if sid == LARGEST_RUN[0]:
+      rows.append((gpu, config_run_plan(src, sid), sid))
   return rows
 
 
@@ -625,7 +648,7 @@ def _largest_fits(src: Sources) -> dict[tuple[str, str], tuple[dict, str]]:
 
 def _largest_run(src: Sources) -> tuple[float, float, float]:
   """tokens/s, MFU and device peak GiB of the train.py run on the largest coat model."""
-  key = lambda field: src.value("largest_coat_h200", _summary_field("/tmp/largest", field))
+  key = lambda field: src.value(LARGEST_RUN[0], _summary_field(LARGEST_RUN[1], field))
   return key("tokens_per_s"), key("mfu"), key("peak_memory_bytes") / 2**30
 
 
@@ -636,14 +659,15 @@ def largest_models(src: Sources) -> list[str]:
   tokens, mfu, peak = _largest_run(src)
   for gpu, p, sid in _largest_rows(src):
     h, layers, _ = p["shape"]
-    ran = (f"{tokens:,.0f} ({mfu:.1%} MFU, {peak:.2f} GiB measured)"
-           if sid == "largest_coat_h200" and p["fits"] and p["shape"] == (5120, 52, 13824) else "")
+    ran = f"{tokens:,.0f} ({mfu:.1%} MFU, {peak:.2f} GiB measured)" if p.get("ran") else ""
     out.append(f"| {gpu} | {p['mode']} | {h} x {layers} | {p['params'] / 1e9:.2f}e9 | "
                f"{'yes' if p['fits'] else 'no'} | {p['micro'] if p['fits'] else ''} | "
-               f"{p['predicted']:.2f} of {p['device_gib']:.2f} | {ran} |")
+               f"{p.get('at_least', '')}{p['predicted']:.2f} of {p['device_gib']:.2f} | {ran} |")
   return out + ["", "Before the in-place rounding step (bf16 and fp8_linear rows): " +
                 source_line(src, "largest_plans_h200"),
-                "coat on the H200: " + source_line(src, "largest_coat_h200"),
+                "coat on the H200, before the layers' gradients were summed in place: " +
+                source_line(src, "largest_coat_h200"),
+                "coat on the H200, now: " + source_line(src, "largest_20b_h200"),
                 "80 GB: " + source_line(src, "largest_80gb_h200")]
 
 
@@ -675,6 +699,28 @@ def summed_in_place(src: Sources) -> list[str]:
                 "Buffers of the 20.3e9 step: " + source_line(src, "step_buffers_20b_h200")]
 
 
+def swiglu_weight_codes(src: Sources) -> list[str]:
+  """The gate/up weights' transposed codes by XLA or by the quantize kernel: the 20.3e9 step's
+  prediction, the 7B layer and OLMo-1B's step, each way."""
+  sid = "swiglu_weight_codes_h200"
+  text = src.raw(sid)
+  out = ["| gate/up W^T codes | 20.3e9 step: temporaries B/param | predicted B/param | "
+         "predicted GiB | 7B layer fwd+bwd ms | held MB | OLMo-1B step ms (tokens/s) |",
+         "|---|---|---|---|---|---|---|"]
+  for name, label in (("xla", "XLA's transpose of W's codes"),
+                      ("kernel", "the quantize kernel writes them (default)")):
+    mem = re.search(rf"^\| {name} \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \|", text, re.M)
+    layer = re.search(rf"=== layer {name}:.*?^coat +[\d.]+ +([\d.]+) +[\d.]+ +([\d.]+)", text,
+                      re.M | re.S)
+    e2e = re.search(rf"=== e2e {name}:.*?^coat\+coat_adamw +scanned(?: +\S+){{9}} +([\d.]+) +[\d.]+ "
+                    rf"+([\d,]+)", text, re.M | re.S)
+    params = float(mem.group(1)) * 1e9
+    out.append(f"| {label} | {float(mem.group(2)):.3f} | {float(mem.group(3)):.3f} | "
+               f"{float(mem.group(3)) * params / 2**30:.2f} | {layer.group(1)} | {layer.group(2)} | "
+               f"{float(e2e.group(1)):.1f} ({e2e.group(2)}) |")
+  return out + ["", source_line(src, sid)]
+
+
 def largest_summary(src: Sources) -> list[str]:
   """The README's table: per GPU and mode, the largest shape that fits."""
   best = _largest_fits(src)
@@ -688,12 +734,14 @@ def largest_summary(src: Sources) -> list[str]:
                                         f"{p['shape'][1]} layers)")
     out.append(f"| {gpu} | " + " | ".join(cells) + " |")
   tokens, mfu, peak = _largest_run(src)
+  run = best[("one H200 (141 GB)", "coat + coat_adamw")][0]
+  meta = src.meta[LARGEST_RUN[0]]
   return out + ["", f"Llama shapes (heads of 128, vocabulary 32000), seq 2048, global batch 64 "
                 f"through microbatches, remat full, planned by `train.py --plan` "
-                f"({src.meta['largest_coat_h200']['gpu']}, {src.meta['largest_coat_h200']['date']}; "
-                f"the 80 GB GPU is the H200 held to an H100's 75.22 GiB by "
-                f"`run.device_memory_limit`); the 16.8e9 coat model ran through train.py at "
-                f"{tokens:,.0f} tokens/s ({mfu:.1%} MFU, {peak:.2f} GiB). Each plan with its command "
+                f"({meta['gpu']}, {meta['date']}; the 80 GB GPU is the H200 held to an H100's "
+                f"75.22 GiB by `run.device_memory_limit`); the {run['params'] / 1e9:.1f}e9 coat "
+                f"model (`configs/llama-20b.yaml`) ran through train.py at {tokens:,.0f} tokens/s "
+                f"({mfu:.1%} MFU, {peak:.2f} GiB). Each plan with its command "
                 f"and raw log is in docs/results.md, \"The largest model one GPU trains\"."]
 
 
@@ -755,7 +803,7 @@ TABLES = {
   "summed_in_place": summed_in_place, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
   "largest_models": largest_models, "largest_summary": largest_summary,
   "equal_batch_7b": equal_batch_7b, "optimizer_stacked": optimizer_stacked,
-  "step_memory_sr": step_memory_sr,
+  "step_memory_sr": step_memory_sr, "swiglu_weight_codes": swiglu_weight_codes,
 }
 
 
