@@ -103,3 +103,29 @@ def test_a_write_that_fails_on_the_disk_removes_only_its_partial_save(tmp_path, 
   restored, _, step = ck.restore(state)
   ck.close()
   assert step == 1 and same(restored, state)
+
+
+@pytest.mark.xfail(strict=True, reason="orbax-checkpoint 0.12 keeps the host copies of bfloat16 "
+                   "and float8 leaves until the save ends (streamed: 0.5x and 1.0x the state added; "
+                   "their bits as uint16/uint8: 0.14x and 0.05x), so streaming bounds float32 "
+                   "state only; benchmarks/step/checkpoint_memory.py measures it")
+def test_a_streamed_save_of_a_coat_state_holds_a_few_arrays(tmp_path):
+  """A coat run's kind of state (bfloat16 weights, float8 moments), streamed: the save adds less
+  than half the state to the process's resident memory."""
+  from benchmarks.step import checkpoint_memory
+  state = checkpoint_memory.make_state(0.25, 8)
+  r = checkpoint_memory.measure(state, "streamed", tmp_path)
+  assert r["batch"] is not None and r["disk"] > 0.5 * r["state"]
+  assert r["extra"] < r["state"] / 2, f"{r['extra'] / 2**20:.0f} MiB added saving {r['state'] / 2**20:.0f} MiB"
+
+
+def test_checkpoint_memory_benchmark_prints_its_table(tmp_path, capsys):
+  from benchmarks.step import checkpoint_memory
+  rows = checkpoint_memory.main(["--gb", "0.02", "--leaves", "4", "--dir", str(tmp_path)])
+  out = capsys.readouterr().out
+  assert [r["mode"] for r in rows] == ["whole", "streamed"] and "| streamed | 0.02 |" in out
+  assert rows[0]["batch"] is None and rows[1]["batch"] > 0
+  assert all(r["disk"] > 0 and r["seconds"] > 0 for r in rows)
+  assert list(tmp_path.iterdir()) == []   # each save's own directory removed
+  with pytest.raises(SystemExit):
+    checkpoint_memory.main(["--modes", "halfway"])
