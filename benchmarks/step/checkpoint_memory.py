@@ -42,6 +42,29 @@ def resident_bytes() -> int:
 SEED = 20261128
 
 
+def peak_resident_while(fn) -> tuple[int, int, float]:
+  """Runs `fn` while a thread samples the resident memory every 2 ms: (resident before, the most
+  seen, seconds)."""
+  peak, done = [0], threading.Event()
+
+  def sample():
+    while not done.is_set():
+      peak[0] = max(peak[0], resident_bytes())
+      time.sleep(0.002)
+
+  before = resident_bytes()
+  sampler = threading.Thread(target=sample, daemon=True)
+  sampler.start()
+  t0 = time.perf_counter()
+  try:
+    fn()
+  finally:
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+  return before, max(peak[0], resident_bytes()), seconds
+
+
 def make_state(gb: float, leaves: int) -> dict:
   """`leaves` arrays of about gb / leaves GB each on the default device, half bfloat16 and half
   float8_e4m3fn by bytes, normal values (seed SEED: incompressible as trained weights are)."""
@@ -69,27 +92,11 @@ def measure(state: dict, mode: str, root: Path) -> dict:
   try:
     with mock.patch.object(storage, "host_available_bytes", lambda: available):
       ck = Checkpointer(directory, every=0, keep=1, async_save=True, state_template=state)
-    peak, done = [0], threading.Event()
-
-    def sample():
-      while not done.is_set():
-        peak[0] = max(peak[0], resident_bytes())
-        time.sleep(0.002)
-
-    before = resident_bytes()
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t0 = time.perf_counter()
-    try:
-      ck.save(1, state, {"step": 1}, force=True)
-      ck.wait()
-    finally:
-      seconds = time.perf_counter() - t0
-      done.set()
-      sampler.join()
+    before, peak, seconds = peak_resident_while(
+        lambda: (ck.save(1, state, {"step": 1}, force=True), ck.wait()))
     ck.close()
     return dict(mode=mode, state=total, batch=ck.stream_bytes, before=before,
-                extra=max(0, peak[0] - before), seconds=seconds, disk=disk_bytes(directory))
+                extra=max(0, peak - before), seconds=seconds, disk=disk_bytes(directory))
   finally:
     shutil.rmtree(directory, ignore_errors=True)
 
