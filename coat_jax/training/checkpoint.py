@@ -14,10 +14,10 @@ never written (DivergedError instead: divergence.check_finite, one reduction on 
 
 Large states and full disks (storage.py): a state larger than a quarter of the host memory still
 available (its copy and write buffers would take half) is streamed (the save synchronous, in
-batches of a few arrays). That bounds the host memory of float32 leaves to a few arrays; with
-orbax-checkpoint 0.12 the host copies of bfloat16 and float8 leaves stay until the save ends
-(measured on CPU: 0.5x and 1.0x of such a state added; `benchmarks/step/checkpoint_memory.py`,
-the strict xfail in tests/test_checkpoint_storage.py). A save whose
+batches of a few arrays: each batch copied to the host and written before the next is copied).
+That bounds the host memory of float32 leaves to a few arrays; with orbax-checkpoint 0.12 on the
+CPU, the bfloat16 and float8 leaves' memory stays until the save ends (0.5x and 1.0x of such a
+state added; `benchmarks/step/checkpoint_memory.py` measures it on any device). A save whose
 state does not fit the free disk space is refused, and one whose write fails on a full or
 read-only disk removes its partial directory: both raise StorageError (exit 5, one line) with the
 previous checkpoint untouched.
@@ -322,8 +322,27 @@ def _state_handler(ocp, batch_bytes: int | None):
   handler = ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb)
   # The standard handler takes no device-to-host limit; the PyTree handler under it does.
   handler._impl = ocp.PyTreeCheckpointHandler(
-      save_concurrent_gb=gb, restore_concurrent_gb=gb, save_device_host_concurrent_gb=gb)
+      save_concurrent_gb=gb, restore_concurrent_gb=gb, save_device_host_concurrent_gb=gb,
+      type_handler_registry=_batched_registry(ocp))
   return handler
+
+
+def _batched_registry(ocp):
+  """Orbax's type handlers with the jax.Array one copying arrays to the host in the limited
+  batches: its default callback marks every array "synchronous", copied to the host all at once
+  before any is written, whatever the device-to-host limit."""
+  from orbax.checkpoint._src.serialization import types as serialization_types  # no public name
+
+  class Batched(serialization_types.DefaultSerializationStatusCallback):
+    def key_priority(self, _):
+      return serialization_types.TransferPriority.ASYNCHRONOUS_DEPRIORITIZED
+
+  default = ocp.type_handlers.get_type_handler(jax.Array)
+  arrays = ocp.type_handlers.ArrayHandler(
+      array_metadata_store=getattr(default, "_array_metadata_store", None), callback=Batched())
+  others = [(t, ocp.type_handlers.get_type_handler(t))
+            for t in (np.ndarray, np.number, int, float, bytes, str)]
+  return ocp.type_handlers.create_type_handler_registry((jax.Array, arrays), *others)
 
 
 class CheckpointMismatch(ValueError):
