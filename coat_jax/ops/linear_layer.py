@@ -114,10 +114,10 @@ def _ablation(**switches: str):
   (`kernels.gemm_swiglu_quantize`; gate and up are never written in bf16; their codes are
   quantized from the float32 products, so they may differ from the others' by one code step,
   no less accurate); the gate/up weights' transposed codes come from the quantize kernel
-  (`ops.swiglu.weight_codes_t`; weight_quant="per_use" always for these two). "fused" makes h, its amax
-  and the codes from one read of gate and up written by two GEMMs (`kernels.swiglu_quantize`;
-  one kernel on Hopper); "separate": h and its amax by XLA, then a per-group quantize of each
-  of gate and up (two more reads); these two give the same values.
+  (`ops.swiglu.weight_codes_t`; weight_quant="per_use" always for these two). "fused" makes h,
+  its amax and the codes from one read of gate and up written by two GEMMs
+  (`kernels.swiglu_quantize`; one kernel on Hopper); "separate": h and its amax by XLA, then a
+  per-group quantize of each of gate and up (two more reads); these two give the same values.
   weight_transpose: how the forward gets W^T (N, K) for the TN GEMM under weight_quant=
   "per_use". "codes" (default) quantizes W as it lies and transposes its FP8 codes (the kernel's
   transposed copy under weight_quantize="kernel", XLA's swapaxes of the codes under "xla");
