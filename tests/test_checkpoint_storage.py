@@ -46,7 +46,7 @@ def test_a_state_larger_than_a_quarter_of_the_host_memory_streams(tmp_path, monk
       lambda: ck.save(1, state, {"step": 1}, force=True))
   assert copied == [1] * len(state), copied   # one array at a time, not all before any write
   extra = peak - before
-  # Copied whole, the save holds ~0.85 x the state beside it here; streamed, about two arrays.
+  # On the CPU the copies share the device's memory; what the save adds stays well under the state.
   assert extra < total / 2, f"{extra / 2**20:.0f} MiB held while saving {total / 2**20:.0f} MiB"
   restored, meta, step = ck.restore(state)
   ck.close()

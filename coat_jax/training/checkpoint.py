@@ -14,10 +14,8 @@ never written (DivergedError instead: divergence.check_finite, one reduction on 
 
 Large states and full disks (storage.py): a state larger than a quarter of the host memory still
 available (its copy and write buffers would take half) is streamed (the save synchronous, in
-batches of a few arrays: each batch copied to the host and written before the next is copied).
-That bounds the host memory of float32 leaves to a few arrays; with orbax-checkpoint 0.12 on the
-CPU, the bfloat16 and float8 leaves' memory stays until the save ends (0.5x and 1.0x of such a
-state added; `benchmarks/step/checkpoint_memory.py` measures it on any device). A save whose
+batches of a few arrays: each batch copied to the host and written before the next is copied;
+`benchmarks/step/checkpoint_memory.py` measures a save's host memory). A save whose
 state does not fit the free disk space is refused, and one whose write fails on a full or
 read-only disk removes its partial directory: both raise StorageError (exit 5, one line) with the
 previous checkpoint untouched.
