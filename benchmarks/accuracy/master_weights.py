@@ -134,8 +134,7 @@ def train_one(args) -> dict:
     params = jax.tree.map(lambda p, p32: p32.astype(p.dtype), params, init32()[0])
     opt_state = jax.jit(built.tx.init, out_shardings=built.opt_shardings)(params)
   rec = {"variant": args.one, "overrides": VARIANTS[args.one], "losses": [], "evals": [],
-         "budget": build_lib.memory_budget(cfg.optimizer, built.parts.params_abstract,
-                                           built.opt_abstract, built.sums_layer_grads_in_place),
+         "budget": built.memory_budget(),
          "num_params": int(sum(x.size for x in jax.tree.leaves(params)))}
 
   def evaluate(step):

@@ -179,8 +179,8 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   from coat_jax.models import llama as llama_lib
   from coat_jax.ops import linear_layer
   from coat_jax.training import mesh as mesh_lib, metrics as metrics_lib, schema
-  from coat_jax.training.build import build, memory_budget
-  from coat_jax.training.plan import memory_analysis, shard_shapes
+  from coat_jax.training.build import build
+  from coat_jax.training.plan import memory_analysis
 
   precision, opt_name = args.one.split("+")
   overrides = [f"model.preset={args.preset}", "model.dtype=auto", f"model.remat={args.remat}",
@@ -201,9 +201,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
 
   # Per device: each leaf counted at its shard's shape (the whole array where replicated), so a
   # mesh that shards the state (FSDP) divides it; on one device the shards are the arrays.
-  params_sh, opt_sh, _ = built.abstract_state()
-  budget = memory_budget(cfg.optimizer, shard_shapes(params_sh), shard_shapes(opt_sh),
-                         built.sums_layer_grads_in_place)
+  budget = built.memory_budget()
   params_bytes, opt_bytes = budget["params"], budget["optimizer_state"]
   stats = dev.memory_stats() or {}
   limit = stats.get("bytes_limit")

@@ -56,15 +56,14 @@ def measure(config: str | None, overrides: list[str], vocab_size: int | None) ->
   import numpy as np
   from coat_jax.ops import linear_layer
   from coat_jax.training import mesh as mesh_lib, schema
-  from coat_jax.training.build import build, memory_budget
-  from coat_jax.training.plan import memory_analysis, shard_shapes
+  from coat_jax.training.build import build, shard_shapes
+  from coat_jax.training.plan import memory_analysis
 
   switches, overrides = split_linear_switches(overrides)
   cfg = schema.load(config, overrides)
   built = build(cfg, mesh_lib.make_mesh(cfg.mesh), vocab_size=vocab_size)
   params, opt_state, rest = built.abstract_state()
-  budget = memory_budget(cfg.optimizer, shard_shapes(params), shard_shapes(opt_state),
-                         built.sums_layer_grads_in_place)
+  budget = built.memory_budget()
   tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32,
                                 sharding=built.batch_sharding)
   t0 = time.perf_counter()

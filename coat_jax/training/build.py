@@ -401,6 +401,7 @@ class Built(NamedTuple):
   eval_step: Callable
   batch_sharding: Any
   init: Callable[..., tuple[Any, Any, Any]]
+  optimizer: OptimizerConfig
   sums_layer_grads_in_place: bool = False   # `sums_layer_grads_in_place`; memory_budget's flag
 
   def abstract_state(self) -> tuple[Any, Any, Any]:
@@ -409,6 +410,20 @@ class Built(NamedTuple):
     return (with_shardings(p.params_abstract, p.params_shardings),
             with_shardings(self.opt_abstract, self.opt_shardings),
             with_shardings(p.rest_abstract, p.rest_shardings))
+
+  def memory_budget(self) -> dict[str, int]:
+    """`memory_budget` of this build's state per device: each leaf at its shard's shape."""
+    params, opt_state, _ = self.abstract_state()
+    return memory_budget(self.optimizer, shard_shapes(params), shard_shapes(opt_state),
+                         self.sums_layer_grads_in_place)
+
+
+def shard_shapes(tree: Any) -> Any:
+  """ShapeDtypeStructs of each leaf's per-device shard (the leaf itself without a sharding)."""
+  def one(a):
+    sh = getattr(a, "sharding", None)
+    return jax.ShapeDtypeStruct(sh.shard_shape(a.shape) if sh is not None else a.shape, a.dtype)
+  return jax.tree.map(one, tree)
 
 
 def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: int | None = None,
@@ -469,4 +484,4 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     return params, opt_init(params), rest
 
   return Built(llama_cfg, parts, tx, schedule, opt_abstract, opt_sh, train_step, eval_step,
-               mesh_lib.batch_sharding(mesh), init, in_place)
+               mesh_lib.batch_sharding(mesh), init, cfg.optimizer, in_place)

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from coat_jax.training import mesh as mesh_lib
-from coat_jax.training.build import build, memory_budget
+from coat_jax.training.build import build
 from coat_jax.errors import OutOfMemoryError
 from coat_jax.training.metrics import format_bytes
 from coat_jax.training.schema import AUTO, RunConfig, parse_bytes
@@ -131,14 +131,6 @@ class Prediction:
     return max(0, (self.peak or 0) - self.floor)
 
 
-def shard_shapes(tree: Any) -> Any:
-  """ShapeDtypeStructs of each leaf's per-device shard (the leaf itself without a sharding)."""
-  def one(a):
-    sh = getattr(a, "sharding", None)
-    return jax.ShapeDtypeStruct(sh.shard_shape(a.shape) if sh is not None else a.shape, a.dtype)
-  return jax.tree.map(one, tree)
-
-
 def memory_analysis(compiled) -> dict[str, int] | None:
   """XLA's per-device byte counts of a compiled executable, with `predicted_bytes`; None when the
   backend reports none."""
@@ -197,9 +189,7 @@ class Planner:
     if pred is None:
       cfg = setting.apply(self.cfg)
       built = build(cfg, self.mesh, vocab_size=self.vocab_size)
-      params, opt_state, _ = built.abstract_state()
-      budget = memory_budget(cfg.optimizer, shard_shapes(params), shard_shapes(opt_state),
-                             built.sums_layer_grads_in_place)
+      budget = built.memory_budget()
       state = budget["params"] + budget["optimizer_state"]
       floor = state + budget["grads"] + budget["accumulator"]
       pred = self.predictions[setting] = Prediction(setting, cfg, None, state, floor, built=built)
