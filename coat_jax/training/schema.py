@@ -83,6 +83,10 @@ ModelConfig = dataclasses.make_dataclass(
 class OptimizerConfig:
   """AdamW-family optimizer, warmup + decay schedule, global-norm clipping.
 
+  `warmup` steps of linear warmup to `lr`, then `schedule` ("cosine", "linear" or "constant") down
+  to `lr * min_lr_ratio` at `run.steps`; a run shorter than its warmup ends inside it
+  (`build.lr_schedule`).
+
   `m_format`/`v_format`/`group_size`/`expand`/`expand_min`/`min_quantized_size`/`group_axis` are
   used by "coat_adamw" only (params with fewer elements than `min_quantized_size` keep float32
   moments; expansion exponents are multiples of 1/`expand_min`; `group_axis` "last" (default:
