@@ -162,7 +162,7 @@ for s in "$@"; do
              # that fits ends that entry and is appended to $OUT/largest_fits.txt (plans at remat full,
              # microbatches auto, global batch 64 x 2048; LARGEST_LIMIT: run.device_memory_limit,
              # 0 the device's own, 80767614976 an 80 GB H100's share at XLA_PYTHON_CLIENT_MEM_FRACTION 0.95)
-             for plan in ${LARGEST_PLANS:-coat+coat_adamw:5120:52:13824:5120:48:13824 bf16+adamw:4096:36:11008:4096:32:11008}; do
+             for plan in ${LARGEST_PLANS:-coat+coat_adamw:6144:52:16384:6144:48:16384 bf16+adamw:4096:36:11008:4096:32:11008}; do
                IFS=: read -r mode rest <<< "$plan"; IFS=: read -ra dims <<< "$rest"
                prec=${mode%+*} opt=${mode#*+}
                for ((i = 0; i < ${#dims[@]}; i += 3)); do
