@@ -53,6 +53,32 @@ def test_a_state_larger_than_a_quarter_of_the_host_memory_streams(tmp_path, monk
   assert step == 1 and meta == {"step": 1} and same(restored, state)
 
 
+def test_a_streamed_save_of_a_sharded_state_restores_to_another_mesh(tmp_path, monkeypatch):
+  """Streamed (batches of one array), a state sharded over 8 devices (FSDP-like rows, and a
+  replicated leaf) restores bit for bit onto a 2-device layout and onto one device."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh8 = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+  base = make_state(3, 1 << 16)
+  state = {k: v.reshape(256, 256) for k, v in base.items()}
+  state["w0"] = jax.device_put(state["w0"], NamedSharding(mesh8, P("fsdp", None)))
+  state["w1"] = jax.device_put(state["w1"].astype(jnp.bfloat16), NamedSharding(mesh8, P(None, "fsdp")))
+  state["w2"] = jax.device_put(state["w2"], NamedSharding(mesh8, P()))   # replicated
+  monkeypatch.setattr(storage, "host_available_bytes", lambda: storage.state_bytes(state))
+  ck = Checkpointer(tmp_path, every=0, keep=1, async_save=True, state_template=state)
+  assert ck.stream_bytes is not None
+  assert ck.save(1, state, {"step": 1}, force=True)
+  ck.close()
+  mesh2 = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+  for target in (NamedSharding(mesh2, P("fsdp", None)),
+                 jax.sharding.SingleDeviceSharding(jax.devices()[0])):
+    template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target) for k, v in state.items()}
+    ck = Checkpointer(tmp_path, every=0, keep=1, async_save=True)
+    restored, _, step = ck.restore(template)
+    ck.close()
+    assert step == 1 and same(restored, state)
+    assert all(r.sharding == target for r in restored.values())
+
+
 def test_a_save_larger_than_the_free_disk_is_refused(tmp_path, monkeypatch):
   state = make_state(2, 1 << 16)
   ck = Checkpointer(tmp_path, every=0, keep=2, async_save=True, state_template=state)
