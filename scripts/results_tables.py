@@ -608,13 +608,18 @@ LARGEST_SOURCES = (("largest_plans_h200", "one H200 (141 GB)"), ("largest_coat_h
 LARGEST_RUN = ("largest_20b_h200", "/tmp/cfg_llama-20b")   # train.py on the largest coat model
 
 
+def run_params(src: Sources, sid: str) -> float:
+  """The parameter count train.py's `[run] model` line gives in `sid`'s raw log."""
+  return src.value(sid, r"re:\[run\] model \S+ \(([\d.]+)M params") * 1e6
+
+
 def config_run_plan(src: Sources, sid: str) -> dict:
   """The shipped config's train.py run in `sid` as a plan row: its shape (the source's values,
   checked against the run's parameter count) and the `[plan]` line it trained with."""
   text = src.raw(sid)
   m = PLAN_LINE.search(text)
   shape = tuple(int(src.value(sid, k)) for k in ("hidden", "layers", "ffn"))
-  params = src.value(sid, r"re:\[run\] model \S+ \(([\d.]+)M params") * 1e6
+  params = run_params(src, sid)
   if abs(llama_params(*shape) - params) > 1e5:
     raise ValueError(f"{sid}: the shape {shape} has {llama_params(*shape)} params, the run {params}")
   prec, opt = re.search(r"precision (\S+)\), optimizer (\S+),", text).groups()
@@ -688,7 +693,7 @@ def summed_in_place(src: Sources) -> list[str]:
                  f"{p['micro']} | {total:.2f} of {p['device_gib']:.2f} | no | |")
   m = PLAN_LINE.search(text)
   key = lambda field: src.value(sid, _summary_field(run, field))
-  params = src.value(sid, r"re:\[run\] model \S+ \(([\d.]+)M params") * 1e6
+  params = run_params(src, sid)
   head = text[:m.start()].rsplit("=== largest (", 1)[1]   # the run's command line
   h, layers = (re.search(rf"--set model\.{k}=(\d+)", head).group(1)
                for k in ("hidden_size", "num_layers"))
