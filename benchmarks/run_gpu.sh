@@ -23,7 +23,7 @@
 # seq 2048, global batch 64: `--plan` per shape, largest first, LARGEST_PLANS, LARGEST_LIMIT),
 # largest_run (train.py on one such shape: LARGEST_RUN, or the last that `largest` found fitting),
 # step_memory (benchmarks/step/step_memory.py: STEP_MEMORY_ARGS), checkpoint_memory (host memory of
-# a save, whole and streamed: benchmarks/step/checkpoint_memory.py, CKPT_ARGS), layer takes LAYER_ARGS,
+# a save, whole and streamed: benchmarks/step/checkpoint_memory.py, CKPT_ARGS, CKPT_LIMIT), layer takes LAYER_ARGS,
 # sft (configs/llama2-7b-sft.yaml from a random Hugging Face directory of Llama-2-7B's shape made
 # on the machine: SFT_VARIANTS of coat / bf16 (+ optax.adamw), _b4 at batch 4 without microbatches).
 set -uo pipefail
@@ -90,7 +90,7 @@ for s in "$@"; do
     profile) section profile 200 $PY -m benchmarks.layer.profile_layer ;;
     layer) section layer 420 $PY -m benchmarks.layer.bench_layer --json "$OUT/layer.json" ${LAYER_ARGS:-} ;;
     step_memory) section step_memory ${CONFIG_LIMIT:-300} $PY -m benchmarks.step.step_memory ${STEP_MEMORY_ARGS:-} ;;
-    checkpoint_memory) section checkpoint_memory 300 $PY -m benchmarks.step.checkpoint_memory ${CKPT_ARGS:-} ;;
+    checkpoint_memory) section checkpoint_memory ${CKPT_LIMIT:-300} $PY -m benchmarks.step.checkpoint_memory ${CKPT_ARGS:-} ;;
     optimizer) section optimizer 420 $PY -m benchmarks.step.bench_optimizer ${OPT_ARGS:-} ;;
     train1b) for m in ${TRAIN1B_MODES:-bf16:adamw fp8_linear:adamw coat:coat_adamw}; do set -- ${m/:/ }
                section train1b 200 $PY train.py --config configs/olmo-1b.yaml --no-progress \

@@ -604,7 +604,8 @@ def largest_plans(text: str) -> list[dict]:
 
 
 LARGEST_SOURCES = (("largest_plans_h200", "one H200 (141 GB)"), ("largest_coat_h200", "one H200 (141 GB)"),
-                   ("largest_20b_h200", "one H200 (141 GB)"), ("largest_80gb_h200", "one 80 GB GPU"))
+                   ("largest_20b_h200", "one H200 (141 GB)"), ("largest_80gb_h200", "one 80 GB GPU"),
+                   ("largest_80gb_summed_h200", "one 80 GB GPU"))
 LARGEST_RUN = ("largest_20b_h200", "/tmp/cfg_llama-20b")   # train.py on the largest coat model
 
 
@@ -673,7 +674,8 @@ def largest_models(src: Sources) -> list[str]:
                 "coat on the H200, before the layers' gradients were summed in place: " +
                 source_line(src, "largest_coat_h200"),
                 "coat on the H200, now: " + source_line(src, "largest_20b_h200"),
-                "80 GB: " + source_line(src, "largest_80gb_h200")]
+                "80 GB: " + source_line(src, "largest_80gb_h200"),
+                "80 GB, coat now: " + source_line(src, "largest_80gb_summed_h200")]
 
 
 def summed_in_place(src: Sources) -> list[str]:
@@ -798,6 +800,40 @@ def step_memory_sr(src: Sources) -> list[str]:
            "predicted GiB |", "|---|---|---|---|"] + rows + ["", source_line(src, sid)])
 
 
+CHECKPOINT_MEMORY = (("checkpoint_memory_whole_h200", "28 GiB in 64 arrays", ("whole",)),
+                     ("checkpoint_memory_batches_h200", "41 GiB in 16 arrays", None),
+                     ("checkpoint_memory_13b_h200", "Llama-2-13B's, 49 GiB", None))
+
+
+def _save_label(mode: str) -> str:
+  """checkpoint_memory's mode in words ('streamed' in these logs: batches of 1/8, the rule then)."""
+  head, _, host = mode.partition(":")
+  kind, _, n = head.partition("/")
+  if kind == "whole":
+    return "whole"
+  text = f"streamed, batches of 1/{n or 8}" + (" (the rule then)" if not n else "")
+  return text + (", into ordinary host memory" if host == "unpinned" else "")
+
+
+def checkpoint_memory(src: Sources) -> list[str]:
+  """Each save of benchmarks/step/checkpoint_memory.py's logs: the rows of its table by column."""
+  out = ["| state | save | batch GiB | added GiB | added / state | kept after GiB | seconds |",
+         "|---|---|---|---|---|---|---|"]
+  for sid, state, modes in CHECKPOINT_MEMORY:
+    header = None
+    for line in src.raw(sid).splitlines():
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      if cells[0] == "save":
+        header = cells
+      elif header and len(cells) == len(header) and cells[0].split("/")[0].split(":")[0] in (
+          "whole", "streamed") and (modes is None or cells[0] in modes):
+        row = dict(zip(header, cells))
+        out.append(f"| {state} | {_save_label(row['save'])} | {row['batch GiB']} | {row['added GiB']} | "
+                   f"{row['added / state']} | {row.get('kept after GiB', '-')} | "
+                   f"{row['seconds']} |")
+  return out + [""] + [source_line(src, sid) for sid, _, _ in CHECKPOINT_MEMORY]
+
+
 TABLES = {
   "headline": headline, "e2e": e2e, "train_py": train_py, "largest_batch": largest_batch,
   "layer": layer, "layer_fp8_attention": layer_fp8_attention, "optimizer": optimizer,
@@ -809,6 +845,7 @@ TABLES = {
   "largest_models": largest_models, "largest_summary": largest_summary,
   "equal_batch_7b": equal_batch_7b, "optimizer_stacked": optimizer_stacked,
   "step_memory_sr": step_memory_sr, "swiglu_weight_codes": swiglu_weight_codes,
+  "checkpoint_memory": checkpoint_memory,
 }
 
 

@@ -123,11 +123,29 @@ def test_a_write_that_fails_on_the_disk_removes_only_its_partial_save(tmp_path, 
 
 
 def test_checkpoint_memory_benchmark_prints_its_table(tmp_path, capsys):
-  rows = checkpoint_memory.main(["--gb", "0.02", "--leaves", "4", "--dir", str(tmp_path)])
+  rows = checkpoint_memory.main(["--gb", "0.02", "--leaves", "4", "--dir", str(tmp_path),
+                                 "--same-process", "--modes", "whole,streamed/64:unpinned"])
   out = capsys.readouterr().out
-  assert [r["mode"] for r in rows] == ["whole", "streamed"] and "| streamed | 0.02 |" in out
-  assert rows[0]["batch"] is None and rows[1]["batch"] > 0
+  assert [r["mode"] for r in rows] == ["whole", "streamed/64:unpinned"]
+  assert "| streamed/64:unpinned | 0.02 |" in out
+  # 1/64 of the host's memory is more than this state: the batch is that, not one array
+  assert rows[0]["batch"] is None and rows[1]["batch"] > rows[1]["state"]
   assert all(r["disk"] > 0 and r["seconds"] > 0 for r in rows)
   assert list(tmp_path.iterdir()) == []   # each save's own directory removed
-  with pytest.raises(SystemExit):
-    checkpoint_memory.main(["--modes", "halfway"])
+  for bad in ("halfway", "whole/2", "streamed/0", "streamed:warm"):
+    with pytest.raises(SystemExit):
+      checkpoint_memory.main(["--modes", bad])
+
+
+def test_checkpoint_memory_benchmark_measures_each_mode_in_a_new_process(tmp_path):
+  rows = checkpoint_memory.main(["--gb", "0.01", "--leaves", "2", "--dir", str(tmp_path),
+                                 "--modes", "streamed"])
+  assert [r["mode"] for r in rows] == ["streamed"] and rows[0]["state"] > 0.009e9
+  assert rows[0]["batch"] > 0 and rows[0]["disk"] > 0
+
+
+def test_the_streamed_batch_is_a_32nd_of_the_host_memory_or_the_largest_array(monkeypatch):
+  monkeypatch.setattr(storage, "host_available_bytes", lambda: 64 << 30)
+  assert storage.stream_bytes(8 << 30, 1 << 30) is None               # under a quarter: whole
+  assert storage.stream_bytes(32 << 30, 1 << 30) == 2 << 30           # 64 GiB / 32
+  assert storage.stream_bytes(32 << 30, 5 << 30) == (5 << 30) + 1     # the largest array whole

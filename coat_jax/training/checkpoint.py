@@ -13,9 +13,9 @@ directories are ignored and cleaned up by the next run. A state holding a NaN or
 never written (DivergedError instead: divergence.check_finite, one reduction on the device).
 
 Large states and full disks (storage.py): a state larger than a quarter of the host memory still
-available (its copy and write buffers would take half) is streamed (the save synchronous, in
-batches of a few arrays: each batch copied to the host and written before the next is copied;
-`benchmarks/step/checkpoint_memory.py` measures a save's host memory). A save whose
+available (a whole save adds about twice its size) is streamed (the save synchronous, in batches
+of 1/32 of that memory or the largest array; `benchmarks/step/checkpoint_memory.py` measures a
+save's host memory). A save whose
 state does not fit the free disk space is refused, and one whose write fails on a full or
 read-only disk removes its partial directory: both raise StorageError (exit 5, one line) with the
 previous checkpoint untouched.
@@ -310,6 +310,10 @@ class Checkpointer:
         pass
 
 
+STREAM_PINNED_HOST: bool | None = None   # a streamed save's device-to-host copies into pinned
+# host memory: None is orbax's choice (pinned on a GPU; ordinary host memory holds more, storage.py)
+
+
 def _state_handler(ocp, batch_bytes: int | None):
   """Orbax's handler of the state: as is, or with saves and restores in batches of at most
   `batch_bytes` (the device-to-host copy and the write, so the host holds a few arrays at a
@@ -321,7 +325,7 @@ def _state_handler(ocp, batch_bytes: int | None):
   # The standard handler takes no device-to-host limit; the PyTree handler under it does.
   handler._impl = ocp.PyTreeCheckpointHandler(
       save_concurrent_gb=gb, restore_concurrent_gb=gb, save_device_host_concurrent_gb=gb,
-      type_handler_registry=_batched_registry(ocp))
+      type_handler_registry=_batched_registry(ocp), enable_pinned_host_transfer=STREAM_PINNED_HOST)
   return handler
 
 

@@ -1,15 +1,19 @@
 """Host memory and disk for checkpoints: when to stream a save, whether it fits, what failed.
 
-A checkpoint save copies the state from the devices to host memory and writes it to disk. Orbax's
-default (0.12) copies every array at once before writing any (an asynchronous save then returns)
-and its writes buffer again: a save holds the whole state in host memory and up to about as much
-again (on a CPU, 0.85 x a 256 MiB state beside it, tests/test_checkpoint_storage.py; on a GPU
-the copy is staged in pinned memory). A Llama-2-13B state of bfloat16 weights and FP8 moments is
-53 GB: twice that and the process's own memory exhaust a 128 GB host. `stream_bytes` decides: a
-state larger than a quarter of the host memory still available (a copy and its buffers then
-exceed half of it) is saved in batches of at most `stream_bytes` (orbax's device-to-host and write
-limits), synchronously (the training step donates the arrays a background save would still be
-reading), so the host holds a few arrays at a time, never the state.
+A checkpoint save copies the state from the devices to host memory and writes it to disk. Saved
+whole (orbax's default), every array is copied before any is written and the write buffers again:
+on an H200 host (orbax-checkpoint 0.12.4) a 28 GiB state added 1.95x its size to the process's
+resident memory, and a Llama-2-13B state of bfloat16 weights and FP8 moments is 49 GiB: twice
+that and the process's own memory exhaust a 128 GB host. `stream_bytes` decides: a state larger
+than a quarter of the host memory still available is saved in batches of at most `stream_bytes`
+(orbax's device-to-host and write limits), synchronously (the training step donates the arrays a
+background save would still be reading). On a GPU orbax stages each batch in pinned host memory,
+which the process keeps after the save and reuses for the next; measured with the 13B state
+(`benchmarks/step/checkpoint_memory.py`), a save adds about four to six batches: 61 GiB in
+batches of 1/8 of the available memory, 32 GiB in batches of 1/32 (the largest array, 5.3 GiB),
+30 s slower. Hence batches of 1/32, never smaller than the largest array (orbax writes an array
+whole). Copies into ordinary host memory instead (orbax's `enable_pinned_host_transfer=False`)
+are cached on the state's own arrays until the next step replaces them: 77 GiB.
 
 Disk: `free_bytes` before a save (a save that cannot fit is refused with one line, the previous
 checkpoint untouched), and `is_disk_error` for a write that fails on the way (disk full, file too
@@ -34,7 +38,7 @@ DISK_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)
 _DISK_TEXT = ("no space left", "file too large", "quota exceeded", "read-only file system",
               "enospc", "efbig", "edquot", "erofs")
 STREAM_FRACTION = 0.25  # stream a state larger than this fraction of the available host memory
-BATCH_FRACTION = 1 / 8  # each streamed batch: at most this fraction of it (two limits: <= 1/4)
+BATCH_FRACTION = 1 / 32  # each streamed batch: this fraction of it, or the largest array
 
 
 def state_bytes(tree: Any) -> int:
