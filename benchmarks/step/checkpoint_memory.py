@@ -45,8 +45,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
-from coat_jax.training import storage
-from coat_jax.training import checkpoint
+from coat_jax.training import checkpoint, storage
 from coat_jax.training.checkpoint import Checkpointer, flatten_state
 from coat_jax.training.divergence import check_finite
 
@@ -186,7 +185,8 @@ def main(argv=None) -> list[dict]:
                  help="the state a run of this config checkpoints (its shapes and dtypes, random "
                       "values) instead of --gb in --leaves arrays")
   p.add_argument("--modes", default=",".join(MODES),
-                 help="comma-separated of whole, streamed, streamed/N (default whole,streamed)")
+                 help="comma-separated of whole, streamed, streamed/N, each streamed one "
+                      "optionally with :pinned or :unpinned (default whole,streamed)")
   p.add_argument("--dir", default=tempfile.gettempdir(),
                  help="where each save's own temporary directory is made (default: the system's)")
   p.add_argument("--same-process", action="store_true",
@@ -202,7 +202,8 @@ def main(argv=None) -> list[dict]:
     except ValueError:
       bad.append(m)
   if bad or not modes or args.gb <= 0 or args.leaves < 1:
-    p.error(f"--modes takes whole, streamed, streamed/N (N >= 1), --gb > 0, --leaves >= 1 "
+    p.error(f"--modes takes whole, streamed, streamed/N (N >= 1), a streamed one with :pinned or "
+            f":unpinned; --gb > 0, --leaves >= 1 "
             f"(got {args.modes}, {args.gb}, {args.leaves})")
   if args.row_json:
     row = measure(make(args), modes[0], Path(args.dir))
