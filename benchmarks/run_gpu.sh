@@ -52,11 +52,14 @@ config_args() {  # config_args NAME: train.py's arguments for a shipped config o
     --set run.log_every=1 --set run.plot=false --set run.tensorboard=false \
     --set checkpoint.every=100000 --set run.plan_timed_steps=${PLAN_TIMED_STEPS:-2}
 }
+master_args() {  # master_args OPTIMIZER: the master weights each optimizer runs with here
+  # (coat_adamw: bfloat16 with stochastic rounding, as the shipped 7B/13B configs; optax: float32)
+  if [ "$1" = coat_adamw ]; then echo --set model.param_dtype=bfloat16 --set optimizer.master_rounding=stochastic
+  else echo --set model.param_dtype=float32 --set optimizer.master_rounding=nearest; fi
+}
 largest_args() {  # largest_args OPTIMIZER H L F: a Llama of that shape (heads of 128) through the
   # 13B recipe at seq 2048, global batch 64, remat full, the fewest microbatches that fit
-  local master=(--set model.param_dtype=float32 --set optimizer.master_rounding=nearest)
-  [ "$1" = coat_adamw ] && master=(--set model.param_dtype=bfloat16 --set optimizer.master_rounding=stochastic)
-  echo $(config_args llama2-13b) --set optimizer.name=$1 "${master[@]}" --set model.hidden_size=$2 \
+  echo $(config_args llama2-13b) --set optimizer.name=$1 $(master_args $1) --set model.hidden_size=$2 \
     --set model.num_layers=$3 --set model.intermediate_size=$4 --set model.num_heads=$(($2 / 128)) \
     --set model.num_kv_heads=$(($2 / 128)) --set data.seq_len=2048 --set data.batch_size=64 \
     --set model.remat=full --set optimizer.accumulate=auto
@@ -148,9 +151,8 @@ for s in "$@"; do
     equal7b) for b in ${EQUAL_BATCHES:-8 4}; do  # the first batch every mode fits, no microbatches
                ok=1
                for m in ${EQUAL_MODES:-bf16:adamw coat:coat_adamw}; do set -- ${m/:/ }
-                 master=(); [ "$2" = adamw ] && master=(--set model.param_dtype=float32 --set optimizer.master_rounding=nearest)
                  section equal7b ${CONFIG_LIMIT:-240} $PY train.py $(config_args llama2-7b) --set precision=$1 \
-                   --set optimizer.name=$2 "${master[@]}" --set model.remat=${EQUAL_REMAT:-full} \
+                   --set optimizer.name=$2 $(master_args $2) --set model.remat=${EQUAL_REMAT:-full} \
                    --set optimizer.accumulate=1 --set data.batch_size=$b --set run.steps=${CONFIG_STEPS:-6} \
                    --set checkpoint.enabled=false --set run.out_dir=/tmp/equal_$1_$b --overwrite || ok=0
                  summary /tmp/equal_$1_$b 2>&1 | tee -a "$OUT/equal7b.log"
