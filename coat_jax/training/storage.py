@@ -9,7 +9,7 @@ than a quarter of the host memory still available is saved in batches of at most
 (orbax's device-to-host and write limits), synchronously (the training step donates the arrays a
 background save would still be reading). On a GPU orbax stages each batch in pinned host memory,
 which the process keeps after the save and reuses for the next; measured with the 13B state
-(`benchmarks/step/checkpoint_memory.py`), a save adds about four to six batches: 61 GiB in
+(`benchmarks/step/checkpoint_memory.py`), a save adds about three to six batches: 61 GiB in
 batches of 1/8 of the available memory, 32 GiB in batches of 1/32 (the largest array, 5.3 GiB),
 30 s slower. Hence batches of 1/32, never smaller than the largest array (orbax writes an array
 whole). Copies into ordinary host memory instead (orbax's `enable_pinned_host_transfer=False`)
