@@ -104,10 +104,11 @@ def random_leaf(key, shape, dtype) -> jax.Array:
   return jax.random.bits(key, shape, jnp.uint32).astype(dtype)
 
 
-def make_state_like(config: str, vocab_size: int = 32000) -> dict:
+def make_state_like(config: str, vocab_size: int | None = None) -> dict:
   """Random arrays of the shapes and dtypes a run of `config` checkpoints (its params, optimizer
   state and the rest, flattened as `Checkpointer` stores them; remat and microbatches do not
-  change them), made one at a time on the default device (seed SEED)."""
+  change them; the vocabulary is the config's model's unless `vocab_size`), made one at a time on
+  the default device (seed SEED)."""
   from coat_jax.training import mesh as mesh_lib, schema
   from coat_jax.training.build import build
   cfg = schema.load(config, ["model.remat=full", "optimizer.accumulate=1"])
