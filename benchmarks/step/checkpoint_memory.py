@@ -91,9 +91,8 @@ def make_state(gb: float, leaves: int) -> dict:
   for i in range(leaves):
     dtype = jnp.bfloat16 if i % 2 == 0 else jnp.float8_e4m3fn
     n = per_leaf // jnp.dtype(dtype).itemsize
-    state[f"leaf{i:03d}"] = jax.random.normal(jax.random.fold_in(key, i), (n,), jnp.float32
-                                              ).astype(dtype)
-    jax.block_until_ready(state[f"leaf{i:03d}"])
+    state[f"leaf{i:03d}"] = jax.block_until_ready(
+        random_leaf(jax.random.fold_in(key, i), (n,), dtype))
   return state
 
 
@@ -141,7 +140,7 @@ def measure(state: dict, mode: str, root: Path) -> dict:
   kind, parts, pinned = parse_mode(mode)
   total = storage.state_bytes(state)
   patches = [mock.patch.object(storage, "STREAM_FRACTION", 1e9 if kind == "whole" else 0.0),
-             mock.patch.object(checkpoint, "STREAM_PINNED_HOST", pinned)]
+             mock.patch.object(storage, "STREAM_PINNED_HOST", pinned)]
   if parts:
     patches.append(mock.patch.object(storage, "BATCH_FRACTION", 1 / parts))
   directory = Path(tempfile.mkdtemp(prefix=f"ckpt_{kind}_", dir=root))
@@ -169,8 +168,8 @@ def measure_in_new_process(args, mode: str) -> dict:
     cmd += ["--config", args.config]
   done = subprocess.run(cmd, capture_output=True, text=True)
   if done.returncode != 0:
-    raise SystemExit(f"checkpoint_memory: mode {mode} failed (exit {done.returncode}): "
-                     f"{done.stderr.strip().splitlines()[-1:] or ''}")
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    raise SystemExit(f"checkpoint_memory: mode {mode} failed (exit {done.returncode}): {last}")
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -211,11 +210,12 @@ def main(argv=None) -> list[dict]:
     print(json.dumps(row))
     return [row]
   from importlib.metadata import version
+  what = (f"the checkpoint of {args.config}" if args.config
+          else f"{args.gb} GB in {args.leaves} arrays")
   print(f"device {jax.devices()[0].device_kind}; orbax-checkpoint {version('orbax-checkpoint')}, "
         f"tensorstore {version('tensorstore')}; seed {SEED}; host memory available "
         f"{(storage.host_available_bytes() or 0) / 2**30:.1f} GiB; "
-        f"{'one process' if args.same_process else 'a fresh process per mode'}; state: "
-        f"{'the checkpoint of ' + args.config if args.config else f'{args.gb} GB in {args.leaves} arrays'}")
+        f"{'one process' if args.same_process else 'a fresh process per mode'}; state: {what}")
   if args.same_process:
     state = make(args)
     rows = [measure(state, mode, Path(args.dir)) for mode in modes]

@@ -310,10 +310,6 @@ class Checkpointer:
         pass
 
 
-STREAM_PINNED_HOST: bool | None = None   # a streamed save's device-to-host copies into pinned
-# host memory: None is orbax's choice (pinned on a GPU; ordinary host memory holds more, storage.py)
-
-
 def _state_handler(ocp, batch_bytes: int | None):
   """Orbax's handler of the state: as is, or with saves and restores in batches of at most
   `batch_bytes` (the device-to-host copy and the write, so the host holds a few arrays at a
@@ -325,7 +321,8 @@ def _state_handler(ocp, batch_bytes: int | None):
   # The standard handler takes no device-to-host limit; the PyTree handler under it does.
   handler._impl = ocp.PyTreeCheckpointHandler(
       save_concurrent_gb=gb, restore_concurrent_gb=gb, save_device_host_concurrent_gb=gb,
-      type_handler_registry=_batched_registry(ocp), enable_pinned_host_transfer=STREAM_PINNED_HOST)
+      type_handler_registry=_batched_registry(ocp),
+      enable_pinned_host_transfer=storage.STREAM_PINNED_HOST)
   return handler
 
 

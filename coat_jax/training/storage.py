@@ -39,6 +39,8 @@ _DISK_TEXT = ("no space left", "file too large", "quota exceeded", "read-only fi
               "enospc", "efbig", "edquot", "erofs")
 STREAM_FRACTION = 0.25  # stream a state larger than this fraction of the available host memory
 BATCH_FRACTION = 1 / 32  # each streamed batch: this fraction of it, or the largest array
+STREAM_PINNED_HOST: bool | None = None  # a streamed batch's copies into pinned host memory: None is
+# orbax's choice (pinned on a GPU; ordinary host memory holds more, above)
 
 
 def state_bytes(tree: Any) -> int:
