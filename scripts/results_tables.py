@@ -805,12 +805,13 @@ CHECKPOINT_MEMORY = (("checkpoint_memory_whole_h200", "28 GiB in 64 arrays", ("w
                      ("checkpoint_memory_13b_h200", "Llama-2-13B's, 49 GiB", None))
 
 
-def _save_label(mode: str) -> str:
-  """checkpoint_memory's mode in words ('streamed' in these logs: batches of 1/8, the rule then)."""
+def _save_label(mode: str) -> str | None:
+  """checkpoint_memory's mode in words ('streamed' in these logs: batches of 1/8, the rule then);
+  None for a cell that is no mode."""
   head, _, host = mode.partition(":")
   kind, _, n = head.partition("/")
-  if kind == "whole":
-    return "whole"
+  if kind != "streamed":
+    return "whole" if kind == "whole" else None
   text = f"streamed, batches of 1/{n or 8}" + (" (the rule then)" if not n else "")
   return text + (", into ordinary host memory" if host == "unpinned" else "")
 
@@ -825,8 +826,8 @@ def checkpoint_memory(src: Sources) -> list[str]:
       cells = [c.strip() for c in line.strip().strip("|").split("|")]
       if cells[0] == "save":
         header = cells
-      elif header and len(cells) == len(header) and cells[0].split("/")[0].split(":")[0] in (
-          "whole", "streamed") and (modes is None or cells[0] in modes):
+      elif (header and len(cells) == len(header) and _save_label(cells[0])
+            and (modes is None or cells[0] in modes)):
         row = dict(zip(header, cells))
         out.append(f"| {state} | {_save_label(row['save'])} | {row['batch GiB']} | {row['added GiB']} | "
                    f"{row['added / state']} | {row.get('kept after GiB', '-')} | "
