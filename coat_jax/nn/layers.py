@@ -9,6 +9,7 @@ Shapes: B batch, S sequence, D hidden, F intermediate, H query heads, K key/valu
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -33,13 +34,18 @@ class Linear(nnx.Module):
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features),
                                         jnp.dtype(param_dtype)))
 
-  def __call__(self, x: jax.Array, x_q=None) -> jax.Array:
-    """x: (..., in) -> (..., out) in `dtype`; x_q: optional per-tensor FP8 copy of x ("coat")."""
-    if x.shape[-1] != self.in_features:
-      raise ValueError(f"Linear: input last axis {x.shape[-1]} != in_features {self.in_features}")
+  def __call__(self, x: jax.Array, x_q=None, *, in_axes: int = 1,
+               keep_x: bool = False) -> jax.Array:
+    """x: (..., in) -> (..., out) in `dtype`; x_q: optional per-tensor FP8 copy of x ("coat").
+    in_axes > 1: x's last in_axes axes hold the in_features; keep_x: `ops.linear`'s."""
+    if math.prod(x.shape[x.ndim - in_axes:]) != self.in_features:
+      raise ValueError(f"Linear: input's last {in_axes} axes {x.shape[x.ndim - in_axes:]} hold "
+                       f"{math.prod(x.shape[x.ndim - in_axes:])} values, in_features is "
+                       f"{self.in_features}")
     # The parameter goes in as it is stored: the op casts it where it is used and keeps the
     # parameter, not a cast copy, for its backward (ops/linear_layer.py).
-    return ops.linear(x.astype(self.dtype), self.kernel[...], mode=self.mode, x_q=x_q)
+    return ops.linear(x.astype(self.dtype), self.kernel[...], mode=self.mode, x_q=x_q,
+                      in_axes=in_axes, keep_x=keep_x)
 
 
 def _check_input(x: jax.Array, projs) -> "Linear":
@@ -133,8 +139,10 @@ class Attention(nnx.Module):
   """Multi-head self-attention with grouped K/V heads (GQA), RoPE and a causal mask.
 
   In "coat" mode the per-tensor FP8 copy of the normalized input feeds Q, K and V; the attention
-  output reaches o_proj in `dtype` (o_proj quantizes it itself). `attention_residuals` ("bf16" |
-  "fp8", any mode) is what the attention keeps of q, k, v for its backward (`ops.attention`).
+  output reaches o_proj in `dtype` (o_proj quantizes it itself; where the attention keeps its
+  output, as cuDNN's does, o_proj keeps that array for its backward instead of an FP8 copy).
+  `attention_residuals` ("bf16" | "fp8", any mode) is what the attention keeps of q, k, v for
+  its backward (`ops.attention`).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -168,7 +176,11 @@ class Attention(nnx.Module):
     k = ops.apply_rope(k, cos, sin, positions)
     o = ops.attention(q, k, v, causal=True, implementation=self.attention_impl,
                       residuals=self.attention_residuals, segment_ids=segment_ids)
-    return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
+    # o as the attention made it (B, S, H, Dh): where the attention keeps it for its backward,
+    # o_proj's backward keeps that same array (no reshaped copy, no FP8 copy in "coat").
+    keep = ops.attention_keeps_output(q, implementation=self.attention_impl,
+                                      residuals=self.attention_residuals)
+    return self.o_proj(o, in_axes=2, keep_x=keep)
 
 
 class MLP(nnx.Module):

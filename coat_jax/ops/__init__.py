@@ -1,6 +1,6 @@
 """Precision-mode ops ("bf16", "fp8_linear", "coat") used by the models."""
-from coat_jax.ops.attention import (ATTENTION_RESIDUALS, attention, check_attention_residuals,
-                                   segment_mask)
+from coat_jax.ops.attention import (ATTENTION_RESIDUALS, attention, attention_keeps_output,
+                                   check_attention_residuals, segment_mask)
 from coat_jax.ops.cross_entropy import masked_mean, softmax_cross_entropy
 from coat_jax.ops.linear_layer import FP8_RESIDUALS, linear, linears, quantize_input
 from coat_jax.ops.lm_head import lm_head

@@ -62,6 +62,26 @@ def _fp8_saved_bwd(causal, implementation, res, do):
 _attention_fp8_saved.defvjp(_fp8_saved_fwd, _fp8_saved_bwd)
 
 
+def _implementation(q, implementation):
+  """The implementation `attention` runs for q: the one asked for, else "cudnn" or "xla"."""
+  if implementation is not None:
+    return implementation
+  # cuDNN's fused attention takes 16-bit (or FP8) inputs only. Its partitioner also wants q, k
+  # and v sharded alike, which FSDP-sharded projections do not guarantee: with several devices
+  # XLA's attention is used.
+  cudnn_ok = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+              and jax.device_count() == 1)
+  return "cudnn" if cudnn_ok else "xla"
+
+
+def attention_keeps_output(q, *, implementation=None, residuals: str = "bf16") -> bool:
+  """True when `attention(q, ..., implementation=, residuals=)` keeps its output for its backward:
+  cuDNN's fused attention with "bf16" residuals does (its backward reads the output); XLA's
+  recomputes it and "fp8" residuals keep q, k and v only. The next linear (o_proj) can then keep
+  that same array for its own backward instead of a copy (`ops.linear`'s keep_x)."""
+  return residuals == "bf16" and _implementation(q, implementation) == "cudnn"
+
+
 def check_attention_residuals(value, where: str = "attention_residuals") -> str:
   """Returns `value` if it is one of ATTENTION_RESIDUALS, else raises a ValueError naming it."""
   if value not in ATTENTION_RESIDUALS:
@@ -89,12 +109,7 @@ def attention(q, k, v, *, causal: bool = True, implementation=None, residuals: s
   if residuals == "fp8" and not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"attention: fp8 residuals need one dtype for q, k, v, got "
                      f"{q.dtype}, {k.dtype}, {v.dtype}")
-  if implementation is None:  # cuDNN's fused attention takes 16-bit (or FP8) inputs only.
-    # Its partitioner also wants q, k and v sharded alike, which FSDP-sharded projections do
-    # not guarantee: with several devices XLA's attention is used.
-    cudnn_ok = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-                and jax.device_count() == 1)
-    implementation = "cudnn" if cudnn_ok else "xla"
+  implementation = _implementation(q, implementation)
   if residuals == "fp8":
     return _attention_fp8_saved(q, k, v, segment_ids, causal, implementation)
   fn = functools.partial(_attend, causal=causal, implementation=implementation)

@@ -5,6 +5,9 @@ FP8 modes: forward x per-tensor E4M3 and w per-tensor E4M3, one FP8 GEMM (float3
 dX = dY . W^T and dW = X^T . dY as FP8 GEMMs. W is re-quantized in the backward from the parameter
 with the forward's amax, a saved scalar (no FP8 copy of W is saved, and W is not reduced again).
 "coat" saves only the FP8 x (data + scale), w and that amax; "fp8_linear" the bf16 x, w and amax.
+"coat" keeps x itself instead where another op keeps x anyway (`linear`'s keep_x: the attention
+output that cuDNN's attention keeps), and x is kept as given, not reshaped (`in_axes`), so that
+both ops hold one array.
 
 w is kept as the parameter itself (its dtype, e.g. float32 master weights), not as its cast to the
 compute dtype: the cast is redone where it is used (XLA merges the two casts in an unrolled graph).
@@ -20,6 +23,7 @@ Every array a "coat" op keeps for its backward (FP8 data and scales, RMSNorm's r
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -213,26 +217,35 @@ def zero_input_cotangent(dx, x_t, x_scale) -> QuantizedArray:
                         data_t=jnp.zeros_like(x_t))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _linear_fp8(x, w, save_bf16):
-  return _fwd_gemm(_quantize_x(x), w, x.dtype)[0]
+def _flat(x, in_shape):
+  """x (..., *in_shape) -> (..., K): the trailing in_shape axes as one."""
+  return x.reshape(x.shape[:x.ndim - len(in_shape)] + (-1,)) if len(in_shape) > 1 else x
 
 
-def _linear_fp8_fwd(x, w, save_bf16):
-  if save_bf16:  # "fp8_linear": the bf16 x is kept and re-quantized in the backward.
-    y, kept = _fwd_gemm(_quantize_x(x), w, x.dtype)
-    return y, (x, None, w, kept)
-  xq = quantize_input(x)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _linear_fp8(x, w, save_bf16, in_shape):
+  return _fwd_gemm(_quantize_x(_flat(x, in_shape)), w, x.dtype)[0]
+
+
+def _linear_fp8_fwd(x, w, save_bf16, in_shape):
+  if save_bf16:  # x itself is kept (as given: not a reshaped copy) with its amax, and quantized
+    # again in the backward: the forward's codes.
+    amax = _amax(_flat(x, in_shape))
+    y, kept = _fwd_gemm(_quantize_x(_flat(x, in_shape), amax=amax), w, x.dtype)
+    return y, (x, amax, w, kept)
+  xq = quantize_input(_flat(x, in_shape))
   y, kept = _fwd_gemm(xq, w, x.dtype)
   return y, (*name_residuals((xq.data_t, xq.scale)), w, kept)
 
 
-def _linear_fp8_bwd(save_bf16, res, g):
-  saved, x_scale, w, kept = res  # saved: the bf16 x ("fp8_linear") or the FP8 x^T ("coat")
+def _linear_fp8_bwd(save_bf16, in_shape, res, g):
+  saved, x_scale, w, kept = res  # x itself and its amax (save_bf16), or its FP8 x^T and scale
   if save_bf16:
-    xq = quantize_input(saved)
-    return backward_gemms(xq.data_t, xq.scale, w, g, kept)
-  return backward_gemms(saved, x_scale, w, g, kept)
+    xq = quantize_input(_flat(saved, in_shape), amax=x_scale)
+    dx, dw = backward_gemms(xq.data_t, xq.scale, w, g, kept)
+  else:
+    dx, dw = backward_gemms(saved, x_scale, w, g, kept)
+  return dx.reshape(g.shape[:-1] + in_shape), dw
 
 
 _linear_fp8.defvjp(_linear_fp8_fwd, _linear_fp8_bwd)
@@ -278,10 +291,12 @@ def _linears_coat_q_bwd(res, gs):
 _linears_coat_q.defvjp(_linears_coat_q_fwd, _linears_coat_q_bwd)
 
 
-def check_weight(x, w):
-  if w.ndim != 2 or x.shape[-1] != w.shape[0]:
+def check_weight(x, w, in_axes: int = 1):
+  k = math.prod(x.shape[x.ndim - in_axes:]) if 0 < in_axes <= x.ndim else None
+  if w.ndim != 2 or k != w.shape[0]:
+    need = "x[..., K]" if in_axes == 1 else f"x's last {in_axes} axes of K values in all"
     raise ValueError(f"linear: x shape {x.shape} does not match w shape {w.shape} "
-                     "(need x[..., K] and w[K, N])")
+                     f"(need {need} and w[K, N])")
 
 
 def check_input_q(x, x_q):
@@ -296,6 +311,12 @@ def _matmul_cast(x, w):
 
 # bf16: the backward keeps x and the parameter w (not its cast; module docstring) and recasts w.
 _matmul_keep_param = jax.checkpoint(_matmul_cast, prevent_cse=False)
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(2,))
+def _matmul_flat(x, w, in_shape):
+  """bf16 of an x (..., *in_shape): the backward keeps x as given and the parameter w."""
+  return jnp.matmul(_flat(x, in_shape), w.astype(x.dtype))
 
 
 def linears(x: jax.Array, ws, *, mode: str, x_q=None) -> tuple[jax.Array, ...]:
@@ -315,24 +336,39 @@ def linears(x: jax.Array, ws, *, mode: str, x_q=None) -> tuple[jax.Array, ...]:
   return tuple(linear(x, w, mode=mode, x_q=x_q) for w in ws)
 
 
-def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None, in_axes: int = 1,
+           keep_x: bool = False) -> jax.Array:
   """y = x @ w.
 
   Args:
-    x: (..., K) bf16 or float32.
+    x: (..., K) bf16 or float32; with in_axes > 1, (..., *in) whose last in_axes axes hold the
+      K inputs (the attention output (B, S, H, Dh) as the attention made it).
     w: (K, N) parameter (in, out), any float dtype; computed in x.dtype, its gradient in w.dtype.
     mode: "bf16" | "fp8_linear" | "coat".
     x_q: optional per-tensor E4M3 QuantizedArray of x made upstream (fp8 modes use it instead
-      of re-quantizing x; its cotangent is zero, the gradient flows through x).
+      of re-quantizing x; its cotangent is zero, the gradient flows through x); in_axes 1 only.
+    in_axes: how many trailing axes of x the product contracts. The backward keeps x as given,
+      not a reshaped copy, so that where another op keeps x too the two are one array.
+    keep_x: "coat": keep x itself (and its amax) for the backward and quantize it again there,
+      the forward's codes, instead of keeping its FP8 transposed copy; for an x that another op
+      keeps anyway (`attention_keeps_output`). bf16 and fp8_linear keep x itself always.
   Returns:
     (..., N) in x.dtype.
   """
   check_precision(mode, "linear: mode")
-  check_weight(x, w)
+  check_weight(x, w, in_axes)
+  if x_q is not None and (in_axes > 1 or keep_x):
+    raise ValueError(f"linear: x_q is for in_axes=1 without keep_x, got in_axes={in_axes}, "
+                     f"keep_x={keep_x}")
+  if in_axes > 1:
+    in_shape = x.shape[x.ndim - in_axes:]
+    if mode == "bf16":
+      return _matmul_flat(x, w, in_shape)
+    return _linear_fp8(x, w, mode == "fp8_linear" or keep_x, in_shape)
   if mode == "bf16":
     return _matmul_keep_param(x, w) if w.dtype != x.dtype else jnp.matmul(x, w)
   if x_q is not None:
     check_input_q(x, x_q)
     if mode == "coat":
       return _linear_coat_q(x, w, x_q)
-  return _linear_fp8(x, w, mode == "fp8_linear")
+  return _linear_fp8(x, w, mode == "fp8_linear" or keep_x, x.shape[-1:])
