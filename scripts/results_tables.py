@@ -835,6 +835,22 @@ def checkpoint_memory(src: Sources) -> list[str]:
   return out + [""] + [source_line(src, sid) for sid, _, _ in CHECKPOINT_MEMORY]
 
 
+def step_profile_7b(src: Sources) -> list[str]:
+  """The Llama-2-7B train step's GPU time per kernel category, bf16 and coat (profile_step)."""
+  sid = "step_profile_llama2_7b_h200"
+  runs = {r["variant"].split(":")[0]: r for r in src.raw(sid)}
+  bf16, coat = runs["bf16"], runs["coat"]
+  out = ["| ms per step | bf16 + optax.adamw | coat + coat_adamw |", "|---|---|---|"]
+  ms = {cat: (bf16["category_ms"].get(cat, 0.0), coat["category_ms"].get(cat, 0.0))
+        for cat in {**bf16["category_ms"], **coat["category_ms"]}}
+  for cat, (a, b) in sorted(ms.items(), key=lambda kv: -max(kv[1])):   # the largest first
+    out.append(f"| {cat} | {a:.1f} | {b:.1f} |")
+  out += [f"| kernel total | {bf16['kernel_ms']:.1f} | {coat['kernel_ms']:.1f} |",
+          f"| step (wall) | {bf16['step_ms']:.1f} | {coat['step_ms']:.1f} |",
+          f"| coat vs bf16, step | | {bf16['step_ms'] / coat['step_ms']:.2f}x |"]
+  return out + ["", source_line(src, sid)]
+
+
 TABLES = {
   "headline": headline, "e2e": e2e, "train_py": train_py, "largest_batch": largest_batch,
   "layer": layer, "layer_fp8_attention": layer_fp8_attention, "optimizer": optimizer,
@@ -846,6 +862,7 @@ TABLES = {
   "largest_models": largest_models, "largest_summary": largest_summary,
   "equal_batch_7b": equal_batch_7b, "optimizer_stacked": optimizer_stacked,
   "step_memory_sr": step_memory_sr, "swiglu_weight_codes": swiglu_weight_codes,
+  "step_profile_7b": step_profile_7b,
   "checkpoint_memory": checkpoint_memory,
 }
 
