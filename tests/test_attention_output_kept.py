@@ -57,9 +57,8 @@ def kept_arrays(f, *args):
   return [(tuple(a.shape), jnp.dtype(a.dtype)) for a in kept]
 
 
-def attention_kept(mode, monkeypatch):
-  monkeypatch.setattr(layers.ops, "attention", lambda q, k, v, **kw: keeping_attention(q, k, v))
-  monkeypatch.setattr(layers.ops, "attention_keeps_output", lambda q, **kw: True)
+def attention_kept(mode):
+  """What an `Attention` module of `mode` keeps for its backward (`kept_arrays`)."""
   module = layers.Attention(HIDDEN, HEADS, HEADS, HEAD_DIM, mode=mode, dtype=jnp.bfloat16,
                             param_dtype=jnp.float32, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(module)
@@ -68,9 +67,7 @@ def attention_kept(mode, monkeypatch):
   return kept_arrays(lambda p, x: nnx.merge(graphdef, p)(x, None, cos, sin), params, x)
 
 
-@pytest.mark.parametrize("mode", PRECISIONS)
-def test_o_proj_keeps_the_attention_output_itself(mode, monkeypatch):
-  kept = attention_kept(mode, monkeypatch)
+def assert_output_kept_once(kept):
   heads = [s for s, d in kept if s == (B, S, HEADS, HEAD_DIM) and d == jnp.bfloat16]
   assert len(heads) == 4, kept       # q, k, v and the output, each once
   assert (B, S, HEADS * HEAD_DIM) not in [s for s, _ in kept], kept   # no reshaped copy
@@ -78,15 +75,17 @@ def test_o_proj_keeps_the_attention_output_itself(mode, monkeypatch):
   assert (HEADS * HEAD_DIM, B * S) not in [s for s, _ in kept], kept
 
 
+@pytest.mark.parametrize("mode", PRECISIONS)
+def test_o_proj_keeps_the_attention_output_itself(mode, monkeypatch):
+  monkeypatch.setattr(layers.ops, "attention", lambda q, k, v, **kw: keeping_attention(q, k, v))
+  monkeypatch.setattr(layers.ops, "attention_keeps_output", lambda q, **kw: True)
+  assert_output_kept_once(attention_kept(mode))
+
+
 def test_o_proj_keeps_an_fp8_copy_where_the_attention_does_not(monkeypatch):
   """The XLA attention recomputes its output in the backward: coat's o_proj keeps its FP8 x^T."""
   monkeypatch.setattr(layers.ops, "attention_keeps_output", lambda q, **kw: False)
-  module = layers.Attention(HIDDEN, HEADS, HEADS, HEAD_DIM, mode="coat", dtype=jnp.bfloat16,
-                            param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(module)
-  cos, sin = ops.rope_frequencies(HEAD_DIM, S)
-  x = jax.random.normal(jax.random.key(1), (B, S, HIDDEN), jnp.bfloat16)
-  kept = kept_arrays(lambda p, x: nnx.merge(graphdef, p)(x, None, cos, sin), params, x)
+  kept = attention_kept("coat")
   assert ((HEADS * HEAD_DIM, B * S), jnp.dtype(jnp.float8_e4m3fn)) in kept, kept
 
 
@@ -140,14 +139,5 @@ def test_attention_keeps_output_says_which_attention_keeps_it():
 def test_o_proj_keeps_cudnn_attention_output(mode):
   """On the GPU, cuDNN's own attention: its output kept once, no copy of it (the stand-in's
   claim, for the attention the GPU runs)."""
-  module = layers.Attention(HIDDEN, HEADS, HEADS, HEAD_DIM, mode=mode, dtype=jnp.bfloat16,
-                            param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(module)
-  cos, sin = ops.rope_frequencies(HEAD_DIM, S)
-  x = jax.random.normal(jax.random.key(1), (B, S, HIDDEN), jnp.bfloat16)
-  assert ops.attention_keeps_output(x.reshape(B, S, HEADS, -1)[..., :HEAD_DIM])
-  kept = kept_arrays(lambda p, x: nnx.merge(graphdef, p)(x, None, cos, sin), params, x)
-  heads = [s for s, d in kept if s == (B, S, HEADS, HEAD_DIM) and d == jnp.bfloat16]
-  assert len(heads) == 4, kept
-  assert (B, S, HEADS * HEAD_DIM) not in [s for s, _ in kept], kept
-  assert (HEADS * HEAD_DIM, B * S) not in [s for s, _ in kept], kept
+  assert ops.attention_keeps_output(jnp.zeros((B, S, HEADS, HEAD_DIM), jnp.bfloat16))
+  assert_output_kept_once(attention_kept(mode))

@@ -38,10 +38,10 @@ class Linear(nnx.Module):
                keep_x: bool = False) -> jax.Array:
     """x: (..., in) -> (..., out) in `dtype`; x_q: optional per-tensor FP8 copy of x ("coat").
     in_axes > 1: x's last in_axes axes hold the in_features; keep_x: `ops.linear`'s."""
-    if math.prod(x.shape[x.ndim - in_axes:]) != self.in_features:
-      raise ValueError(f"Linear: input's last {in_axes} axes {x.shape[x.ndim - in_axes:]} hold "
-                       f"{math.prod(x.shape[x.ndim - in_axes:])} values, in_features is "
-                       f"{self.in_features}")
+    in_shape = x.shape[x.ndim - in_axes:]
+    if math.prod(in_shape) != self.in_features:
+      raise ValueError(f"Linear: input's last {in_axes} axes {in_shape} hold "
+                       f"{math.prod(in_shape)} values, in_features is {self.in_features}")
     # The parameter goes in as it is stored: the op casts it where it is used and keeps the
     # parameter, not a cast copy, for its backward (ops/linear_layer.py).
     return ops.linear(x.astype(self.dtype), self.kernel[...], mode=self.mode, x_q=x_q,

@@ -228,12 +228,13 @@ def _linear_fp8(x, w, save_bf16, in_shape):
 
 
 def _linear_fp8_fwd(x, w, save_bf16, in_shape):
+  xf = _flat(x, in_shape)
   if save_bf16:  # x itself is kept (as given: not a reshaped copy) with its amax, and quantized
     # again in the backward: the forward's codes.
-    amax = _amax(_flat(x, in_shape))
-    y, kept = _fwd_gemm(_quantize_x(_flat(x, in_shape), amax=amax), w, x.dtype)
+    amax = _amax(xf)
+    y, kept = _fwd_gemm(_quantize_x(xf, amax=amax), w, x.dtype)
     return y, (x, amax, w, kept)
-  xq = quantize_input(_flat(x, in_shape))
+  xq = quantize_input(xf)
   y, kept = _fwd_gemm(xq, w, x.dtype)
   return y, (*name_residuals((xq.data_t, xq.scale)), w, kept)
 
@@ -305,17 +306,10 @@ def check_input_q(x, x_q):
                      f"of shape {x.shape}, got shape {x_q.shape}")
 
 
-def _matmul_cast(x, w):
-  return jnp.matmul(x, w.astype(x.dtype))
-
-
-# bf16: the backward keeps x and the parameter w (not its cast; module docstring) and recasts w.
-_matmul_keep_param = jax.checkpoint(_matmul_cast, prevent_cse=False)
-
-
 @functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(2,))
-def _matmul_flat(x, w, in_shape):
-  """bf16 of an x (..., *in_shape): the backward keeps x as given and the parameter w."""
+def _matmul_keep_param(x, w, in_shape):
+  """bf16 x (..., *in_shape) @ w: the backward keeps x as given and the parameter w (not its cast
+  or a reshaped x; module docstring) and recasts w."""
   return jnp.matmul(_flat(x, in_shape), w.astype(x.dtype))
 
 
@@ -360,15 +354,13 @@ def linear(x: jax.Array, w: jax.Array, *, mode: str, x_q=None, in_axes: int = 1,
   if x_q is not None and (in_axes > 1 or keep_x):
     raise ValueError(f"linear: x_q is for in_axes=1 without keep_x, got in_axes={in_axes}, "
                      f"keep_x={keep_x}")
-  if in_axes > 1:
-    in_shape = x.shape[x.ndim - in_axes:]
-    if mode == "bf16":
-      return _matmul_flat(x, w, in_shape)
-    return _linear_fp8(x, w, mode == "fp8_linear" or keep_x, in_shape)
+  in_shape = x.shape[x.ndim - in_axes:]
   if mode == "bf16":
-    return _matmul_keep_param(x, w) if w.dtype != x.dtype else jnp.matmul(x, w)
+    if in_axes == 1 and w.dtype == x.dtype:
+      return jnp.matmul(x, w)
+    return _matmul_keep_param(x, w, in_shape)
   if x_q is not None:
     check_input_q(x, x_q)
     if mode == "coat":
       return _linear_coat_q(x, w, x_q)
-  return _linear_fp8(x, w, mode == "fp8_linear" or keep_x, x.shape[-1:])
+  return _linear_fp8(x, w, mode == "fp8_linear" or keep_x, in_shape)
