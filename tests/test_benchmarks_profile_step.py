@@ -39,6 +39,9 @@ def test_kernel_categories():
   # the GEMM as the profiler names it inside a command buffer (no instruction info): FP8, not a
   # bf16 GEMM
   assert cat("coat_fp8_gemm_mgpu_mosaic_gpu_kernel [command_buffer_25]", None) == "FP8 GEMM"
+  # SwiGLU's backward kernel (a Mosaic GPU kernel, not a GEMM): the backward's elementwise work
+  assert cat("coat_swiglu_backward_mgpu_mosaic_gpu_kernel [command_buffer_9]", None) == "fusions bwd"
+  assert cat("coat_swiglu_backward_mgpu", ("other", "", "mosaic_gpu_v2")) == "fusions bwd"
   assert cat("loop_fusion_3", ("DUS fusion (in place)", "jit(f)/jvp()/while", "")) == "scan DUS/DS/fill"
   assert cat("x", ("other fusion", "jit(f)/transpose(jvp())/while/body/mul", "")) == "fusions bwd"
   assert cat("x", ("other fusion", "jit(f)/jvp()/while/body/mul", "")) == "fusions fwd"

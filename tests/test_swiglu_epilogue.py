@@ -99,6 +99,13 @@ def test_interleave_and_errors():
   np.testing.assert_array_equal(wi[:64], wg[:64])
   np.testing.assert_array_equal(wi[64:128], -wg[:64])
   np.testing.assert_array_equal(wi[128:192], wg[64:])
+  # FP8 codes move as 32-bit words: every code lands where the row interleave puts it
+  _, g8, u8 = _operands(256, 192, 256, seed=6)
+  wi8 = fs.interleave_gate_up(g8, u8)
+  assert wi8.dtype == g8.dtype and wi8.shape == (384, 256)
+  want = np.stack([np.asarray(g8, np.float32).reshape(3, 64, 256),
+                   np.asarray(u8, np.float32).reshape(3, 64, 256)], axis=1).reshape(384, 256)
+  np.testing.assert_array_equal(np.asarray(wi8, np.float32), want)
   x, g, u = _operands(256, 128, 128, seed=3)
   with pytest.raises(ValueError, match=r"M % 256"):
     _run_kernel(x[:128], g, u)

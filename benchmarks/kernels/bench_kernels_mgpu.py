@@ -1,4 +1,5 @@
-"""Mosaic GPU quantize kernels and the jax-triton Adam step vs XLA's references vs a device copy.
+"""Mosaic GPU quantize kernels, SwiGLU's backward and the jax-triton Adam step vs XLA's
+references vs a device copy.
 
 Prints one table: per kernel, GB/s (bytes the kernel must move / median time) of the kernel
 (Mosaic GPU, pallas_kernels/quantize/quantize_mgpu.py; for "adam" the jax-triton kernel,
@@ -13,6 +14,7 @@ best per kernel.
   python3 -m benchmarks.kernels.bench_kernels_mgpu                       # all, 8192 x 8192
   python3 -m benchmarks.kernels.bench_kernels_mgpu --only adam --adam-rows 4096 --check
   python3 -m benchmarks.kernels.bench_kernels_mgpu --sweep --only per_group,dequantize   # ~1 min
+  python3 -m benchmarks.kernels.bench_kernels_mgpu --only swiglu_bwd --check   # SwiGLU's backward
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import sys
 
 from benchmarks._common import median_ms_back_to_back
 
-KERNELS = ("per_group", "tile_amax", "dequantize", "per_tensor", "per_tensor_t", "adam")
+KERNELS = ("per_group", "tile_amax", "dequantize", "swiglu_bwd", "per_tensor", "per_tensor_t",
+           "adam")
 
 
 def _median_seconds(fn, reps: int) -> float:
@@ -37,6 +40,30 @@ def _copy_gbs(nbytes: int, reps: int) -> float:
   x = jnp.ones((nbytes // 8,), jnp.float32)
   f = jax.jit(lambda a: a + 1)
   return nbytes / _median_seconds(lambda: f(x), reps) / 1e9
+
+
+def _swiglu_backward_call(x, gate_q):
+  """SwiGLU's backward kernel (swiglu_mgpu.swiglu_backward) from gate's codes (gate_q) and up's
+  (of -x / 2), with dh = x: (kernel thunk taking tunables, bytes moved, XLA reference thunk: the
+  dispatch's reference, gradients and both amaxes)."""
+  import jax
+  import jax.numpy as jnp
+  from coat_jax import activations, quantize as Q
+  from pallas_kernels.quantize import swiglu_mgpu as sm
+
+  up_q = Q.quantize_per_group(-x / 2, 16, "e4m3")
+  n = x.size
+  nbytes = n * (2 + 1 + 1 + 2 + 2) + n // 16 * 2 * (gate_q.scale.dtype.itemsize + x.dtype.itemsize)
+
+  @jax.jit
+  def reference(gq, uq, dh):
+    dg, du = activations.silu_product_grads(Q.dequantize(gq, jnp.float32),
+                                            Q.dequantize(uq, jnp.float32), dh)
+    return dg, du, jnp.max(jnp.abs(dg)), jnp.max(jnp.abs(du))
+
+  return (lambda **t: sm.swiglu_backward(x, gate_q.data, gate_q.scale, up_q.data, up_q.scale,
+                                         group_size=16, **t),
+          nbytes, lambda: reference(gate_q, up_q, x))
 
 
 def _cases(n: int, adam_rows: int, check: bool):
@@ -76,6 +103,10 @@ def _cases(n: int, adam_rows: int, check: bool):
          lambda: xla_deq(ref_g),
          (lambda: f"diffs {ndiff(q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16), Q.dequantize(ref_g, jnp.bfloat16))}")
          if check else None)
+  swiglu_bwd, swiglu_bytes, swiglu_ref = _swiglu_backward_call(x, ref_g)
+  yield ("swiglu_bwd", swiglu_bytes, swiglu_bwd, swiglu_ref,
+         (lambda: (lambda a, b: f"dgate diffs {ndiff(a[0], b[0])}, dup diffs {ndiff(a[1], b[1])} "
+                   f"of {n * n}")(swiglu_bwd(), swiglu_ref())) if check else None)
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   for name, tr in (("per_tensor", False), ("per_tensor_t", True)):
     ref_t = Q.quantize_per_tensor(x, "e4m3", amax=amax, with_transpose=tr)
@@ -132,6 +163,7 @@ SWEEP = {
     "tile_amax": (("block", (128, 256, 512)), ("max_ctas", (264, 528)), ("stages", (2, 3))),
     "dequantize": (("block", (64, 128, 256, 512)), ("max_ctas", (132, 264, 528)),
                    ("stages", (2, 3, 4))),
+    "swiglu_bwd": (("block", (64, 128, 256)), ("max_ctas", (132, 264, 528)), ("stages", (2, 3))),
     "per_tensor": (("block_rows", (64, 128)), ("block_cols", (128, 256)),
                    ("max_ctas", (264, 528)), ("stages", (2, 3))),
     "per_tensor_t": (("block_rows", (64, 128)), ("block_cols", (64, 128)), ("stages", (2, 3))),
@@ -158,6 +190,7 @@ def _sweep(n: int, names, reps: int) -> None:
       "tile_amax": (n * n * 2 + n * n // 16 * 4, lambda **t: q_mgpu.tile_amax(x, **t)),
       "dequantize": (n * n * 3 + n * n // 16 * sd.itemsize, lambda **t: q_mgpu.dequantize_per_group(
           ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16, **t)),
+      "swiglu_bwd": _swiglu_backward_call(x, ref_g)[1::-1],
       "per_tensor": (n * n * 3, lambda **t: q_mgpu.quantize_per_tensor(x, amax=amax, **qk, **t)),
       "per_tensor_t": (n * n * 4, lambda **t: q_mgpu.quantize_per_tensor(
           x, amax=amax, with_transpose=True, **qk, **t)),

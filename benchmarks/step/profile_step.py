@@ -97,6 +97,8 @@ def category(kernel: str, info) -> str:
     return "optimizer"
   if "amax" in n or "quantiz" in n:
     return "quantize"
+  if "swiglu_backward" in n:
+    return "fusions bwd"   # SwiGLU's backward kernel: the elementwise pass XLA fuses otherwise
   if "matmul" in n or "wgmma" in n or "fp8_gemm" in n or "mosaic" in target:
     return "FP8 GEMM"  # the Mosaic GPU GEMM (coat_fp8_gemm_mgpu...)
   gemm = (cls in ("dot", "dot fusion") or target.startswith("__cublas")

@@ -19,7 +19,7 @@ from coat_jax.kernels.backends import (AUTO_ON_HOPPER, CHOICES, ENV, FAMILIES, I
                                        interpret_mode, parse_backend, partitioning, per_shard,
                                        use, use_pallas)
 from coat_jax.kernels.quantize import (dequantize, quantize_per_group, quantize_per_tensor,
-                                       swiglu_quantize)
+                                       swiglu_backward, swiglu_quantize)
 from coat_jax.kernels.gemm import GEMM_OUT_DTYPES, fp8_dot_general, gemm_swiglu_quantize
 from coat_jax.kernels.adam import (adam_kernel_limits, coat_adam_packed_step, coat_adam_step,
                                    coat_adam_tree_step)

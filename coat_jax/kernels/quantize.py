@@ -8,7 +8,7 @@ Kernels (`implementation("quantize")` / `("dequantize")` is "mosaic"; FP8 storag
                (quantize_mgpu.py); the dequantize takes the same shapes.
   per tensor   size / 64 a multiple of 64 and N % 64 == 0; with the transposed copy ndim >= 2,
                N and M multiples of 64 and a 16-bit input.
-  swiglu       the per-group shapes (swiglu_mgpu.py).
+  swiglu       the per-group shapes (swiglu_mgpu.py), forward and backward.
 Other shapes: the reference (XLA). On a mesh each shard runs the kernel on its local block
 (`backends.rows`; a shard the kernel does not take runs the reference); in interpret mode (CPU)
 the kernels are not wrapped (their ordered callbacks cannot pass custom_partitioning: XLA
@@ -156,6 +156,45 @@ def swiglu_quantize(gate, up, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m
   return (h, jnp.max(jnp.abs(h)).astype(jnp.float32),
           quantize.quantize_per_group(gate, group_size, f, floor=floor),
           quantize.quantize_per_group(up, group_size, f, floor=floor))
+
+
+def swiglu_backward(gate_q: QuantizedArray, up_q: QuantizedArray, dh):
+  """(d_gate, d_up, amax_gate, amax_up): `activations.silu_product_grads` of gate and up
+  dequantized (float32) and dh, in dh's dtype, and max|d_gate|, max|d_up| (float32 ()).
+
+  Kernel (the "quantize" family's mosaic: pallas_kernels/quantize/swiglu_mgpu.py, per-group FP8
+  codes of dh's shape, the per-group shapes): one read of dh and the codes makes all of it, each
+  amax from the kernel's per-group maxima; else the reference (XLA fuses the math with both
+  maxima).
+  """
+  g = gate_q.group_size
+  if (backends.implementation("quantize") == "mosaic" and g > 0 and up_q.group_size == g
+      and gate_q.data.shape == up_q.data.shape == dh.shape
+      and jnp.dtype(gate_q.data.dtype) in formats.fp8_dtypes()
+      and jnp.dtype(up_q.data.dtype) in formats.fp8_dtypes()):
+    from pallas_kernels.quantize import swiglu_mgpu as sm
+    if sm.supported(dh.shape, dh.dtype, g):
+      def kernel(d, gd, gs, ud, us):   # per shard; a shard the kernel does not take: the reference
+        if sm.supported(d.shape, d.dtype, g):
+          return backends.launch(sm.swiglu_backward, d, gd, gs, ud, us, group_size=g,
+                                 **_row_kernel_kw())
+        dg, du = _swiglu_backward_reference(QuantizedArray(gd, gs, gate_q.fmt, g),
+                                            QuantizedArray(ud, us, up_q.fmt, g), d)
+        return dg, du, quantize.group_amax(dg, g).astype(d.dtype), quantize.group_amax(
+            du, g).astype(d.dtype)
+
+      dg, du, gmax, umax = _mosaic(kernel, [dh, gate_q.data, gate_q.scale, up_q.data, up_q.scale],
+                                   ["data", "data", "meta", "data", "meta"],
+                                   ["data", "data", "meta", "meta"], g)
+      return dg, du, jnp.max(gmax).astype(jnp.float32), jnp.max(umax).astype(jnp.float32)
+  dg, du = _swiglu_backward_reference(gate_q, up_q, dh)
+  return (dg, du, jnp.max(jnp.abs(dg)).astype(jnp.float32),
+          jnp.max(jnp.abs(du)).astype(jnp.float32))
+
+
+def _swiglu_backward_reference(gate_q, up_q, dh):
+  return activations.silu_product_grads(quantize.dequantize(gate_q, jnp.float32),
+                                        quantize.dequantize(up_q, jnp.float32), dh)
 
 
 def dequantize(q: QuantizedArray, dtype):

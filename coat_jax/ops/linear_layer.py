@@ -182,15 +182,17 @@ def _fwd_gemm(xq, w, out_dtype):
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype), name_residuals((amax, codes, scale))
 
 
-def backward_gemms(x_t, x_scale, w, g, kept):
+def backward_gemms(x_t, x_scale, w, g, kept, g_amax=None):
   """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N)
-  and the forward's `kept` (w's amax; its (K, N) codes and scale under weight_quant="once").
+  and the forward's `kept` (w's amax; its (K, N) codes and scale under weight_quant="once");
+  g_amax: max|g| where g's producer made it (else reduced here).
 
   Both GEMMs are TN: dX = gq (M, N) . wq (K, N)^T, and dW = x^T (K, M) . (g^T (N, M))^T, whose
   M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
   """
   k, n = w.shape
-  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g),
+  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True,
+                                  amax=_amax(g) if g_amax is None else g_amax,
                                   producer_fusion=option("gradient_quantize") == "xla")
   # (K, N): contracts N (TN); the forward's codes when it kept them, else W quantized again
   # with the forward's amax (the same scale).

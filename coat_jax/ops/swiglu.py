@@ -9,12 +9,13 @@ gate and up already made, and `swiglu_linears` under "fused", make them from one
 up (`kernels.swiglu_quantize`); "separate" is the unfused ablation.
 
 Backward (both ops), with a = gate, u = up, s = sigmoid(a) from the dequantized residuals:
-  d_gate = dh * u * s * (1 + a (1 - s)),   d_up = dh * a * s.
+  d_gate = dh * u * s * (1 + a (1 - s)),   d_up = dh * a * s
+(`kernels.swiglu_backward`: one pass that also gives max|d_gate| and max|d_up|, which
+`swiglu_linears` hands to its GEMMs' backward quantize).
 """
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from coat_jax import kernels
 from coat_jax.activations import silu_product as _plain
@@ -24,17 +25,6 @@ from coat_jax.ops.linear_layer import (backward_gemms, check_input_q, check_weig
                                        zero_input_cotangent)
 from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
-
-
-def _swiglu_grads(gate_q, up_q, dh):
-  """(d_gate, d_up) in dh's dtype from gate's and up's per-group codes (module docstring)."""
-  a = kernels.dequantize(gate_q, jnp.float32)
-  u = kernels.dequantize(up_q, jnp.float32)
-  d = dh.astype(jnp.float32)
-  sig = jax.nn.sigmoid(a)
-  dgate = d * u * sig * (1.0 + a * (1.0 - sig))
-  dup = d * a * sig
-  return dgate.astype(dh.dtype), dup.astype(dh.dtype)
 
 
 @jax.custom_vjp
@@ -55,7 +45,7 @@ def _coat_fwd(gate, up):
 
 def _coat_bwd(res, cts):
   gq, uq = res
-  return _swiglu_grads(gq, uq, cts[0])
+  return kernels.swiglu_backward(gq, uq, cts[0])[:2]
 
 
 _swiglu_coat.defvjp(_coat_fwd, _coat_bwd)
@@ -100,9 +90,9 @@ def _swiglu_linears_fwd(x, w_gate, w_up, x_q):
 
 def _swiglu_linears_bwd(res, cts):
   x_t, x_scale, gq, uq, ag, au, w_gate, w_up = res
-  dgate, dup = _swiglu_grads(gq, uq, cts[0])
-  dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, dgate, (ag, None, None))
-  dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, dup, (au, None, None))
+  dgate, dup, dgate_amax, dup_amax = kernels.swiglu_backward(gq, uq, cts[0])
+  dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, dgate, (ag, None, None), dgate_amax)
+  dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, dup, (au, None, None), dup_amax)
   dx = dx_gate + dx_up
   return dx, dw_gate, dw_up, zero_input_cotangent(dx, x_t, x_scale)
 

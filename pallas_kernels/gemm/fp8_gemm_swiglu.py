@@ -7,13 +7,23 @@ blocks of 64 rows (`interleave_gate_up`: 64 gate rows, the same 64 up rows, the 
   g = s_g * (x . W_g^T),  u = s_u * (x . W_u^T)        (float32 accumulators, s_* per tensor)
   h    = h_dtype(silu(g) * u),   silu(g) = g / (1 + exp(-g))
   hmax = max|h| per 1 x 64 block of columns (float32; the per-tensor amax of h is their max)
-  gq, gs = g's per-group quantize, uq, us = u's (G = 16): quantize_mgpu's per-group rule
+  gq, gs = g's per-group quantize, uq, us = u's (G = 16): quantize_mgpu's per-group scale
            (scale = max(amax * f32(1/fmax), floor) rounded to the scale dtype, NaN for a NaN/inf
-           group; q = cast(clamp(g / scale, -fmax, fmax)))
+           group), codes q = cast(clamp(g * (1 / scale), -fmax, fmax))
 
 which COAT's MLP needs in its forward: h for the down projection, gate's and up's 1 x 16 codes as
 SwiGLU's residuals. Unfused: two GEMMs write g and u in bf16, and `swiglu_mgpu` reads them again.
 Here the codes are quantized from the float32 accumulators (no bf16 rounding of g and u first).
+
+The epilogue does not overlap the products, so its instructions are the kernel's cost beyond the
+GEMM, and most of them run on the special-function unit (16 results per clock per SM on Hopper,
+against 128 FMAs): an exp and every float32 division (div.full.f32: a reciprocal there). Per
+gate/up pair the epilogue takes one exp (`approx_math`: ex2.approx of x * log2(e), instead of
+libdevice's expf) and one division (silu), and per 16 pairs one division for each group's
+1 / scale, where dividing every element by its scale took two more per pair. g * (1 / scale) and
+g / scale differ by about a float32 ulp, so a code differs from quantize_mgpu's only where g /
+scale lies that close to an FP8 rounding boundary, by one step (3 of 16.8 million E4M3 codes of
+normal values in groups of 16, against IEEE division in numpy).
 
 Kernel layout: fp8_matmul's (one CTA per SM, persistent; warpgroup 2 streams A's (256, 128) and
 B's (128, 128) tiles through a ring of `stages` slots; warpgroups 0 and 1 each own a 128 x 128
@@ -61,8 +71,18 @@ def interleave_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
   if w_up.shape != (f, k) or f % HALF:
     raise ValueError(f"interleave_gate_up: gate {w_gate.shape} and up {w_up.shape} must be equal "
                      f"(F, K) with F % {HALF} == 0")
-  return jnp.stack([w_gate.reshape(f // HALF, HALF, k), w_up.reshape(f // HALF, HALF, k)],
-                   axis=1).reshape(2 * f, k)
+  dtype = w_gate.dtype
+  per_word = 4 // dtype.itemsize
+  if per_word > 1 and k % per_word == 0:
+    # moved as 32-bit words (XLA's byte-wide copy of the FP8 codes ran at ~0.8 TB/s on the H200)
+    w_gate, w_up = (lax.bitcast_convert_type(w.reshape(f, k // per_word, per_word), jnp.uint32)
+                    for w in (w_gate, w_up))
+  words = w_gate.shape[1]
+  out = jnp.stack([w_gate.reshape(f // HALF, HALF, words), w_up.reshape(f // HALF, HALF, words)],
+                  axis=1).reshape(2 * f, words)
+  if out.dtype != dtype:
+    out = lax.bitcast_convert_type(out, dtype).reshape(2 * f, k)
+  return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,8 +130,10 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
             part = x[:, q * GROUP:(q + 1) * GROUP]
             stored = group_scale(jnp.max(jnp.abs(part), axis=1), fmax, floor).astype(
                 scale_dtype)
-            s = jnp.broadcast_to(stored.astype(jnp.float32)[:, None], part.shape)
-            codes.append(saturate(true_div(part, s, exact_div), fmax).astype(code_dtype))
+            # one division per group row, then a product per element (module docstring)
+            inv = true_div(jnp.float32(1.0), stored.astype(jnp.float32), exact_div)
+            y = part * jnp.broadcast_to(inv[:, None], part.shape)
+            codes.append(saturate(y, fmax).astype(code_dtype))
             s_gmem[ni * groups + q, rows] = stored
           return jnp.concatenate(codes, axis=1)
 
@@ -154,7 +176,10 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
                          uq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t)),
       grid=(num_ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
       kernel_name=KERNEL_NAME,
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      # approx_math: exp as ex2.approx of x * log2(e) (relative error ~2^-21) instead of
+      # libdevice's expf; divisions stay IEEE (the kernel's only transcendental is silu's exp)
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                           approx_math=True),
       interpret=interpret))
 
 

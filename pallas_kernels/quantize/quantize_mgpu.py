@@ -213,10 +213,15 @@ def _per_group_launch(x2, *, out_dtype, fmax, floor, interpret, block, max_ctas,
       stages=stages, name="coat_quantize_per_group_mgpu")
 
 
-def _dequant_kernel(q_ref, s_ref, o_ref):
+def load_dequantized(q_ref, s_ref):
+  """(r, G) codes times their (r,) group scales: float32 registers in the WGMMA layout."""
   q = load_f32(q_ref)
-  s = plgpu.load(s_ref, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-  o_ref[...] = (q * jnp.broadcast_to(s[:, None], q.shape)).astype(o_ref.dtype)
+  s = plgpu.load(s_ref, layout=_WGMMA.reduce(1)).astype(jnp.float32)
+  return q * jnp.broadcast_to(s[:, None], q.shape)
+
+
+def _dequant_kernel(q_ref, s_ref, o_ref):
+  o_ref[...] = load_dequantized(q_ref, s_ref).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "dtype", "interpret", "block",
