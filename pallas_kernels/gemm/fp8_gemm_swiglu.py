@@ -177,7 +177,7 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
       grid=(num_ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
       kernel_name=KERNEL_NAME,
       # approx_math: exp as ex2.approx of x * log2(e) (relative error ~2^-21) instead of
-      # libdevice's expf; divisions stay IEEE (the kernel's only transcendental is silu's exp)
+      # libdevice's expf; divisions are unchanged (the kernel's only transcendental is silu's exp)
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=True),
       interpret=interpret))
