@@ -44,7 +44,7 @@ def _copy_gbs(nbytes: int, reps: int) -> float:
 
 def _swiglu_backward_call(x, gate_q):
   """SwiGLU's backward kernel (swiglu_mgpu.swiglu_backward) from gate's codes (gate_q) and up's
-  (of -x / 2), with dh = x: (kernel thunk taking tunables, bytes moved, XLA reference thunk: the
+  (of -x / 2), with dh = x: (bytes moved, kernel thunk taking tunables, XLA reference thunk: the
   dispatch's reference, gradients and both amaxes)."""
   import jax
   import jax.numpy as jnp
@@ -61,9 +61,10 @@ def _swiglu_backward_call(x, gate_q):
                                             Q.dequantize(uq, jnp.float32), dh)
     return dg, du, jnp.max(jnp.abs(dg)), jnp.max(jnp.abs(du))
 
-  return (lambda **t: sm.swiglu_backward(x, gate_q.data, gate_q.scale, up_q.data, up_q.scale,
+  return (nbytes,
+          lambda **t: sm.swiglu_backward(x, gate_q.data, gate_q.scale, up_q.data, up_q.scale,
                                          group_size=16, **t),
-          nbytes, lambda: reference(gate_q, up_q, x))
+          lambda: reference(gate_q, up_q, x))
 
 
 def _cases(n: int, adam_rows: int, check: bool):
@@ -103,7 +104,7 @@ def _cases(n: int, adam_rows: int, check: bool):
          lambda: xla_deq(ref_g),
          (lambda: f"diffs {ndiff(q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16), Q.dequantize(ref_g, jnp.bfloat16))}")
          if check else None)
-  swiglu_bwd, swiglu_bytes, swiglu_ref = _swiglu_backward_call(x, ref_g)
+  swiglu_bytes, swiglu_bwd, swiglu_ref = _swiglu_backward_call(x, ref_g)
   yield ("swiglu_bwd", swiglu_bytes, swiglu_bwd, swiglu_ref,
          (lambda: (lambda a, b: f"dgate diffs {ndiff(a[0], b[0])}, dup diffs {ndiff(a[1], b[1])} "
                    f"of {n * n}")(swiglu_bwd(), swiglu_ref())) if check else None)
@@ -190,7 +191,7 @@ def _sweep(n: int, names, reps: int) -> None:
       "tile_amax": (n * n * 2 + n * n // 16 * 4, lambda **t: q_mgpu.tile_amax(x, **t)),
       "dequantize": (n * n * 3 + n * n // 16 * sd.itemsize, lambda **t: q_mgpu.dequantize_per_group(
           ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16, **t)),
-      "swiglu_bwd": _swiglu_backward_call(x, ref_g)[1::-1],
+      "swiglu_bwd": _swiglu_backward_call(x, ref_g)[:2],
       "per_tensor": (n * n * 3, lambda **t: q_mgpu.quantize_per_tensor(x, amax=amax, **qk, **t)),
       "per_tensor_t": (n * n * 4, lambda **t: q_mgpu.quantize_per_tensor(
           x, amax=amax, with_transpose=True, **qk, **t)),
