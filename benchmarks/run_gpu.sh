@@ -19,7 +19,8 @@
 # fit the machine's disk), remat_sweep (one
 # config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), equal7b
 # (configs/llama2-7b.yaml, bf16 + optax.adamw against coat at one batch and remat, no microbatches:
-# EQUAL_BATCHES, the first that every mode fits), largest (the largest Llama each optimizer fits at
+# EQUAL_BATCHES, the first that every mode fits), batch7b (configs/llama2-7b.yaml, each mode at its
+# largest batch without microbatches, remat full: BATCH7B), largest (the largest Llama each optimizer fits at
 # seq 2048, global batch 64: `--plan` per shape, largest first, LARGEST_PLANS, LARGEST_LIMIT),
 # largest_run (train.py on one such shape: LARGEST_RUN, or the last that `largest` found fitting),
 # step_memory (benchmarks/step/step_memory.py: STEP_MEMORY_ARGS), checkpoint_memory (host memory of
@@ -160,6 +161,18 @@ for s in "$@"; do
                done
                [ $ok = 1 ] && break
              done ;;
+    batch7b)  # configs/llama2-7b.yaml, each mode at its largest batch without microbatches, remat
+             # full: BATCH7B="PRECISION:OPTIMIZER:B1:B2..." entries, each batch tried largest first
+             # until one runs (an out-of-memory run exits non-zero and the next batch is tried)
+             for plan in ${BATCH7B:-bf16:adamw:16:12 coat:coat_adamw:56:48:40}; do
+               IFS=: read -r prec opt rest <<< "$plan"; IFS=: read -ra sizes <<< "$rest"
+               for b in "${sizes[@]}"; do
+                 section batch7b ${CONFIG_LIMIT:-240} $PY train.py $(config_args llama2-7b) --set precision=$prec \
+                   --set optimizer.name=$opt $(master_args $opt) --set model.remat=full \
+                   --set optimizer.accumulate=1 --set data.batch_size=$b --set run.steps=${CONFIG_STEPS:-4} \
+                   --set checkpoint.enabled=false --set run.out_dir=/tmp/batch7b_${prec}_$b --overwrite \
+                   && { summary /tmp/batch7b_${prec}_$b 2>&1 | tee -a "$OUT/batch7b.log"; break; }
+               done; done ;;
     largest)  # LARGEST_PLANS: PRECISION+OPTIMIZER:H:L:F:H:L:F..., shapes largest first; the first
              # that fits ends that entry and is appended to $OUT/largest_fits.txt (plans at remat full,
              # microbatches auto, global batch 64 x 2048; LARGEST_LIMIT: run.device_memory_limit,

@@ -266,6 +266,9 @@ def test_compile_breakdown_kernel_counts_and_pass_log():
     cb.parse_variant("coat:coat_adamw/bogus=1")
   with pytest.raises(ValueError, match="unknown option"):
     cb.parse_variant("coat:coat_adamw/prewarm=1")
+  assert cb.parse_variant("coat:coat_adamw/warm_threads=0")["warm_threads"] == 0
+  with pytest.raises(ValueError, match="whole number"):
+    cb.parse_variant("coat:coat_adamw/warm_threads=two")
 
 
 def test_dispatch_bench_table_and_fit(capsys, monkeypatch):

@@ -245,3 +245,72 @@ def test_eager_calls_compile_once(cpu_ahead):
   for _ in range(3):
     la.call(scaled_mix, x, y, scale, power=2)
   assert la._eager._cache_size() == before + 1 and la.stats["started"] == 1
+
+
+def test_prestart_starts_the_export_pool_with_modules_that_import(monkeypatch):
+  import importlib.util
+  from pallas_kernels.compile_ahead import workers
+  started = []
+  monkeypatch.setattr(workers, "prestart", lambda *a: started.append(a))
+  monkeypatch.setattr(la, "MODE", "process")
+  la.prestart()
+  assert started == [(la.POOL, workers.MAX_WORKERS, la.PRELOAD)]
+  # a name that does not import would fail only in the worker, unseen: check them here
+  assert all(importlib.util.find_spec(name) is not None for name in la.PRELOAD)
+  assert la.__name__ in la.PRELOAD
+  monkeypatch.setattr(la, "MODE", "inline")
+  la.prestart()
+  assert len(started) == 1
+  assert la.WARM_THREADS == workers.MAX_WORKERS >= 1
+
+
+def _prestarts(monkeypatch, **flags):
+  """Which workers `kernels.prestart_compiles(**flags)` starts on a pretend Hopper GPU."""
+  from pallas_kernels.compile_ahead import compile_triton
+  started = []
+  monkeypatch.setattr(la, "prestart", lambda: started.append("mosaic"))
+  monkeypatch.setattr(compile_triton, "prestart", lambda: started.append("triton"))
+  monkeypatch.setattr(backends, "triton_available", lambda: True)
+  backends._prestart_triton_compiles.cache_clear()
+  kernels.prestart_compiles(**flags)
+  backends._prestart_triton_compiles.cache_clear()
+  return started
+
+
+def test_prestart_compiles_starts_the_workers_of_the_kernels_that_will_run(monkeypatch):
+  monkeypatch.setattr(backends, "on_hopper", lambda: True)
+  monkeypatch.setattr(backends, "interpret_mode", lambda: False)
+  monkeypatch.setattr(backends, "per_shard", lambda: False)
+  assert _prestarts(monkeypatch) == ["mosaic", "triton"]
+  assert _prestarts(monkeypatch, mosaic=False) == ["triton"]
+  assert _prestarts(monkeypatch, triton=False) == ["mosaic"]
+  with kernels.backend("reference"):
+    assert _prestarts(monkeypatch) == []
+  with kernels.backend("gemm=reference,quantize=reference"):
+    assert _prestarts(monkeypatch) == ["triton"]
+  monkeypatch.setattr(backends, "per_shard", lambda: True)   # meshes lower the kernels inline
+  assert _prestarts(monkeypatch) == ["triton"]
+  monkeypatch.setattr(backends, "interpret_mode", lambda: True)
+  assert _prestarts(monkeypatch) == []
+
+
+@pytest.mark.parametrize("precision,optimizer,expected", [
+    ("bf16", "adamw", dict(mosaic=False, triton=False)),
+    ("coat", "coat_adamw", dict(mosaic=True, triton=True)),
+    ("fp8_linear", "adamw", dict(mosaic=True, triton=False))])
+def test_the_training_build_prestarts_what_its_precision_and_optimizer_use(
+    monkeypatch, precision, optimizer, expected):
+  from pathlib import Path
+  from coat_jax.training import build as build_lib
+  from coat_jax.training import mesh as mesh_lib
+  from coat_jax.training import schema
+  calls = []
+  monkeypatch.setattr(kernels, "prestart_compiles", lambda **kw: calls.append(
+      (kw, kernels.current_backend()["gemm"])))
+  cfg = schema.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+                    [f"precision={precision}", f"optimizer.name={optimizer}",
+                     "kernels.backend=gemm=reference", "model.num_layers=1", "mesh.data=1"])
+  build_lib.build(cfg, mesh_lib.make_mesh(schema.MeshConfig(data=1), jax.devices()[:1]),
+                  vocab_size=256)
+  # once, with the run's kernel config in effect
+  assert calls == [(expected, "reference")]

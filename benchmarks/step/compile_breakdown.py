@@ -39,7 +39,8 @@ tracing, `coat_jax.ops.linear_layer._ablation`, e.g. linear=amax=kernel), `prewa
 `triton_compile=MODE` (compile_triton.MODE: `process`, the default, compiles the Triton kernels
 in worker processes while the rest lowers; `inline`, in the lowering), `kernel_lowering=MODE`
 (lower_ahead.MODE: `process`, the default, lowers the Mosaic GPU kernels in worker processes while
-the step is traced; `inline`, in the lowering).
+the step is traced; `inline`, in the lowering), `warm_threads=N` (lower_ahead.WARM_THREADS: the
+threads that compile each exported kernel alone; 0 compiles none ahead).
 
 --signatures (no GPU needed): every distinct Mosaic GPU kernel the step would compile on one H100,
 with its call sites, from the traced step alone (nothing is lowered or compiled): the kernel
@@ -92,7 +93,7 @@ DEFAULT_VARIANTS = (
     "coat:coat_adamw/set=model.num_layers=1", "coat:coat_adamw/remat=full",
     "coat:coat_adamw/kernels=adam=reference", "fp8_linear:adamw", "bf16:adamw/remat=full")
 OPTIONS = ("kernels", "remat", "set", "xla", "linear", "prewarm", "triton_compile",
-           "kernel_lowering")
+           "kernel_lowering", "warm_threads")
 # custom_call_target -> column; XLA's own Triton fusions are counted from fusion backend configs.
 TARGETS = (("mosaic", ("mosaic_gpu",)), ("jax-triton", ("triton_kernel_call",)),
            ("pallas-triton", ("__gpu$xla.gpu.triton",)), ("cudnn", ("__cudnn",)),
@@ -106,13 +107,14 @@ def parse_variant(text: str) -> dict:
   if not precision or not optimizer:
     raise ValueError(f"variant {text!r}: expected PRECISION:OPTIMIZER[/option...]")
   v = dict(name=text, precision=precision, optimizer=optimizer, kernels=None, remat=None, sets=[],
-           xla=[], linear={}, prewarm=False, triton_compile=None, kernel_lowering=None)
+           xla=[], linear={}, prewarm=False, triton_compile=None, kernel_lowering=None,
+           warm_threads=None)
   for o in opts:
     key, eq, value = o.partition("=")
     if key not in OPTIONS or (key == "prewarm") == bool(eq):
       raise ValueError(f"variant {text!r}: unknown option {o!r}; options: kernels=SPEC, "
                        f"remat=POLICY, set=KEY=VALUE, xla=FLAG, linear=KEY=VALUE, prewarm, "
-                       f"triton_compile=MODE, kernel_lowering=MODE")
+                       f"triton_compile=MODE, kernel_lowering=MODE, warm_threads=N")
     if key == "linear":
       name, eq2, val = value.partition("=")
       if not eq2:
@@ -122,6 +124,10 @@ def parse_variant(text: str) -> dict:
       v["sets" if key == "set" else "xla"].append(value)
     elif key == "prewarm":
       v["prewarm"] = True
+    elif key == "warm_threads":
+      if not value.isdigit():
+        raise ValueError(f"variant {text!r}: warm_threads takes a whole number, got {value!r}")
+      v["warm_threads"] = int(value)
     else:
       v[key] = value
   return v
@@ -358,6 +364,9 @@ def _measure(args, v, out) -> None:
   jax.config.update("jax_enable_compilation_cache", False)
   compile_triton.MODE = v["triton_compile"] or compile_triton.MODE
   lower_ahead.MODE = v["kernel_lowering"] or lower_ahead.MODE
+  if v["warm_threads"] is not None:
+    lower_ahead.WARM = v["warm_threads"] > 0
+    lower_ahead.WARM_THREADS = max(1, v["warm_threads"])
   t0 = time.perf_counter()
   built, state, tokens = _build_variant(args, v)
   dev = jax.devices()[0]

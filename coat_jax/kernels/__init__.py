@@ -17,7 +17,7 @@ from coat_jax.kernels.backends import (AUTO_ON_HOPPER, CHOICES, ENV, FAMILIES, I
                                        INSTALL_HINT, PARTITIONINGS, KernelConfig, backend,
                                        current_backend, current_partitioning, implementation,
                                        interpret_mode, parse_backend, partitioning, per_shard,
-                                       use, use_pallas)
+                                       prestart_compiles, use, use_pallas)
 from coat_jax.kernels.quantize import (dequantize, quantize_per_group, quantize_per_tensor,
                                        swiglu_backward, swiglu_quantize)
 from coat_jax.kernels.gemm import GEMM_OUT_DTYPES, fp8_dot_general, gemm_swiglu_quantize

@@ -228,6 +228,23 @@ def launch(fn, *args, **kwargs):
   return lower_ahead.call(fn, *args, **kwargs)
 
 
+def prestart_compiles(mosaic: bool = True, triton: bool = True) -> None:
+  """Start now, under the current KernelConfig, the worker processes that the kernels of a step
+  about to be built will use, so that their start-up and imports overlap the model's
+  construction instead of the step's trace: the Mosaic GPU kernels' export workers on one device
+  (`mosaic`: the model runs FP8 kernels; pallas_kernels.compile_ahead.lower_ahead) and the
+  optimizer's Triton compile workers (`triton`: it runs the fused Adam kernel). Nothing in
+  interpret mode or for a family that runs its reference here. The training build calls it."""
+  if interpret_mode():
+    return
+  if mosaic and not per_shard() and any(
+      implementation(f) == "mosaic" for f in ("gemm", "quantize")):
+    from pallas_kernels.compile_ahead import lower_ahead
+    lower_ahead.prestart()
+  if triton:
+    _prestart_triton_compiles()
+
+
 @functools.cache
 def _prestart_triton_compiles() -> None:
   """As the first kernel is traced: start the workers that will compile the optimizer's Triton

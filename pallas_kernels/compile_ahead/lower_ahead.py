@@ -13,9 +13,11 @@ kernel: the kernel's jaxpr to the Mosaic GPU dialect, layout inference, the dial
      call: the kernel is traced here once per distinct call, as before);
   3. whose CUDA lowering waits for that `Exported` and lowers its call (the exported module
      merged into the step's: milliseconds);
-  4. and, as soon as the `Exported` is in, XLA-compiles it alone on a thread here (WARM), which
-     leaves the kernel compiled in the Mosaic GPU runtime's cache (keyed by the module's hash,
-     which the export fixes) for the step's own compile.
+  4. and, as soon as the `Exported` is in, XLA-compiles it alone on a thread here (WARM, on
+     WARM_THREADS threads), which leaves the kernel compiled in the Mosaic GPU runtime's cache
+     (keyed by the module's hash, which the export fixes) for the step's own compile.
+`prestart()` starts the workers and their imports before the first kernel is traced (the
+training build calls it through `coat_jax.kernels.prestart_compiles` before it makes the model).
 One export per distinct call (function and its code, operand shapes and dtypes, the other
 arguments with their types, the settings above). A call whose export fails in the worker, or
 whose export's result types differ from the call's, is lowered here (one warning). Other
@@ -43,9 +45,17 @@ MODES = ("process", "inline")
 MODE = "process"
 WORKER_CALL = (__name__, "export_in_worker")   # what a worker runs (tests point it elsewhere)
 PLATFORM = "cuda"      # what the workers export for, and the platform whose lowering waits for them
-# WARM (default on): compile each exported kernel alone as soon as it is in (`_warm`), on threads
-# of this process, while the step is still traced and lowered.
+# WARM (default on): compile each exported kernel alone as soon as it is in (`_warm`), on
+# WARM_THREADS threads of this process, while the step is still traced and lowered. A Mosaic GPU
+# kernel takes 0.3-4 s to compile (the OLMo-1B coat step has 19, 7.8 s one after another on the
+# H200); on two threads they were still compiling when XLA's compile of the step needed them.
 WARM = True
+WARM_THREADS = workers.MAX_WORKERS
+POOL = "kernels"      # the worker pool that exports the kernels
+# what every export imports: started with the workers by `prestart`
+PRELOAD = (__name__, "jax.export", "pallas_kernels.gemm.fp8_matmul",
+           "pallas_kernels.gemm.fp8_gemm_swiglu", "pallas_kernels.quantize.quantize_mgpu",
+           "pallas_kernels.quantize.swiglu_mgpu")
 # jax settings an export depends on beyond its arguments: sent to the worker, part of the key
 SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision")
 
@@ -67,6 +77,13 @@ def check_mode() -> str:
   if MODE not in MODES:
     raise ValueError(f"lower_ahead.MODE must be one of {MODES}, got {MODE!r}")
   return MODE
+
+
+def prestart() -> None:
+  """Start the export workers (MODE "process") and their imports of PRELOAD now, so that the
+  first kernels traced do not wait for Python's start-up and JAX's import in each worker."""
+  if check_mode() == "process":
+    workers.prestart(POOL, workers.MAX_WORKERS, PRELOAD)
 
 
 def _count(name: str) -> int:
@@ -149,7 +166,7 @@ def call(fn, *args, **kwargs):
     entry = _calls.get(key)
   if entry is None:
     specs = [(np.shape(x), str(x.dtype)) for x in operands]
-    job = workers.submit(WORKER_CALL, fn=recipe, operands=specs, slots=slots,
+    job = workers.submit(WORKER_CALL, pool=POOL, fn=recipe, operands=specs, slots=slots,
                          static_args=static_args, static_kwargs=static_kwargs,
                          platform=PLATFORM, settings=settings)
     _count("started")
@@ -173,7 +190,7 @@ def _backend_platform() -> str:
 
 def _warm_later(job, specs, settings) -> None:
   """Once a worker's export is in: compile it alone on a thread (`_warm`)."""
-  workers.thread_pool("warm", 2).submit(_warm, job, specs, settings)
+  workers.thread_pool("warm", WARM_THREADS).submit(_warm, job, specs, settings)
 
 
 def _warm(job, specs, settings) -> None:
