@@ -169,6 +169,10 @@ HEADLINE = [
    _summary_field("/tmp/equal_bf16_8", "tokens_per_s"),
    _summary_field("/tmp/equal_coat_8", "tokens_per_s"), ",.0f", "faster"),
   ("same: device peak (GB)", "equal_batch_7b_h200", "bf16_peak_gb", "coat_peak_gb", ".2f", "less"),
+  ("Llama-2-7B through train.py, each mode at its largest batch without microbatches (bf16 16, "
+   "coat 56) x 4096, remat full: tokens/s", "largest_batch_7b_h200",
+   _summary_field("/tmp/batch7b_bf16_16", "tokens_per_s"),
+   _summary_field("/tmp/batch7b_coat_56", "tokens_per_s"), ",.0f", "faster"),
   ("llama-125m, 2000 steps on real text: final eval loss", "accuracy_llama125m_h100",
    "runs.bf16+adamw.final_eval_loss", "runs.coat+coat_adamw.final_eval_loss", ".4f", "pct"),
 ]
@@ -299,12 +303,16 @@ def plan_candidates(src: Sources) -> list[str]:
                 "Llama-2-13B: " + source_line(src, "configs_llama2_13b_h200")]
 
 
+def _compile_cell(src: Sources, sid: str, mode: str, layers: str, k: str) -> float:
+  """bench_e2e --compile-only's table: the compile seconds or XLA's predicted GB of a row."""
+  return src.value(sid, rf"re:\n{re.escape(mode)}\s+{layers}\s.*?([\d.]+)\s+[\d.]+\n"
+                   if k == "compile" else rf"re:\n{re.escape(mode)}\s+{layers}\s.*?([\d.]+)\n")
+
+
 def compile_7b(src: Sources) -> list[str]:
   """The 7B step's compile time, scanned and unrolled, from bench_e2e --compile-only's table."""
   sid = "compile_llama2_7b_h200"
-  cell = lambda mode, layers, k: src.value(
-      sid, rf"re:\n{re.escape(mode)}\s+{layers}\s.*?([\d.]+)\s+[\d.]+\n" if k == "compile"
-      else rf"re:\n{re.escape(mode)}\s+{layers}\s.*?([\d.]+)\n")
+  cell = lambda mode, layers, k: _compile_cell(src, sid, mode, layers, k)
   rows = []
   for label, mode in (("bf16 + optax.adamw", "bf16+adamw"), ("coat + coat_adamw", "coat+coat_adamw")):
     rows.append((label, [fmt(cell(mode, layers, k), ".1f" if k == "compile" else ".2f")
@@ -314,6 +322,63 @@ def compile_7b(src: Sources) -> list[str]:
   rows.append(("coat vs bf16", [ratios[0], "", ratios[1], ""]))
   return rows_table(src, sid, ["", "compile s, scanned", "XLA predicted GB, scanned",
                                "compile s, unrolled", "XLA predicted GB, unrolled"], rows)
+
+
+COMPILE_OLMO_RUNS = (("olmo1b_compile_prestart_h200", "first run"),
+                     ("olmo1b_compile_prestart_rerun_h200", "second run, a later lease"),
+                     ("olmo1b_compile_h200", "before (workers started at the first kernel, 2 threads)"))
+
+
+def compile_olmo(src: Sources) -> list[str]:
+  """OLMo-1B's step compile time in each bench_e2e --compile-only run, both modes and layouts."""
+  out = ["| run | bf16 s, scanned | coat s, scanned | coat vs bf16 | bf16 s, unrolled | "
+         "coat s, unrolled | coat vs bf16 |", "|---|---|---|---|---|---|---|"]
+  for sid, label in COMPILE_OLMO_RUNS:
+    cells = []
+    for layers in ("scanned", "unrolled"):
+      b, c = (_compile_cell(src, sid, mode, layers, "compile") for mode in ("bf16+adamw",
+                                                                            "coat+coat_adamw"))
+      cells += [fmt(b, ".1f"), fmt(c, ".1f"), f"{c / b:.2f}x"]
+    out.append(f"| {label} | " + " | ".join(cells) + " |")
+  for sid, _ in COMPILE_OLMO_RUNS:
+    out += ["", source_line(src, sid)]
+  return out
+
+
+WARM_VARIANTS = (("bf16 + optax.adamw, unrolled", 0), ("coat, unrolled, 8 threads (default)", 1),
+                 ("coat, unrolled, 2 threads", 2), ("coat, unrolled, none ahead", 3),
+                 ("coat, scanned, 8 threads (default)", 6), ("coat, scanned, 2 threads", 4),
+                 ("coat, scanned, none ahead", 5))
+
+
+def compile_warm(src: Sources) -> list[str]:
+  """compile_breakdown's trace / lower / compile seconds with the kernels compiled ahead on 8,
+  2 or no threads."""
+  sid = "compile_warm_threads_olmo1b_h200"
+  rows = []
+  for label, i in WARM_VARIANTS:
+    r = lambda k: src.value(sid, f"rows.{i}.{k}")
+    total = r("trace_s") + r("lower_s") + r("compile_s")
+    rows.append((label, [fmt(r("trace_s"), ".1f"), fmt(r("lower_s"), ".1f"),
+                         fmt(r("compile_s"), ".1f"), fmt(total, ".1f")]))
+  return rows_table(src, sid, ["step, kernels compiled ahead on", "trace s", "lower s",
+                               "compile s", "total s"], rows)
+
+
+def largest_batch_7b(src: Sources) -> list[str]:
+  """configs/llama2-7b.yaml through train.py, each mode at its largest batch (run_gpu.sh batch7b)."""
+  sid = "largest_batch_7b_h200"
+  key = lambda run, field: _summary_field(f"/tmp/batch7b_{run}", field)
+  rows = []
+  for run, label in (("bf16_16", "bf16 + optax.adamw, batch 16 x 4096"),
+                     ("coat_56", "coat + coat_adamw, batch 56 x 4096")):
+    rows.append((label, [(key(run, "tokens_per_s"), ",.0f"), (key(run, "mfu"), ".1%"),
+                         f"{src.value(sid, key(run, 'peak_memory_bytes')) / 2**30:.2f}",
+                         (key(run, "compile_s"), ".1f")]))
+  v = lambda run, field: src.value(sid, key(run, field))
+  rows.append(("coat (56) vs bf16 (16)", [ratio("faster", v("bf16_16", "tokens_per_s"),
+                                                 v("coat_56", "tokens_per_s")), "", "", ""]))
+  return rows_table(src, sid, ["", "tokens/s", "MFU", "device peak GiB", "compile s"], rows)
 
 
 def _plan_choice(text: str, run: str) -> str:
@@ -861,6 +926,7 @@ TABLES = {
   "summed_in_place": summed_in_place, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
   "largest_models": largest_models, "largest_summary": largest_summary,
   "equal_batch_7b": equal_batch_7b, "optimizer_stacked": optimizer_stacked,
+  "compile_olmo": compile_olmo, "compile_warm": compile_warm, "largest_batch_7b": largest_batch_7b,
   "step_memory_sr": step_memory_sr, "swiglu_weight_codes": swiglu_weight_codes,
   "step_profile_7b": step_profile_7b,
   "checkpoint_memory": checkpoint_memory,
