@@ -5,6 +5,7 @@ The numerics run on the CPU platform (the workers export for it here: `PLATFORM`
 real Mosaic GPU GEMM is cross-lowered for CUDA, as on the GPU (where tests/test_kernels_*.py run
 it through the dispatch).
 """
+import functools
 import time
 import warnings
 
@@ -271,9 +272,11 @@ def _prestarts(monkeypatch, **flags):
   monkeypatch.setattr(la, "prestart", lambda: started.append("mosaic"))
   monkeypatch.setattr(compile_triton, "prestart", lambda: started.append("triton"))
   monkeypatch.setattr(backends, "triton_available", lambda: True)
-  backends._prestart_triton_compiles.cache_clear()
+  # a fresh once-per-process cache for this call; the process' own is restored after the test
+  once = backends._prestart_triton_compiles
+  monkeypatch.setattr(backends, "_prestart_triton_compiles",
+                      functools.cache(getattr(once, "__wrapped__", once)))
   kernels.prestart_compiles(**flags)
-  backends._prestart_triton_compiles.cache_clear()
   return started
 
 
