@@ -436,9 +436,6 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
     tx.update + apply_updates instead of the fused coat_adamw_apply.
   """
   kernels.current_backend()   # a bad COAT_JAX_KERNELS: its one-line ValueError now, not in a trace
-  with kernels.use(cfg.kernels):   # the kernels' compile workers start while the model is made
-    kernels.prestart_compiles(mosaic=cfg.precision != "bf16",
-                              triton=cfg.optimizer.name == "coat_adamw")
   if AUTO in (cfg.model.remat, cfg.optimizer.accumulate):
     raise ValueError("model.remat / optimizer.accumulate 'auto' are chosen before the first step "
                      "by coat_jax.training.plan.Planner (as train.py does); build takes the "
@@ -451,6 +448,9 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
   if cfg.data.batch_size % (micro * shards):
     raise ValueError(f"data.batch_size={cfg.data.batch_size} is not divisible by "
                      f"optimizer.accumulate={micro} microbatches x {shards} batch shards")
+  with kernels.use(cfg.kernels):   # the kernels' compile workers start while the model is made
+    kernels.prestart_compiles(mosaic=cfg.precision != "bf16",
+                              triton=cfg.optimizer.name == "coat_adamw")
   seed = cfg.run.seed if seed is None else seed
   llama_cfg = model_config(cfg, vocab_size)
   group = cfg.optimizer.group_size if cfg.optimizer.name == "coat_adamw" else None
