@@ -156,6 +156,30 @@ def test_dispatch_matches_the_float64_spec_and_odd_shapes_take_the_reference(rng
                            cut(m), cut(v), args)
 
 
+def test_tree_step_traces_each_leaf_setting_once(monkeypatch, rng):
+  """coat_adam_tree_step traces `coat_adam_step` once per distinct (shape, setting): four
+  (4, 256) leaves and one (2, 128), with and without decay, are three traces, and every leaf's
+  result is its own step's."""
+  leaves = [_state(rng, s, "e4m3", "e4m3", True) for s in [(4, 256)] * 4 + [(2, 128)]]
+  decay = [True, True, False, True, True]
+  args = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, count=jnp.int32(3), m_format="e4m3",
+              v_format="e4m3", group_size=128, expand=True, expand_min=16)
+  traced = []
+  step = kernels_adam.coat_adam_step
+  monkeypatch.setattr(kernels_adam, "coat_adam_step",
+                      lambda *a, **k: traced.append(a[0].shape) or step(*a, **k))
+  kernels_adam._leaf_step_jit.cache_clear()
+  got = jax.jit(lambda ls: kernels_adam.coat_adam_tree_step(
+      *[list(x) for x in zip(*ls)], decay, weight_decay=0.1, **args))(leaves)
+  assert len(traced) == 3, traced
+  for (p, g, m, v), d, out in zip(leaves, decay, got):
+    want = jax.jit(functools.partial(adam_math.adam_step_reference,
+                                     weight_decay=0.1 if d else 0.0, **args))(p, g, m, v)
+    _assert_updates_close(out[0], want[0])
+    _assert_moments_close(out[1], want[1], "e4m3")
+    _assert_moments_close(out[2], want[2], "e4m3")
+
+
 # ------------------------------------------------------------------------------------------------
 # coat_adamw through the dispatch: the Pallas backend must give the reference backend's step.
 

@@ -81,6 +81,33 @@ def test_scan_matches_loop(mode, rng):
   compare_grads(g0, g1, tol, 1 - tol, f"{mode} scan vs loop")
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_blocks_traced_once(remat, monkeypatch, rng):
+  """Unrolled layers share one traced block: the train step's forward and backward trace the
+  decoder block once for three layers, and the jaxpr calls that block's jaxpr (and its backward's)
+  per layer."""
+  from coat_jax.models import llama as llama_lib
+  from coat_jax.nn import layers as layers_lib
+  calls = []
+  block_call = layers_lib.DecoderBlock.__call__
+  monkeypatch.setattr(layers_lib.DecoderBlock, "__call__",
+                      lambda self, *a, **k: calls.append(1) or block_call(self, *a, **k))
+  llama_lib.unrolled_block_fn.cache_clear()    # a fresh jit: no trace from an earlier test
+  cfg = tiny(precision="coat", num_layers=3, scan_layers=False, remat=remat)
+  model = Llama(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+  tokens = tokens_for(rng, cfg, seq=17)
+  graphdef, state = nnx.split(model)
+  grad_fn = jax.value_and_grad(lambda st, t: loss_fn(nnx.merge(graphdef, st), t))
+  jaxpr = jax.make_jaxpr(grad_fn)(state, tokens)
+  assert len(calls) == 1, f"the block was traced {len(calls)} times for 3 layers"
+  block_jaxprs = [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns
+                  if e.primitive.name in ("pjit", "jit") and e.params["name"] == "run_block"]
+  # three forward calls of one jaxpr, three backward calls of one (the block's transpose)
+  assert len(block_jaxprs) == 6 and len({id(j) for j in block_jaxprs}) == 2, block_jaxprs
+  loss, grads = jax.jit(grad_fn)(state, tokens)
+  assert np.isfinite(float(loss)) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
 @pytest.mark.parametrize("mode,remat,scan", [
     ("bf16", "full", True), ("coat", "full", True),
     # CI time: these run with --slow (full, fp8_residuals, scanned and not, keep coat covered)

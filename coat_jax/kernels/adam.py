@@ -10,9 +10,12 @@ its local moments (`backends.rows`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from coat_jax import adam_math, expansion, formats, packed_state
 from coat_jax.expansion import ExpandedMoment
@@ -138,10 +141,33 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
   for p, g, m, v, d, axis in zip(params, grads, ms, vs, decay, group_axes):
     wd = weight_decay if d else 0.0
     if isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment):
-      results.append(coat_adam_step(p, g, m, v, weight_decay=wd, group_axis=axis, **common))
+      results.append(_leaf_step_traced_once(p, g, m, v, weight_decay=wd, group_axis=axis,
+                                            **common))
     else:
       results.append(adam_math.adam_step_reference(p, g, m, v, weight_decay=wd, **common))
   return results
+
+
+def _leaf_step_traced_once(param, grad, m, v, **kwargs):
+  """`coat_adam_step` through a jit made once per distinct setting (the keyword arguments that
+  are not arrays, by type and value): leaves of one shape and setting share one trace and one
+  lowering, which the step calls once per leaf. An unrolled model has every layer's leaves apart
+  (7 per Llama block): traced per leaf, each jax-triton call's lowering packed and compressed
+  the kernel anew. A setting that cannot be a cache key runs `coat_adam_step` itself."""
+  arrays = {k: x for k, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray))}
+  static = tuple(sorted((k, type(x), x) for k, x in kwargs.items() if k not in arrays))
+  try:
+    fn = _leaf_step_jit(static)
+  except TypeError:    # an unhashable setting
+    return coat_adam_step(param, grad, m, v, **kwargs)
+  return fn(param, grad, m, v, arrays)
+
+
+@functools.cache
+def _leaf_step_jit(static: tuple):
+  settings = {k: x for k, _, x in static}
+  return jax.jit(lambda param, grad, m, v, arrays: coat_adam_step(param, grad, m, v, **settings,
+                                                                  **arrays))
 
 
 def coat_adam_packed_step(params, grads, m: packed_state.PackedMoments,
