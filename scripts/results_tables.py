@@ -324,9 +324,12 @@ def compile_7b(src: Sources) -> list[str]:
                                "compile s, unrolled", "XLA predicted GB, unrolled"], rows)
 
 
-COMPILE_OLMO_RUNS = (("olmo1b_compile_prestart_h200", "first run"),
-                     ("olmo1b_compile_prestart_rerun_h200", "second run, a later lease"),
-                     ("olmo1b_compile_h200", "before (workers started at the first kernel, 2 threads)"))
+COMPILE_OLMO_RUNS = (
+    ("olmo1b_compile_traced_once_h200", "layers and optimizer leaves traced once"),
+    ("olmo1b_compile_traced_once_rerun_h200", "same, a later lease"),
+    ("olmo1b_compile_prestart_h200", "before: each layer and leaf traced apart"),
+    ("olmo1b_compile_prestart_rerun_h200", "same, a later lease"),
+    ("olmo1b_compile_h200", "before that: workers started at the first kernel, 2 threads"))
 
 
 def compile_olmo(src: Sources) -> list[str]:
@@ -363,6 +366,25 @@ def compile_warm(src: Sources) -> list[str]:
                          fmt(r("compile_s"), ".1f"), fmt(total, ".1f")]))
   return rows_table(src, sid, ["step, kernels compiled ahead on", "trace s", "lower s",
                                "compile s", "total s"], rows)
+
+
+TRACED_ONCE_VARIANTS = (("bf16 + optax.adamw, unrolled", 0), ("coat + coat_adamw, unrolled", 1),
+                        ("coat + coat_adamw, scanned", 2))
+
+
+def compile_traced_once(src: Sources) -> list[str]:
+  """compile_breakdown's trace / lower / compile seconds with the layers and optimizer leaves
+  traced once."""
+  sid = "compile_traced_once_olmo1b_h200"
+  rows = []
+  for label, i in TRACED_ONCE_VARIANTS:
+    r = lambda k: src.value(sid, f"rows.{i}.{k}")
+    total = r("trace_s") + r("lower_s") + r("compile_s")
+    rows.append((label, [fmt(r("trace_s"), ".1f"), fmt(r("lower_s"), ".1f"),
+                         fmt(r("compile_s"), ".1f"), fmt(total, ".1f"),
+                         f"{r('hlo.instructions'):,}"]))
+  return rows_table(src, sid, ["step", "trace s", "lower s", "compile s", "total s",
+                               "HLO instructions"], rows)
 
 
 def largest_batch_7b(src: Sources) -> list[str]:
@@ -926,7 +948,8 @@ TABLES = {
   "summed_in_place": summed_in_place, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
   "largest_models": largest_models, "largest_summary": largest_summary,
   "equal_batch_7b": equal_batch_7b, "optimizer_stacked": optimizer_stacked,
-  "compile_olmo": compile_olmo, "compile_warm": compile_warm, "largest_batch_7b": largest_batch_7b,
+  "compile_olmo": compile_olmo, "compile_warm": compile_warm,
+  "compile_traced_once": compile_traced_once, "largest_batch_7b": largest_batch_7b,
   "step_memory_sr": step_memory_sr, "swiglu_weight_codes": swiglu_weight_codes,
   "step_profile_7b": step_profile_7b,
   "checkpoint_memory": checkpoint_memory,
