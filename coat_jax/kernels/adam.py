@@ -163,8 +163,10 @@ def _leaf_step_traced_once(param, grad, m, v, **kwargs):
   return fn(param, grad, m, v, arrays)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def _leaf_step_jit(static: tuple):
+  """The jitted `coat_adam_step` of one setting; bounded, since a float setting that changes on
+  every call (an eager step given a new Python learning rate each time) adds one per call."""
   settings = {k: x for k, _, x in static}
   return jax.jit(lambda param, grad, m, v, arrays: coat_adam_step(param, grad, m, v, **settings,
                                                                   **arrays))
