@@ -354,18 +354,25 @@ WARM_VARIANTS = (("bf16 + optax.adamw, unrolled", 0), ("coat, unrolled, 8 thread
                  ("coat, scanned, none ahead", 5))
 
 
+def _breakdown_rows(src: Sources, sid: str, variants, instructions: bool = False) -> list:
+  """compile_breakdown's JSON rows as (label, [trace s, lower s, compile s, total s (, HLO
+  instructions)]) for (label, row index) pairs."""
+  rows = []
+  for label, i in variants:
+    r = lambda k: src.value(sid, f"rows.{i}.{k}")
+    total = r("trace_s") + r("lower_s") + r("compile_s")
+    cells = [fmt(r("trace_s"), ".1f"), fmt(r("lower_s"), ".1f"), fmt(r("compile_s"), ".1f"),
+             fmt(total, ".1f")]
+    rows.append((label, cells + ([f"{r('hlo.instructions'):,}"] if instructions else [])))
+  return rows
+
+
 def compile_warm(src: Sources) -> list[str]:
   """compile_breakdown's trace / lower / compile seconds with the kernels compiled ahead on 8,
   2 or no threads."""
   sid = "compile_warm_threads_olmo1b_h200"
-  rows = []
-  for label, i in WARM_VARIANTS:
-    r = lambda k: src.value(sid, f"rows.{i}.{k}")
-    total = r("trace_s") + r("lower_s") + r("compile_s")
-    rows.append((label, [fmt(r("trace_s"), ".1f"), fmt(r("lower_s"), ".1f"),
-                         fmt(r("compile_s"), ".1f"), fmt(total, ".1f")]))
   return rows_table(src, sid, ["step, kernels compiled ahead on", "trace s", "lower s",
-                               "compile s", "total s"], rows)
+                               "compile s", "total s"], _breakdown_rows(src, sid, WARM_VARIANTS))
 
 
 TRACED_ONCE_VARIANTS = (("bf16 + optax.adamw, unrolled", 0), ("coat + coat_adamw, unrolled", 1),
@@ -376,15 +383,9 @@ def compile_traced_once(src: Sources) -> list[str]:
   """compile_breakdown's trace / lower / compile seconds with the layers and optimizer leaves
   traced once."""
   sid = "compile_traced_once_olmo1b_h200"
-  rows = []
-  for label, i in TRACED_ONCE_VARIANTS:
-    r = lambda k: src.value(sid, f"rows.{i}.{k}")
-    total = r("trace_s") + r("lower_s") + r("compile_s")
-    rows.append((label, [fmt(r("trace_s"), ".1f"), fmt(r("lower_s"), ".1f"),
-                         fmt(r("compile_s"), ".1f"), fmt(total, ".1f"),
-                         f"{r('hlo.instructions'):,}"]))
   return rows_table(src, sid, ["step", "trace s", "lower s", "compile s", "total s",
-                               "HLO instructions"], rows)
+                               "HLO instructions"],
+                    _breakdown_rows(src, sid, TRACED_ONCE_VARIANTS, instructions=True))
 
 
 def largest_batch_7b(src: Sources) -> list[str]:
