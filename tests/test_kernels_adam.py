@@ -2,6 +2,7 @@
 from the spec (on the CPU the reference; on a GPU the jax-triton kernel), and coat_adamw on the
 kernel against the reference backend (GPU)."""
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 
 from coat_jax import adam_math, expansion, kernels, optim
 from coat_jax.kernels import adam as kernels_adam
+from tests import adam_standin
 from tests.test_optim import _np_expand
 from tests.jaxpr_walk import equations
 
@@ -168,7 +170,6 @@ def test_tree_step_traces_each_leaf_setting_once(monkeypatch, rng):
   step = kernels_adam.coat_adam_step
   monkeypatch.setattr(kernels_adam, "coat_adam_step",
                       lambda *a, **k: traced.append(a[0].shape) or step(*a, **k))
-  kernels_adam._leaf_step_jit.cache_clear()
   got = jax.jit(lambda ls: kernels_adam.coat_adam_tree_step(
       *[list(x) for x in zip(*ls)], decay, weight_decay=0.1, **args))(leaves)
   assert len(traced) == 3, traced
@@ -178,6 +179,23 @@ def test_tree_step_traces_each_leaf_setting_once(monkeypatch, rng):
     _assert_updates_close(out[0], want[0])
     _assert_moments_close(out[1], want[1], "e4m3")
     _assert_moments_close(out[2], want[2], "e4m3")
+
+
+def test_tree_step_traced_anew_for_each_step(monkeypatch, rng):
+  """The per-setting jits live for one tree step: the same step traced again after the Adam
+  kernel appeared (its stand-in installed) calls it, not the first trace's reference."""
+  leaves = [_state(rng, (4, 256), "e4m3", "e4m3", True) for _ in range(2)]
+  args = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, count=jnp.int32(3), m_format="e4m3",
+              v_format="e4m3", group_size=128, expand=True, expand_min=16)
+  step = lambda ls: kernels_adam.coat_adam_tree_step(*[list(x) for x in zip(*ls)], [True] * 2,
+                                                     weight_decay=0.1, **args)
+  takes_nothing = types.SimpleNamespace(supported=lambda *a, **k: False)
+  monkeypatch.setattr(kernels_adam, "_triton_kernels", lambda: takes_nothing)   # the reference
+  with kernels.backend("adam=triton"):   # a new function each time, as a new train step
+    jax.make_jaxpr(lambda ls: step(ls))(leaves)
+    shapes = adam_standin.install(monkeypatch)
+    jax.make_jaxpr(lambda ls: step(ls))(leaves)
+  assert shapes and set(shapes) == {(4, 256)}, shapes
 
 
 # ------------------------------------------------------------------------------------------------

@@ -86,13 +86,11 @@ def test_unrolled_blocks_traced_once(remat, monkeypatch, rng):
   """Unrolled layers share one traced block: the train step's forward and backward trace the
   decoder block once for three layers, and the jaxpr calls that block's jaxpr (and its backward's)
   per layer."""
-  from coat_jax.models import llama as llama_lib
   from coat_jax.nn import layers as layers_lib
   calls = []
   block_call = layers_lib.DecoderBlock.__call__
   monkeypatch.setattr(layers_lib.DecoderBlock, "__call__",
                       lambda self, *a, **k: calls.append(1) or block_call(self, *a, **k))
-  llama_lib.unrolled_block_fn.cache_clear()    # a fresh jit: no trace from an earlier test
   cfg = tiny(precision="coat", num_layers=3, scan_layers=False, remat=remat)
   model = Llama(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
   tokens = tokens_for(rng, cfg, seq=17)
@@ -215,6 +213,23 @@ def test_train_step_contains_pallas_fp8_gemm_when_forced(rng):
     dots, calls = fp8_dots_and_pallas_calls(
         train_step_jaxpr(dataclasses.replace(cfg, precision="bf16"), tokens))
   assert (dots, calls) == (0, 0)
+
+
+def test_unrolled_block_traced_anew_for_each_forward(monkeypatch, rng):
+  """The shared block's jit lives for one forward: a second trace of the same model runs the
+  block's Python again, so that what the trace reads outside JAX's own context (a kernel switch,
+  a patched op) is read anew, never replayed from an earlier trace."""
+  from coat_jax.nn import layers as layers_lib
+  cfg = tiny(precision="coat", num_layers=2, scan_layers=False)
+  model = Llama(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+  tokens = tokens_for(rng, cfg, seq=17)
+  jax.make_jaxpr(lambda m, t: loss_fn(m, t))(model, tokens)
+  calls = []
+  block_call = layers_lib.DecoderBlock.__call__
+  monkeypatch.setattr(layers_lib.DecoderBlock, "__call__",
+                      lambda self, *a, **k: calls.append(1) or block_call(self, *a, **k))
+  jax.make_jaxpr(lambda m, t: loss_fn(m, t))(model, tokens)
+  assert len(calls) == 1, calls
 
 
 # Attention with FP8-saved q, k, v vs the same "coat" model saving them in bf16 (same weights,

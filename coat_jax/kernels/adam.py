@@ -10,7 +10,6 @@ its local moments (`backends.rows`).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -137,39 +136,36 @@ def coat_adam_tree_step(params, grads, ms, vs, decay, *, lr, b1, b2, eps, weight
   common = dict(lr=lr, b1=b1, b2=b2, eps=eps, count=count, m_format=m_format,
                 v_format=v_format, group_size=group_size, expand=expand, expand_min=expand_min,
                 output=output, grad_scale=grad_scale)
-  results = []
+  results, jits = [], {}
   for p, g, m, v, d, axis in zip(params, grads, ms, vs, decay, group_axes):
     wd = weight_decay if d else 0.0
     if isinstance(m, ExpandedMoment) and isinstance(v, ExpandedMoment):
-      results.append(_leaf_step_traced_once(p, g, m, v, weight_decay=wd, group_axis=axis,
+      results.append(_leaf_step_traced_once(jits, p, g, m, v, weight_decay=wd, group_axis=axis,
                                             **common))
     else:
       results.append(adam_math.adam_step_reference(p, g, m, v, weight_decay=wd, **common))
   return results
 
 
-def _leaf_step_traced_once(param, grad, m, v, **kwargs):
+def _leaf_step_traced_once(jits: dict, param, grad, m, v, **kwargs):
   """`coat_adam_step` through a jit made once per distinct setting (the keyword arguments that
-  are not arrays, by type and value): leaves of one shape and setting share one trace and one
-  lowering, which the step calls once per leaf. An unrolled model has every layer's leaves apart
-  (7 per Llama block): traced per leaf, each jax-triton call's lowering packed and compressed
-  the kernel anew. A setting that cannot be a cache key runs `coat_adam_step` itself."""
+  are not arrays, by type and value) and kept in `jits`: leaves of one shape and setting share
+  one trace and one lowering, which the step calls once per leaf. An unrolled model has every
+  layer's leaves apart (7 per Llama block): traced per leaf, each jax-triton call's lowering
+  packed and compressed the kernel anew. `jits` lives for one tree step, so a trace never
+  outlives the kernel choices of its context (`kernels.backend`, the mesh). A setting that
+  cannot be a key runs `coat_adam_step` itself."""
   arrays = {k: x for k, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray))}
   static = tuple(sorted((k, type(x), x) for k, x in kwargs.items() if k not in arrays))
   try:
-    fn = _leaf_step_jit(static)
+    fn = jits.get(static)
   except TypeError:    # an unhashable setting
     return coat_adam_step(param, grad, m, v, **kwargs)
+  if fn is None:
+    settings = {k: x for k, _, x in static}
+    fn = jits[static] = jax.jit(lambda p, g, m, v, arrays: coat_adam_step(p, g, m, v, **settings,
+                                                                          **arrays))
   return fn(param, grad, m, v, arrays)
-
-
-@functools.lru_cache(maxsize=256)
-def _leaf_step_jit(static: tuple):
-  """The jitted `coat_adam_step` of one setting; bounded, since a float setting that changes on
-  every call (an eager step given a new Python learning rate each time) adds one per call."""
-  settings = {k: x for k, _, x in static}
-  return jax.jit(lambda param, grad, m, v, arrays: coat_adam_step(param, grad, m, v, **settings,
-                                                                  **arrays))
 
 
 def coat_adam_packed_step(params, grads, m: packed_state.PackedMoments,

@@ -12,7 +12,6 @@ block, not num_layers copies. With `scan_layers=False` they are a Python list of
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from typing import Any
 
@@ -405,7 +404,6 @@ class Llama(nnx.Module):
     return self.logits(tokens, segment_ids).astype(jnp.float32)
 
 
-@functools.cache
 def unrolled_block_fn(remat: str):
   """One unrolled decoder block as a jitted pure function (graphdef static; params, x, cos, sin,
   positions, segment_ids traced), under the remat policy `remat` (REMAT_POLICIES).
@@ -414,7 +412,9 @@ def unrolled_block_fn(remat: str):
   differentiates and lowers the block once and calls it once per layer (the StableHLO holds one
   function; XLA inlines its calls and compiles every layer as before). A coat block is ~6x the
   equations of a bf16 one (each FP8 GEMM's scale arithmetic, the kernels' calls): traced per
-  layer, its tracing and lowering grew with the layer count."""
+  layer, its tracing and lowering grew with the layer count. A new function for each forward:
+  its trace holds the kernel choices of that forward's context (`coat_jax.kernels.backend`, the
+  mesh), which a jit kept across forwards would reuse where they differ."""
   def run_block(graphdef, params, x, cos, sin, positions, segment_ids):
     return nnx.merge(graphdef, params)(x, cos, sin, positions, segment_ids)
 
