@@ -172,8 +172,10 @@ def quantize_per_group(x: jax.Array, group_size: int = 16, fmt: str | Format = "
 
 
 def expand_groups(per_group: jax.Array, group_size: int, n: int) -> jax.Array:
-  """Repeats per-group values G times along the last axis and trims to length n."""
-  return jnp.repeat(per_group, group_size, axis=-1, total_repeat_length=per_group.shape[-1] * group_size)[..., :n]
+  """Repeats per-group values G times along the last axis and trims to length n (a broadcast:
+  jnp.repeat given `total_repeat_length` computes gather indices instead, a gather over the whole
+  activation in XLA's fusion)."""
+  return jnp.repeat(per_group, group_size, axis=-1)[..., :n]
 
 
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:

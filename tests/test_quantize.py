@@ -136,3 +136,16 @@ def test_representable_values_round_trip_exactly(rng, fmt):
   for q in (qz.quantize_per_tensor(x, fmt), qz.quantize_per_group(x, 16, fmt)):
     assert q.data.dtype == CODE_DTYPE[fmt]
     np.testing.assert_array_equal(np.asarray(q.dequantize(), np.float64), codes * 2.0 ** -5)
+
+
+@pytest.mark.parametrize("group_size,n", [(4, 26), (16, 112), (3, 20)])
+def test_expand_groups_is_a_broadcast(group_size, n, rng):
+  """Per-group values repeated along the last axis and trimmed: numpy's repeat, made of a
+  broadcast and a reshape (no gather over the whole activation in the dequantize)."""
+  x = jnp.asarray(rng.standard_normal((3, 5, -(-n // group_size))), jnp.float32)
+  got = qz.expand_groups(x, group_size, n)
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.repeat(np.asarray(x), group_size, axis=-1)[..., :n])
+  prims = {e.primitive.name for e in jax.make_jaxpr(
+      lambda a: qz.expand_groups(a, group_size, n))(x).jaxpr.eqns}
+  assert prims <= {"broadcast_in_dim", "reshape", "slice"}, prims
