@@ -7,7 +7,9 @@ Layers: with `scan_layers=True` (default) the decoder blocks are one `DecoderBlo
 parameters carry a leading layer axis (paths `layers/self_attn/q_proj/kernel`, shape
 (num_layers, D, H * Dh)); the forward is a `jax.lax.scan` over that axis, so XLA compiles one
 block, not num_layers copies. With `scan_layers=False` they are a Python list of blocks (paths
-`layers/0/self_attn/q_proj/kernel`). Both initialize the same weights from the same seed.
+`layers/0/self_attn/q_proj/kernel`), each run through one traced block (`unrolled_block_fn`: JAX
+traces and lowers the block once, XLA compiles every layer). Both initialize the same weights from
+the same seed.
 """
 from __future__ import annotations
 
