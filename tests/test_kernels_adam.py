@@ -158,14 +158,19 @@ def test_dispatch_matches_the_float64_spec_and_odd_shapes_take_the_reference(rng
                            cut(m), cut(v), args)
 
 
+def _tree_step_args() -> dict:
+  """coat_adam_tree_step's settings but weight_decay (its argument beside the decay flags)."""
+  return dict({k: v for k, v in HYPER.items() if k != "weight_decay"}, count=jnp.int32(3),
+              m_format="e4m3", v_format="e4m3", group_size=128, expand=True, expand_min=16)
+
+
 def test_tree_step_traces_each_leaf_setting_once(monkeypatch, rng):
   """coat_adam_tree_step traces `coat_adam_step` once per distinct (shape, setting): four
   (4, 256) leaves and one (2, 128), with and without decay, are three traces, and every leaf's
   result is its own step's."""
   leaves = [_state(rng, s, "e4m3", "e4m3", True) for s in [(4, 256)] * 4 + [(2, 128)]]
   decay = [True, True, False, True, True]
-  args = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, count=jnp.int32(3), m_format="e4m3",
-              v_format="e4m3", group_size=128, expand=True, expand_min=16)
+  args = _tree_step_args()
   traced = []
   step = kernels_adam.coat_adam_step
   monkeypatch.setattr(kernels_adam, "coat_adam_step",
@@ -185,8 +190,7 @@ def test_tree_step_traced_anew_for_each_step(monkeypatch, rng):
   """The per-setting jits live for one tree step: the same step traced again after the Adam
   kernel appeared (its stand-in installed) calls it, not the first trace's reference."""
   leaves = [_state(rng, (4, 256), "e4m3", "e4m3", True) for _ in range(2)]
-  args = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, count=jnp.int32(3), m_format="e4m3",
-              v_format="e4m3", group_size=128, expand=True, expand_min=16)
+  args = _tree_step_args()
   step = lambda ls: kernels_adam.coat_adam_tree_step(*[list(x) for x in zip(*ls)], [True] * 2,
                                                      weight_decay=0.1, **args)
   takes_nothing = types.SimpleNamespace(supported=lambda *a, **k: False)

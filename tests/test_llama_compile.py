@@ -81,16 +81,22 @@ def test_scan_matches_loop(mode, rng):
   compare_grads(g0, g1, tol, 1 - tol, f"{mode} scan vs loop")
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_unrolled_blocks_traced_once(remat, monkeypatch, rng):
-  """Unrolled layers share one traced block: the train step's forward and backward trace the
-  decoder block once for three layers, and the jaxpr calls that block's jaxpr (and its backward's)
-  per layer."""
+def _count_block_calls(monkeypatch) -> list:
+  """A list that gets an entry for every DecoderBlock call (every trace of a block) from now."""
   from coat_jax.nn import layers as layers_lib
   calls = []
   block_call = layers_lib.DecoderBlock.__call__
   monkeypatch.setattr(layers_lib.DecoderBlock, "__call__",
                       lambda self, *a, **k: calls.append(1) or block_call(self, *a, **k))
+  return calls
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_blocks_traced_once(remat, monkeypatch, rng):
+  """Unrolled layers share one traced block: the train step's forward and backward trace the
+  decoder block once for three layers, and the jaxpr calls that block's jaxpr (and its backward's)
+  per layer."""
+  calls = _count_block_calls(monkeypatch)
   cfg = tiny(precision="coat", num_layers=3, scan_layers=False, remat=remat)
   model = Llama(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
   tokens = tokens_for(rng, cfg, seq=17)
@@ -219,15 +225,11 @@ def test_unrolled_block_traced_anew_for_each_forward(monkeypatch, rng):
   """The shared block's jit lives for one forward: a second trace of the same model runs the
   block's Python again, so that what the trace reads outside JAX's own context (a kernel switch,
   a patched op) is read anew, never replayed from an earlier trace."""
-  from coat_jax.nn import layers as layers_lib
   cfg = tiny(precision="coat", num_layers=2, scan_layers=False)
   model = Llama(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
   tokens = tokens_for(rng, cfg, seq=17)
   jax.make_jaxpr(lambda m, t: loss_fn(m, t))(model, tokens)
-  calls = []
-  block_call = layers_lib.DecoderBlock.__call__
-  monkeypatch.setattr(layers_lib.DecoderBlock, "__call__",
-                      lambda self, *a, **k: calls.append(1) or block_call(self, *a, **k))
+  calls = _count_block_calls(monkeypatch)
   jax.make_jaxpr(lambda m, t: loss_fn(m, t))(model, tokens)
   assert len(calls) == 1, calls
 
