@@ -133,6 +133,18 @@ def test_kernel_interpret_cluster_pairs(rng, cluster_dim, wg_dim):
   assert _rel(out, _ref64(a, b, scale)) < 1e-6
 
 
+@pytest.mark.parametrize("k", [128, 640])
+def test_kernel_interpret_mma_in_flight(rng, k):
+  """One wgmma group left in flight per K step (the ring slot released a step later): float64's
+  product over several K steps and several tiles per CTA, and over one K step (none kept)."""
+  m, n = 256, 192
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  scale = jnp.float32(rng.uniform(0.1, 2.0))
+  cfg = dataclasses.replace(SMALL, stages=3, mma_in_flight=1)
+  out = fm.fp8_matmul_tn(a, b, scale, jnp.float32, config=cfg, interpret=_interp())
+  assert _rel(out, _ref64(a, b, scale)) < 1e-6
+
+
 def _qa(rng, shape, with_t=False, fmt="e4m3"):
   x = jnp.asarray(rng.normal(size=shape) * rng.uniform(0.5, 50.0), jnp.float32)
   return quantize_per_tensor(x, fmt, with_transpose=with_t)
@@ -204,6 +216,8 @@ def test_bad_arguments(rng):
     fm.validate_config(fm.GemmConfig(cluster_dim="k"), jnp.bfloat16)
   with pytest.raises(ValueError, match="exceed shared memory"):
     fm.validate_config(fm.GemmConfig(stages=8), jnp.bfloat16)
+  with pytest.raises(ValueError, match="mma_in_flight"):
+    fm.validate_config(fm.GemmConfig(mma_in_flight=2), jnp.bfloat16)
   qa = QuantizedArray(a, jnp.float32(1.0))
   qb = QuantizedArray(_fp8(rng, (128, 256)), jnp.float32(1.0))
   with pytest.raises(ValueError, match="contracting sizes"):
@@ -250,6 +264,21 @@ def test_gpu_cluster_pairs_equal_single_ctas(rng, cluster_dim):
     cfg = dataclasses.replace(fm.DEFAULT_CONFIG, cluster_dim=cluster_dim)
     run = lambda c: jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=c))
     out, ref = run(cfg)(a, b, scale), run(fm.DEFAULT_CONFIG)(a, b, scale)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_mma_in_flight_equals_waiting_each_step(rng):
+  """Leaving one wgmma group in flight per K step changes when ring slots are released, not the
+  products or their order: bit for bit the output of a kernel waiting at every step, over many
+  tiles per CTA (a slot refilled too early for the next tile would show here)."""
+  for m, n, k in [(4096, 4096, 2048), (1000, 1500, 700), (2048, 2048, 128)]:
+    a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+    scale = jnp.float32(rng.uniform(1e-3, 1e-1))
+    run = lambda c: jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=c))
+    cfg = lambda i: dataclasses.replace(fm.DEFAULT_CONFIG, mma_in_flight=i)
+    out, ref = run(cfg(1))(a, b, scale), run(cfg(0))(a, b, scale)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
 

@@ -58,6 +58,10 @@ TUNE = {
     "m128x128_s3": fm.GemmConfig(stages=3),
     "m128x128_e64x128": fm.GemmConfig(epi_n=128),
     "m128x128_e128x128": fm.GemmConfig(epi_m=128, epi_n=128),
+    # One wgmma group left in flight per K step (ring slots released a step later)
+    "m128x128_f1": fm.GemmConfig(mma_in_flight=1),
+    "n128x128_f1": fm.GemmConfig(wg_dim="n", mma_in_flight=1),
+    "m128x128_cn_f1": fm.GemmConfig(cluster_dim="n", mma_in_flight=1),
 }
 
 

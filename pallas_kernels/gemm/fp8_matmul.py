@@ -49,6 +49,13 @@ class GemmConfig:
     cluster_dim: None, or "m" / "n": two CTAs of a cluster take neighbouring CTA tiles along
       that dimension and load the operand they share once, multicast by TMA to both (B's tile
       for "m", A's for "n"); the grid is then the SM count's pairs.
+    mma_in_flight: 0 or 1, the `wgmma` groups a consumer leaves running when a K step returns.
+      0: each step waits for its own product, then releases its ring slot. 1: a step waits for
+      the previous step's product and releases that slot (`delay_release=1`), so the tensor
+      cores never wait for a consumer to issue its next `wgmma`; the last K step of a tile
+      waits for its own product too, so that every slot is released only once read. Same
+      output bit for bit; on OLMo-1B's six shapes within -5 % to +1 % of 0's time on the H200
+      (docs/kernels.md), so 0 by default.
   Default: CTA 256 x 128 (two 128 x 128 warpgroup tiles along M), 4 stages of 48 KiB; measured
   best-or-within-noise on the H100 for the square and 7B-layer shapes (docs/kernels.md, "The
   kernels").
@@ -63,6 +70,7 @@ class GemmConfig:
   grid_minor: str = "n"
   grid_tile_width: int = 8
   cluster_dim: str | None = None
+  mma_in_flight: int = 0
 
   @property
   def cluster_size(self) -> int:
@@ -103,6 +111,8 @@ def validate_config(cfg: GemmConfig, out_dtype) -> GemmConfig:
   """Checks the tiling; fills in `stages` when 0. Raises ValueError naming the problem."""
   if cfg.wg_dim not in ("m", "n") or cfg.grid_minor not in ("m", "n"):
     raise ValueError(f"wg_dim and grid_minor must be 'm' or 'n', got {cfg}")
+  if cfg.mma_in_flight not in (0, 1):
+    raise ValueError(f"mma_in_flight must be 0 or 1, got {cfg.mma_in_flight!r}")
   if cfg.cluster_dim not in (None, "m", "n"):
     raise ValueError(f"cluster_dim must be None, 'm' or 'n', got {cfg.cluster_dim!r}")
   if cfg.tile_m % 64:
@@ -160,6 +170,7 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
   slots = _out_slots(cfg)
   epi_per_row = tile_n // cfg.epi_n
   minor = 0 if cfg.grid_minor == "m" else 1
+  in_flight = cfg.mma_in_flight if k_iters > 1 else 0  # a ring of one step keeps none
 
   def body(a_gmem, b_gmem, scale_gmem, *outs, out_smem):
     out_gmem, amax_gmem = outs if with_amax else (outs[0], None)
@@ -171,10 +182,10 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
           memory_registers=40,
           in_specs=[
               plgpu.BlockSpec((cta_m, tile_k), lambda ki: (0, ki), transforms=in_transforms,
-                              memory_space=plgpu.SMEM,
+                              memory_space=plgpu.SMEM, delay_release=in_flight,
                               collective_axes=("cluster",) if pair_n else ()),
               plgpu.BlockSpec((cta_n, tile_k), lambda ki: (0, ki), transforms=in_transforms,
-                              memory_space=plgpu.SMEM,
+                              memory_space=plgpu.SMEM, delay_release=in_flight,
                               collective_axes=("cluster",) if pair_m else ()),
           ],
           wg_axis="wg",
@@ -236,9 +247,9 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
 
-        def step(_, a_smem, b_smem, acc_ref):
+        def step(idx, a_smem, b_smem, acc_ref):
           plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[b_rows].transpose((1, 0)))
-          plgpu.wgmma_wait(0)  # the slot is released when this step returns
+          _wait_for_products(idx, in_flight, k_iters)
           return acc_ref
 
         make_pipeline(step, context)(
@@ -262,6 +273,18 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=interpret,
   ))
+
+
+def _wait_for_products(idx, in_flight: int, k_iters: int) -> None:
+  """A K step's wait before the pipeline releases a ring slot (`GemmConfig.mma_in_flight`):
+  all but `in_flight` of the issued `wgmma` groups done; at a tile's last step, all of them (the
+  pipeline never releases the last `in_flight` slots itself, and the producer refills them for
+  the next tile once the step before returns)."""
+  plgpu.wgmma_wait(in_flight)
+  if in_flight:
+    @pl.when(idx[0] == k_iters - 1)
+    def _last_step():
+      plgpu.wgmma_wait(0)
 
 
 def _pad_to(x: jax.Array, rows: int, cols: int) -> jax.Array:
