@@ -54,7 +54,7 @@ class GemmConfig:
       the previous step's product and releases that slot (`delay_release=1`), so the tensor
       cores never wait for a consumer to issue its next `wgmma`; the last K step of a tile
       waits for its own product too, so that every slot is released only once read. Same
-      output bit for bit; on OLMo-1B's six shapes within -5 % to +1 % of 0's time on the H200
+      output bit for bit; on OLMo-1B's six shapes -2 % to +6 % of 0's time on the H200
       (docs/kernels.md), so 0 by default.
   Default: CTA 256 x 128 (two 128 x 128 warpgroup tiles along M), 4 stages of 48 KiB; measured
   best-or-within-noise on the H100 for the square and 7B-layer shapes (docs/kernels.md, "The
