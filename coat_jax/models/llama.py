@@ -333,7 +333,6 @@ class Llama(nnx.Module):
     positions = None if segment_ids is None else segment_positions(segment_ids)
     cos, sin = self.rope(tokens.shape[1])
     x = self.embed(tokens)
-    policy = REMAT_POLICIES[self.cfg.remat]
     in_layer_loop = uses_layer_loop(self.cfg)
     if layer_grads_into is not None and not in_layer_loop:
       raise ValueError("Llama: layer_grads_into needs scan_layers=True and the 'vjp_loop' layer "
@@ -351,7 +350,7 @@ class Llama(nnx.Module):
         return nnx.merge(graphdef, layer_params)(x, cos, sin, positions, segment_ids)
 
       if self.cfg.remat != "none":
-        block = jax.checkpoint(block, policy=policy, prevent_cse=False)
+        block = jax.checkpoint(block, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
       if in_layer_loop:
         x = layer_loop(block, x, stacked, self.cfg.scan_unroll, grads_into)
       else:
