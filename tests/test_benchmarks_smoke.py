@@ -399,7 +399,7 @@ def test_gemm_swiglu_bench_runs_every_path_and_prints_the_saving(capsys, monkeyp
 
   monkeypatch.setattr(bench, "median_ms_back_to_back", once)
   rows = bench.run_shape("small", 256, 128, 128, iters=1, interpret=True)
-  assert [r[0] for r in rows] == ["fused s2", "fused s3", "unfused", "GEMMs", "weights: default",
+  assert [r[0] for r in rows] == ["fused s4", "fused s5", "unfused", "GEMMs", "weights: default",
                                   "weights: interleaved"] and len(calls) == 6
   assert "saved by the fused kernel: 2.000 ms per layer (50.0%)" in capsys.readouterr().out   # 4 - 2
   monkeypatch.setattr(sys, "argv", ["bench_gemm_swiglu", "--shapes", "olmo,9b"])

@@ -10,6 +10,8 @@ default) against the "fused" path (two linears, then `kernels.swiglu_quantize`) 
 reference backend, where the two paths compute the same numbers. GPU: the compiled kernel, and a
 layer.
 """
+import functools
+
 import numpy as np
 import pytest
 
@@ -68,10 +70,13 @@ def _check_kernel(out, g64, u64, h_rtol, max_steps):
     assert steps.max() <= max_steps and np.mean(steps == 0) > 0.99
 
 
-@pytest.mark.parametrize("m,f,k,seed", [(256, 128, 256, 0), (512, 192, 128, 1)])
-def test_kernel_interpret_matches_float64(m, f, k, seed):
+@pytest.mark.parametrize("m,f,k,seed,ctas", [(256, 128, 256, 0, None), (512, 192, 128, 1, None),
+                                             (384, 192, 640, 5, 3)])
+def test_kernel_interpret_matches_float64(m, f, k, seed, ctas):
+  """Each consumer warpgroup's tiles (a CTA's tiles alternate between the two), over one K step
+  and over more K steps than ring slots (slots reused across tiles and warpgroups)."""
   x, wg, wu = _operands(m, f, k, seed)
-  out = jax.jit(_run_kernel)(x, wg, wu)
+  out = jax.jit(functools.partial(_run_kernel, num_ctas=ctas))(x, wg, wu)
   _check_kernel(out, *_products64(x, wg, wu), h_rtol=2.0 ** -8 + 2.0 ** -20, max_steps=1)
 
 
@@ -107,8 +112,10 @@ def test_interleave_and_errors():
                    np.asarray(u8, np.float32).reshape(3, 64, 256)], axis=1).reshape(384, 256)
   np.testing.assert_array_equal(np.asarray(wi8, np.float32), want)
   x, g, u = _operands(256, 128, 128, seed=3)
-  with pytest.raises(ValueError, match=r"M % 256"):
-    _run_kernel(x[:128], g, u)
+  with pytest.raises(ValueError, match=r"M % 128"):
+    _run_kernel(x[:192], g, u)
+  with pytest.raises(ValueError, match="stages"):
+    _run_kernel(x, g, u, stages=6)
   with pytest.raises(ValueError, match="must be equal"):
     fs.interleave_gate_up(g, u[:64])
   with pytest.raises(ValueError, match="must be float8"):

@@ -2,8 +2,9 @@
 
 Run on the GPU:  PYTHONUNBUFFERED=1 python3 -m benchmarks.kernels.bench_gemm_swiglu [--shapes olmo,7b]
 Rows (one layer's forward MLP input half, batch 8 x 2048 tokens; ms, median of back-to-back calls):
-  fused sN   pallas_kernels/fp8_gemm_swiglu with a ring of N stages: h, its 1 x 64 maxima and
-             gate's and up's 1 x 16 codes from one GEMM over the interleaved weight codes
+  fused sN   pallas_kernels/fp8_gemm_swiglu with a ring of N stages (4, the default, and 5): h,
+             its 1 x 64 maxima and gate's and up's 1 x 16 codes from one GEMM over the
+             interleaved weight codes
   unfused    the default path: two FP8 GEMMs writing gate and up in bf16, then
              `kernels.swiglu_quantize` (one kernel reading both)
   GEMMs      the two FP8 GEMMs alone (what the unfused path spends before its SwiGLU pass)
@@ -46,7 +47,7 @@ def run_shape(name, m, f, k, iters, interpret):
   interp = fm.interpret_params(interpret)
   wi = jax.jit(fs.interleave_gate_up)(wg, wu)
   rows = []
-  for stages in (2, 3):
+  for stages in (4, 5):
     fn = jax.jit(lambda x, w, s, n=stages: fs.fp8_gemm_swiglu(x, w, s, stages=n,
                                                               interpret=interp))
     rows.append((f"fused s{stages}", median_ms_back_to_back(fn, x, wi, scales, iters=iters)))

@@ -9,7 +9,7 @@ Kernels (`implementation("gemm")` is "mosaic"):
                         and N sharded and all-gathers an FSDP weight's rows as FP8 codes; a
                         contracting axis split over other mesh axes stays split: float32 partial
                         products, summed (psum) (`sharded.matmul_tn`).
-  gemm_swiglu_quantize  one device, bf16 out, M % 256, F % 64, K % 128 == 0
+  gemm_swiglu_quantize  one device, bf16 out, M % 128, F % 64, K % 128 == 0
                         (fp8_gemm_swiglu.py).
 """
 from __future__ import annotations

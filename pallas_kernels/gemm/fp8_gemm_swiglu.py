@@ -15,23 +15,28 @@ which COAT's MLP needs in its forward: h for the down projection, gate's and up'
 SwiGLU's residuals. Unfused: two GEMMs write g and u in bf16, and `swiglu_mgpu` reads them again.
 Here the codes are quantized from the float32 accumulators (no bf16 rounding of g and u first).
 
-The epilogue does not overlap the products, so its instructions are the kernel's cost beyond the
-GEMM, and most of them run on the special-function unit (16 results per clock per SM on Hopper,
-against 128 FMAs): an exp and every float32 division (div.full.f32: a reciprocal there). Per
-gate/up pair the epilogue takes one exp (`approx_math`: ex2.approx of x * log2(e), instead of
-libdevice's expf) and one division (silu), and per 16 pairs one division for each group's
-1 / scale, where dividing every element by its scale took two more per pair. g * (1 / scale) and
-g / scale differ by about a float32 ulp, so a code differs from quantize_mgpu's only where g /
-scale lies that close to an FP8 rounding boundary, by one step (3 of 16.8 million E4M3 codes of
-normal values in groups of 16, against IEEE division in numpy).
+Most of the epilogue's instructions run on the special-function unit (16 results per clock per
+SM on Hopper, against 128 FMAs) or reduce across lanes: an exp and every float32 division
+(div.full.f32: a reciprocal there), and each group's maximum. Per gate/up pair the epilogue takes
+one exp (`approx_math`: ex2.approx of x * log2(e), instead of libdevice's expf) and one division
+(silu), and per 16 pairs one division for each group's 1 / scale, where dividing every element by
+its scale took two more per pair. g * (1 / scale) and g / scale differ by about a float32 ulp, so
+a code differs from quantize_mgpu's only where g / scale lies that close to an FP8 rounding
+boundary, by one step (3 of 16.8 million E4M3 codes of normal values in groups of 16, against
+IEEE division in numpy).
 
-Kernel layout: fp8_matmul's (one CTA per SM, persistent; warpgroup 2 streams A's (256, 128) and
-B's (128, 128) tiles through a ring of `stages` slots; warpgroups 0 and 1 each own a 128 x 128
-float32 accumulator, the CTA's two halves along M). Interleaving puts 64 columns of gate and the
-same 64 of up in one accumulator, so SwiGLU is elementwise within it. The epilogue takes the
-accumulator 16 columns at a time for the group maxima (one group = one row of 16), stores h and
-the codes through swizzled shared memory with TMA and each group's scale straight to global
-memory (scales laid out (F / G, M): one row per group column, contiguous across rows).
+Kernel layout ("ping-pong"; one CTA per SM, persistent over output tiles): warpgroup 2 streams
+(128, 128) tiles of x and of the interleaved weights through a ring of `stages` shared-memory
+slots; warpgroups 0 and 1 each own whole 128 x 128 output tiles, alternating (a CTA's j-th tile
+goes to warpgroup j % 2), so that one warpgroup's epilogue runs while the other's `wgmma` streams
+(the epilogue is as long as a tile's products at K = 2048). Each warpgroup keeps one `wgmma` group
+in flight and releases a slot a step later. A consumer waits only on its own "full" barriers (so
+it sees every phase of the barriers it waits on); the producer waits on every release of a slot,
+the last `stages` after its loop. Interleaving puts 64 columns of gate and the same 64 of up in
+one accumulator, so SwiGLU is elementwise within it. The epilogue takes the accumulator 16
+columns at a time for the group maxima (one group = one row of 16), stores h and the codes
+through swizzled shared memory with TMA and each group's scale straight to global memory (scales
+laid out (F / G, M): one row per group column, contiguous across rows).
 Imports jax only.
 """
 from __future__ import annotations
@@ -50,8 +55,8 @@ from pallas_kernels.quantize.quantize_mgpu import group_scale, saturate, true_di
 KERNEL_NAME = "coat_fp8_gemm_swiglu_mgpu"
 HALF = 64                 # gate (and up) columns per warpgroup tile; the interleave block
 GROUP = 16                # the 1 x G quantize group
-TILE_M, TILE_K = 128, 128
-CTA_M = 2 * TILE_M        # two consumer warpgroups along M
+TILE_M, TILE_K = 128, 128  # one warpgroup's output tile rows; K per ring slot
+SMEM_BYTES = 232448       # per-block shared memory (Hopper, opt-in)
 H_DTYPES = (jnp.dtype(jnp.bfloat16),)
 SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -60,8 +65,8 @@ def problem(m: int, f: int, k: int, h_dtype) -> str | None:
   """Why the kernel does not take x (m, k) and gate/up (f, k) with h in h_dtype, or None."""
   if jnp.dtype(h_dtype) not in H_DTYPES:
     return f"h dtype {jnp.dtype(h_dtype)} (bfloat16 only)"
-  if m % CTA_M or f % HALF or k % TILE_K:
-    return f"(M, F, K) = {(m, f, k)}: M % {CTA_M}, F % {HALF} and K % {TILE_K} must be 0"
+  if m % TILE_M or f % HALF or k % TILE_K:
+    return f"(M, F, K) = {(m, f, k)}: M % {TILE_M}, F % {HALF} and K % {TILE_K} must be 0"
   return None
 
 
@@ -85,10 +90,18 @@ def interleave_gate_up(w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
   return out
 
 
+def _smem_bytes(stages: int, code_dtype) -> int:
+  """Shared memory of the ring (x's and the weights' (128, 128) FP8 tiles per slot) and of both
+  warpgroups' epilogue buffers (h, gate's and up's codes)."""
+  epilogue = 2 * TILE_M * HALF * (2 + 2 * jnp.dtype(code_dtype).itemsize)
+  return stages * (TILE_M + 2 * HALF) * TILE_K + epilogue + 1024
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fmax, floor):
   tile_n = 2 * HALF
-  m_iters, n_iters, k_iters = m // CTA_M, (2 * f) // tile_n, k // TILE_K
+  m_iters, n_iters, k_iters = m // TILE_M, (2 * f) // tile_n, k // TILE_K
+  tiles = m_iters * n_iters
   in_t = swizzled(TILE_K, jnp.float8_e4m3fn)
   h_t = swizzled(HALF, jnp.bfloat16)
   q_t = swizzled(HALF, code_dtype)
@@ -96,31 +109,55 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
   exact_div = interpret is not None
 
   def body(a_gmem, b_gmem, scale_gmem, h_gmem, hmax_gmem, gq_gmem, gs_gmem, uq_gmem, us_gmem,
-           h_smem, gq_smem, uq_smem):
-    def make_pipeline(step_fn, context_fn):
-      return plgpu.emit_pipeline_warp_specialized(
-          step_fn, grid=(k_iters,), memory_registers=40,
-          in_specs=[plgpu.BlockSpec((CTA_M, TILE_K), lambda ki: (0, ki), transforms=in_t,
-                                    memory_space=plgpu.SMEM),
-                    plgpu.BlockSpec((tile_n, TILE_K), lambda ki: (0, ki), transforms=in_t,
-                                    memory_space=plgpu.SMEM)],
-          wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
-          compute_context=context_fn)
+           a_smem, b_smem, full, empty, h_smem, gq_smem, uq_smem):
+    wg = lax.axis_index("wg")
+    scale_g, scale_u = scale_gmem[0], scale_gmem[1]
 
-    unused = lambda *_, **__: None
+    def tile_of(info):
+      """(j, mi, ni): the CTA's j-th tile and its place in the output (a snake for L2 reuse)."""
+      (lin,) = info.index
+      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, 8)
+      return info.local_index, mi, ni
 
-    @functools.partial(pl.run_scoped,
-                       allocs=make_pipeline(unused, unused).get_allocations(a_gmem, b_gmem),
-                       collective_axes="wg")
-    def _scope(allocs):
-      wg = lax.axis_index("wg")
-      scale_g, scale_u = scale_gmem[0], scale_gmem[1]
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def _tile_loop(info):
-        (lin,) = info.index
-        mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, 8)
-        rows = pl.ds(mi * CTA_M + wg * TILE_M, TILE_M)
+      @plgpu.nd_loop((tiles,), collective_axes="sm")
+      def _tile(info):
+        j, mi, ni = tile_of(info)
+        owner = lax.rem(j, 2)   # the consumer warpgroup of this tile: its "full" barriers
+
+        @pl.loop(0, k_iters)
+        def _k_step(ki):
+          step = j * k_iters + ki
+          slot = lax.rem(step, stages)
+
+          @pl.when(step >= stages)
+          def _wait_release():
+            plgpu.barrier_wait(empty.at[slot])
+          ks = pl.ds(ki * TILE_K, TILE_K)
+          filled = full.at[owner * stages + slot]
+          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(mi * TILE_M, TILE_M), ks], a_smem.at[slot],
+                                  filled)
+          plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(ni * tile_n, tile_n), ks], b_smem.at[slot],
+                                  filled)
+
+      # the last `stages` releases, observed before the barriers go
+      steps = (tiles - lax.axis_index("sm") + num_ctas - 1) // num_ctas * k_iters
+
+      @pl.loop(jnp.maximum(steps - stages, 0), steps)
+      def _drain(step):
+        plgpu.barrier_wait(empty.at[lax.rem(step, stages)])
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+
+      @plgpu.nd_loop((tiles,), collective_axes="sm")
+      def _tile(info):
+        j, mi, ni = tile_of(info)
+        rows = pl.ds(mi * TILE_M, TILE_M)
         cols = pl.ds(ni * HALF, HALF)
 
         def quantize(x, s_gmem):
@@ -137,10 +174,24 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
             s_gmem[ni * groups + q, rows] = stored
           return jnp.concatenate(codes, axis=1)
 
-        def context(run_pipeline):
+        @pl.when(lax.rem(j, 2) == wg)
+        def _mine():
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_M, tile_n), jnp.float32))
           def _acc_scope(acc_ref):
-            run_pipeline(acc_ref)
+            @pl.loop(0, k_iters)
+            def _k_step(ki):
+              step = j * k_iters + ki
+              slot = lax.rem(step, stages)
+              plgpu.barrier_wait(full.at[wg * stages + slot])
+              plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].transpose((1, 0)))
+              plgpu.wgmma_wait(1)   # the step before is done: release its slot
+
+              @pl.when(ki > 0)
+              def _release():
+                plgpu.barrier_arrive(empty.at[lax.rem(step - 1, stages)])
+
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(empty.at[lax.rem(j * k_iters + k_iters - 1, stages)])
             acc = acc_ref[...]
             g, u = acc[:, :HALF] * scale_g, acc[:, HALF:] * scale_u
             h = (g / (1.0 + jnp.exp(-g)) * u).astype(jnp.bfloat16)
@@ -155,15 +206,7 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
             plgpu.copy_smem_to_gmem(gq_smem.at[wg], gq_gmem.at[rows, cols])
             plgpu.copy_smem_to_gmem(uq_smem.at[wg], uq_gmem.at[rows, cols])
 
-        def step(_, a_smem, b_smem, acc_ref):
-          plgpu.wgmma(acc_ref, a_smem.at[pl.ds(wg * TILE_M, TILE_M)], b_smem.transpose((1, 0)))
-          plgpu.wgmma_wait(0)
-          return acc_ref
-
-        make_pipeline(step, context)(a_gmem.at[pl.ds(mi * CTA_M, CTA_M), :],
-                                     b_gmem.at[pl.ds(ni * tile_n, tile_n), :], allocations=allocs)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   codes = jax.ShapeDtypeStruct((m, f), code_dtype)
   scales = jax.ShapeDtypeStruct((f // GROUP, m), scale_dtype)
@@ -171,9 +214,14 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
       body,
       out_type=(jax.ShapeDtypeStruct((m, f), jnp.bfloat16),
                 jax.ShapeDtypeStruct((f // HALF, m), jnp.float32), codes, scales, codes, scales),
-      scratch_types=dict(h_smem=plgpu.SMEM((2, TILE_M, HALF), jnp.bfloat16, transforms=h_t),
-                         gq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t),
-                         uq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t)),
+      scratch_types=dict(
+          a_smem=plgpu.SMEM((stages, TILE_M, TILE_K), jnp.float8_e4m3fn, transforms=in_t),
+          b_smem=plgpu.SMEM((stages, tile_n, TILE_K), jnp.float8_e4m3fn, transforms=in_t),
+          full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # x's and w's copies
+          empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+          h_smem=plgpu.SMEM((2, TILE_M, HALF), jnp.bfloat16, transforms=h_t),
+          gq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t),
+          uq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t)),
       grid=(num_ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
       kernel_name=KERNEL_NAME,
       # approx_math: exp as ex2.approx of x * log2(e) (relative error ~2^-21) instead of
@@ -185,7 +233,7 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
 
 def fp8_gemm_swiglu(x: jax.Array, w_interleaved: jax.Array, scales: jax.Array, *,
                     code_dtype=jnp.float8_e4m3fn, fmax: float = 448.0, floor: float = 1e-10,
-                    scale_dtype=jnp.bfloat16, stages: int = 3, num_ctas: int | None = None,
+                    scale_dtype=jnp.bfloat16, stages: int = 4, num_ctas: int | None = None,
                     interpret=None):
   """SwiGLU of the gate/up product with gate's and up's 1 x 16 quantize (module docstring).
 
@@ -194,7 +242,7 @@ def fp8_gemm_swiglu(x: jax.Array, w_interleaved: jax.Array, scales: jax.Array, *
     scales: float32 (2,): (x.scale * W_g.scale, x.scale * W_u.scale).
     code_dtype, fmax: the codes' FP8 dtype and its largest finite value; floor: the scales'
       floor; scale_dtype: bfloat16 or float32.
-    stages: ring depth (3: 144 KiB of operand tiles beside 64 KiB of epilogue buffers).
+    stages: ring depth (4: 128 KiB of operand tiles beside 64 KiB of epilogue buffers; 2 to 5).
     num_ctas: persistent CTAs (default: the SM count). interpret: None on the GPU,
       `plgpu.InterpretGPUParams()` on the CPU.
   Returns:
@@ -210,7 +258,10 @@ def fp8_gemm_swiglu(x: jax.Array, w_interleaved: jax.Array, scales: jax.Array, *
     raise ValueError(f"fp8_gemm_swiglu: {why}")
   if jnp.dtype(scale_dtype) not in SCALE_DTYPES or jnp.dtype(code_dtype) not in FP8_DTYPES:
     raise ValueError(f"fp8_gemm_swiglu: scale dtype {scale_dtype} / code dtype {code_dtype}")
-  tiles = (m // CTA_M) * (f // HALF)
+  if stages < 2 or _smem_bytes(stages, code_dtype) > SMEM_BYTES:
+    raise ValueError(f"fp8_gemm_swiglu: {stages} stages (at least 2; "
+                     f"{_smem_bytes(stages, code_dtype)} B of shared memory, at most {SMEM_BYTES})")
+  tiles = (m // TILE_M) * (f // HALF)
   if num_ctas is None:
     num_ctas = 2 if interpret is not None else num_sms()
   fn = _kernel_fn(m, f, k, min(num_ctas, tiles), stages, interpret, jnp.dtype(code_dtype),
