@@ -145,6 +145,28 @@ def test_kernel_interpret_mma_in_flight(rng, k):
   assert _rel(out, _ref64(a, b, scale)) < 1e-6
 
 
+@pytest.mark.parametrize("m,n,k,in_flight,out_dtype", [
+    (200, 136, 640, 1, jnp.float32),     # padded; more K steps than ring slots
+    (256, 192, 128, 0, jnp.bfloat16),    # one K step
+    (320, 128, 384, 1, jnp.bfloat16),
+])
+def test_kernel_interpret_pingpong(rng, m, n, k, in_flight, out_dtype):
+  """The ping-pong schedule (each consumer warpgroup takes whole tiles in turn): float64's
+  product and the epilogue's maxima, over several tiles per warpgroup on 3 CTAs; the same
+  output as the cooperative schedule."""
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  scale = jnp.float32(rng.uniform(0.1, 2.0))
+  cfg = dataclasses.replace(SMALL, stages=3, schedule="pingpong", mma_in_flight=in_flight)
+  out, amax = fm.fp8_matmul_tn(a, b, scale, out_dtype, config=cfg, interpret=_interp(),
+                               num_ctas=3, with_amax=True)
+  tol = 1e-6 if out_dtype == jnp.float32 else 6e-3
+  assert out.shape == (m, n) and _rel(out, _ref64(a, b, scale)) < tol
+  ref, ref_amax = fm.fp8_matmul_tn(a, b, scale, out_dtype, config=SMALL, interpret=_interp(),
+                                   with_amax=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  np.testing.assert_array_equal(np.asarray(amax), np.asarray(ref_amax))
+
+
 def _qa(rng, shape, with_t=False, fmt="e4m3"):
   x = jnp.asarray(rng.normal(size=shape) * rng.uniform(0.5, 50.0), jnp.float32)
   return quantize_per_tensor(x, fmt, with_transpose=with_t)
@@ -218,6 +240,10 @@ def test_bad_arguments(rng):
     fm.validate_config(fm.GemmConfig(stages=8), jnp.bfloat16)
   with pytest.raises(ValueError, match="mma_in_flight"):
     fm.validate_config(fm.GemmConfig(mma_in_flight=2), jnp.bfloat16)
+  with pytest.raises(ValueError, match="schedule"):
+    fm.validate_config(fm.GemmConfig(schedule="round_robin"), jnp.bfloat16)
+  with pytest.raises(ValueError, match="pingpong"):
+    fm.validate_config(fm.GemmConfig(schedule="pingpong", cluster_dim="m"), jnp.bfloat16)
   qa = QuantizedArray(a, jnp.float32(1.0))
   qb = QuantizedArray(_fp8(rng, (128, 256)), jnp.float32(1.0))
   with pytest.raises(ValueError, match="contracting sizes"):
@@ -281,6 +307,23 @@ def test_gpu_mma_in_flight_equals_waiting_each_step(rng):
     out, ref = run(cfg(1))(a, b, scale), run(cfg(0))(a, b, scale)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_flight", [0, 1])
+def test_gpu_pingpong_equals_cooperative(rng, in_flight):
+  """The ping-pong schedule computes each output tile as the cooperative one does (same K
+  order): bit for bit its output and epilogue maxima, on padded and aligned shapes."""
+  cfg = dataclasses.replace(fm.DEFAULT_CONFIG, schedule="pingpong", mma_in_flight=in_flight)
+  for m, n, k in [(4096, 4096, 2048), (1000, 1500, 700), (2048, 2048, 128)]:
+    a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+    scale = jnp.float32(rng.uniform(1e-3, 1e-1))
+    run = lambda c: jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=c,
+                                                             with_amax=True))(a, b, scale)
+    (out, amax), (ref, ref_amax) = run(cfg), run(fm.DEFAULT_CONFIG)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(amax), np.asarray(ref_amax))
 
 
 @pytest.mark.gpu

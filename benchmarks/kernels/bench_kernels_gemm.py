@@ -62,6 +62,9 @@ TUNE = {
     "m128x128_f1": fm.GemmConfig(mma_in_flight=1),
     "n128x128_f1": fm.GemmConfig(wg_dim="n", mma_in_flight=1),
     "m128x128_cn_f1": fm.GemmConfig(cluster_dim="n", mma_in_flight=1),
+    # Ping-pong: each consumer warpgroup owns whole tiles, the two in turn (epilogue overlapped)
+    "pp128x128": fm.GemmConfig(schedule="pingpong"),
+    "pp128x128_f1": fm.GemmConfig(schedule="pingpong", mma_in_flight=1),
 }
 
 

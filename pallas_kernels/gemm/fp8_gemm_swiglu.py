@@ -25,15 +25,13 @@ a code differs from quantize_mgpu's only where g / scale lies that close to an F
 boundary, by one step (3 of 16.8 million E4M3 codes of normal values in groups of 16, against
 IEEE division in numpy).
 
-Kernel layout ("ping-pong"; one CTA per SM, persistent over output tiles): warpgroup 2 streams
-(128, 128) tiles of x and of the interleaved weights through a ring of `stages` shared-memory
-slots; warpgroups 0 and 1 each own whole 128 x 128 output tiles, alternating (a CTA's j-th tile
-goes to warpgroup j % 2), so that one warpgroup's epilogue runs while the other's `wgmma` streams
-(the epilogue is as long as a tile's products at K = 2048). Each warpgroup keeps one `wgmma` group
-in flight and releases a slot a step later. A consumer waits only on its own "full" barriers (so
-it sees every phase of the barriers it waits on); the producer waits on every release of a slot,
-the last `stages` after its loop. Interleaving puts 64 columns of gate and the same 64 of up in
-one accumulator, so SwiGLU is elementwise within it. The epilogue takes the accumulator 16
+Kernel layout: fp8_matmul's ping-pong schedule (`fp8_matmul.pingpong`; one CTA per SM,
+persistent over output tiles): warpgroup 2 streams (128, 128) tiles of x and of the interleaved
+weights through a ring of `stages` shared-memory slots; warpgroups 0 and 1 each own whole
+128 x 128 output tiles, alternating (a CTA's j-th tile goes to warpgroup j % 2), so that one
+warpgroup's epilogue runs while the other's `wgmma` streams (the epilogue is as long as a tile's
+products at K = 2048); each keeps one `wgmma` group in flight. Interleaving puts 64 columns of
+gate and the same 64 of up in one accumulator, so SwiGLU is elementwise within it. The epilogue takes the accumulator 16
 columns at a time for the group maxima (one group = one row of 16), stores h and the codes
 through swizzled shared memory with TMA and each group's scale straight to global memory (scales
 laid out (F / G, M): one row per group column, contiguous across rows).
@@ -49,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm.fp8_matmul import FP8_DTYPES, num_sms, swizzled
+from pallas_kernels.gemm.fp8_matmul import FP8_DTYPES, num_sms, pingpong, pingpong_ring, swizzled
 from pallas_kernels.quantize.quantize_mgpu import group_scale, saturate, true_div
 
 KERNEL_NAME = "coat_fp8_gemm_swiglu_mgpu"
@@ -101,112 +99,48 @@ def _smem_bytes(stages: int, code_dtype) -> int:
 def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fmax, floor):
   tile_n = 2 * HALF
   m_iters, n_iters, k_iters = m // TILE_M, (2 * f) // tile_n, k // TILE_K
-  tiles = m_iters * n_iters
-  in_t = swizzled(TILE_K, jnp.float8_e4m3fn)
   h_t = swizzled(HALF, jnp.bfloat16)
   q_t = swizzled(HALF, code_dtype)
   groups = HALF // GROUP
   exact_div = interpret is not None
 
   def body(a_gmem, b_gmem, scale_gmem, h_gmem, hmax_gmem, gq_gmem, gs_gmem, uq_gmem, us_gmem,
-           a_smem, b_smem, full, empty, h_smem, gq_smem, uq_smem):
-    wg = lax.axis_index("wg")
+           ring, h_smem, gq_smem, uq_smem):
     scale_g, scale_u = scale_gmem[0], scale_gmem[1]
 
-    def tile_of(info):
-      """(j, mi, ni): the CTA's j-th tile and its place in the output (a snake for L2 reuse)."""
-      (lin,) = info.index
-      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1, 8)
-      return info.local_index, mi, ni
+    def tile(wg, mi, ni, acc_ref):
+      rows = pl.ds(mi * TILE_M, TILE_M)
+      cols = pl.ds(ni * HALF, HALF)
 
-    @pl.when(wg == 2)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
+      def quantize(x, s_gmem):
+        """(TILE_M, HALF) float32 -> codes; each 1 x GROUP group's scale to s_gmem."""
+        codes = []
+        for q in range(groups):
+          part = x[:, q * GROUP:(q + 1) * GROUP]
+          stored = group_scale(jnp.max(jnp.abs(part), axis=1), fmax, floor).astype(scale_dtype)
+          # one division per group row, then a product per element (module docstring)
+          inv = true_div(jnp.float32(1.0), stored.astype(jnp.float32), exact_div)
+          y = part * jnp.broadcast_to(inv[:, None], part.shape)
+          codes.append(saturate(y, fmax).astype(code_dtype))
+          s_gmem[ni * groups + q, rows] = stored
+        return jnp.concatenate(codes, axis=1)
 
-      @plgpu.nd_loop((tiles,), collective_axes="sm")
-      def _tile(info):
-        j, mi, ni = tile_of(info)
-        owner = lax.rem(j, 2)   # the consumer warpgroup of this tile: its "full" barriers
+      acc = acc_ref[...]
+      g, u = acc[:, :HALF] * scale_g, acc[:, HALF:] * scale_u
+      h = (g / (1.0 + jnp.exp(-g)) * u).astype(jnp.bfloat16)
+      hmax_gmem[ni, rows] = jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1)
+      gq, uq = quantize(g, gs_gmem), quantize(u, us_gmem)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores read out
+      h_smem[wg] = h
+      gq_smem[wg] = gq
+      uq_smem[wg] = uq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(h_smem.at[wg], h_gmem.at[rows, cols])
+      plgpu.copy_smem_to_gmem(gq_smem.at[wg], gq_gmem.at[rows, cols])
+      plgpu.copy_smem_to_gmem(uq_smem.at[wg], uq_gmem.at[rows, cols])
 
-        @pl.loop(0, k_iters)
-        def _k_step(ki):
-          step = j * k_iters + ki
-          slot = lax.rem(step, stages)
-
-          @pl.when(step >= stages)
-          def _wait_release():
-            plgpu.barrier_wait(empty.at[slot])
-          ks = pl.ds(ki * TILE_K, TILE_K)
-          filled = full.at[owner * stages + slot]
-          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(mi * TILE_M, TILE_M), ks], a_smem.at[slot],
-                                  filled)
-          plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(ni * tile_n, tile_n), ks], b_smem.at[slot],
-                                  filled)
-
-      # the last `stages` releases, observed before the barriers go
-      steps = (tiles - lax.axis_index("sm") + num_ctas - 1) // num_ctas * k_iters
-
-      @pl.loop(jnp.maximum(steps - stages, 0), steps)
-      def _drain(step):
-        plgpu.barrier_wait(empty.at[lax.rem(step, stages)])
-
-    @pl.when(wg < 2)
-    def _consumer():
-      plgpu.set_max_registers(232, action="increase")
-
-      @plgpu.nd_loop((tiles,), collective_axes="sm")
-      def _tile(info):
-        j, mi, ni = tile_of(info)
-        rows = pl.ds(mi * TILE_M, TILE_M)
-        cols = pl.ds(ni * HALF, HALF)
-
-        def quantize(x, s_gmem):
-          """(TILE_M, HALF) float32 -> codes; each 1 x GROUP group's scale to s_gmem."""
-          codes = []
-          for q in range(groups):
-            part = x[:, q * GROUP:(q + 1) * GROUP]
-            stored = group_scale(jnp.max(jnp.abs(part), axis=1), fmax, floor).astype(
-                scale_dtype)
-            # one division per group row, then a product per element (module docstring)
-            inv = true_div(jnp.float32(1.0), stored.astype(jnp.float32), exact_div)
-            y = part * jnp.broadcast_to(inv[:, None], part.shape)
-            codes.append(saturate(y, fmax).astype(code_dtype))
-            s_gmem[ni * groups + q, rows] = stored
-          return jnp.concatenate(codes, axis=1)
-
-        @pl.when(lax.rem(j, 2) == wg)
-        def _mine():
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_M, tile_n), jnp.float32))
-          def _acc_scope(acc_ref):
-            @pl.loop(0, k_iters)
-            def _k_step(ki):
-              step = j * k_iters + ki
-              slot = lax.rem(step, stages)
-              plgpu.barrier_wait(full.at[wg * stages + slot])
-              plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].transpose((1, 0)))
-              plgpu.wgmma_wait(1)   # the step before is done: release its slot
-
-              @pl.when(ki > 0)
-              def _release():
-                plgpu.barrier_arrive(empty.at[lax.rem(step - 1, stages)])
-
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(empty.at[lax.rem(j * k_iters + k_iters - 1, stages)])
-            acc = acc_ref[...]
-            g, u = acc[:, :HALF] * scale_g, acc[:, HALF:] * scale_u
-            h = (g / (1.0 + jnp.exp(-g)) * u).astype(jnp.bfloat16)
-            hmax_gmem[ni, rows] = jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1)
-            gq, uq = quantize(g, gs_gmem), quantize(u, us_gmem)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores read out
-            h_smem[wg] = h
-            gq_smem[wg] = gq
-            uq_smem[wg] = uq
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(h_smem.at[wg], h_gmem.at[rows, cols])
-            plgpu.copy_smem_to_gmem(gq_smem.at[wg], gq_gmem.at[rows, cols])
-            plgpu.copy_smem_to_gmem(uq_smem.at[wg], uq_gmem.at[rows, cols])
-
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    pingpong(a_gmem, b_gmem, ring, tile, grid=(m_iters, n_iters, k_iters),
+             tile=(TILE_M, tile_n, TILE_K), num_ctas=num_ctas, in_flight=1, snake=(1, 8))
 
   codes = jax.ShapeDtypeStruct((m, f), code_dtype)
   scales = jax.ShapeDtypeStruct((f // GROUP, m), scale_dtype)
@@ -215,10 +149,7 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
       out_type=(jax.ShapeDtypeStruct((m, f), jnp.bfloat16),
                 jax.ShapeDtypeStruct((f // HALF, m), jnp.float32), codes, scales, codes, scales),
       scratch_types=dict(
-          a_smem=plgpu.SMEM((stages, TILE_M, TILE_K), jnp.float8_e4m3fn, transforms=in_t),
-          b_smem=plgpu.SMEM((stages, tile_n, TILE_K), jnp.float8_e4m3fn, transforms=in_t),
-          full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # x's and w's copies
-          empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+          ring=pingpong_ring(stages, TILE_M, tile_n, TILE_K),
           h_smem=plgpu.SMEM((2, TILE_M, HALF), jnp.bfloat16, transforms=h_t),
           gq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t),
           uq_smem=plgpu.SMEM((2, TILE_M, HALF), code_dtype, transforms=q_t)),

@@ -13,6 +13,9 @@ Kernel layout (one CTA per SM, persistent over output tiles):
   - epilogue: acc * scale, cast, staged through swizzled shared memory in (epi_m, epi_n) pieces
     and written with TMA stores, overlapping the next tile's loads; optionally the per-row
     maxima of |scale * acc| (stage 1 of quantizing the output, `with_amax`).
+`GemmConfig(schedule="pingpong")` (`pingpong`) instead gives each consumer warpgroup whole
+tiles in turn, so that one's epilogue overlaps the other's products; the SwiGLU epilogue kernel
+(fp8_gemm_swiglu.py) runs on it.
 Shapes that the tiles do not divide are zero-padded in the wrapper (zeros add nothing to the
 products) and the output sliced back.
 """
@@ -49,6 +52,11 @@ class GemmConfig:
     cluster_dim: None, or "m" / "n": two CTAs of a cluster take neighbouring CTA tiles along
       that dimension and load the operand they share once, multicast by TMA to both (B's tile
       for "m", A's for "n"); the grid is then the SM count's pairs.
+    schedule: "cooperative" (both consumer warpgroups share each CTA tile, split along wg_dim)
+      or "pingpong": each consumer warpgroup owns whole (tile_m, tile_n) tiles and the two take
+      a CTA's tiles in turn, so that one's epilogue runs while the other's `wgmma` streams (the
+      SwiGLU epilogue kernel's layout, fp8_gemm_swiglu.py); wg_dim is then unused and
+      cluster_dim must be None.
     mma_in_flight: 0 or 1, the `wgmma` groups a consumer leaves running when a K step returns.
       0: each step waits for its own product, then releases its ring slot. 1: a step waits for
       the previous step's product and releases that slot (`delay_release=1`), so the tensor
@@ -70,6 +78,7 @@ class GemmConfig:
   grid_minor: str = "n"
   grid_tile_width: int = 8
   cluster_dim: str | None = None
+  schedule: str = "cooperative"
   mma_in_flight: int = 0
 
   @property
@@ -78,11 +87,11 @@ class GemmConfig:
 
   @property
   def cta_m(self) -> int:
-    return self.tile_m * (2 if self.wg_dim == "m" else 1)
+    return self.tile_m * (2 if self.wg_dim == "m" and self.schedule == "cooperative" else 1)
 
   @property
   def cta_n(self) -> int:
-    return self.tile_n * (2 if self.wg_dim == "n" else 1)
+    return self.tile_n * (2 if self.wg_dim == "n" and self.schedule == "cooperative" else 1)
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -113,6 +122,10 @@ def validate_config(cfg: GemmConfig, out_dtype) -> GemmConfig:
     raise ValueError(f"wg_dim and grid_minor must be 'm' or 'n', got {cfg}")
   if cfg.mma_in_flight not in (0, 1):
     raise ValueError(f"mma_in_flight must be 0 or 1, got {cfg.mma_in_flight!r}")
+  if cfg.schedule not in ("cooperative", "pingpong"):
+    raise ValueError(f"schedule must be 'cooperative' or 'pingpong', got {cfg.schedule!r}")
+  if cfg.schedule == "pingpong" and cfg.cluster_dim is not None:
+    raise ValueError(f"schedule='pingpong' takes no cluster_dim, got {cfg.cluster_dim!r}")
   if cfg.cluster_dim not in (None, "m", "n"):
     raise ValueError(f"cluster_dim must be None, 'm' or 'n', got {cfg.cluster_dim!r}")
   if cfg.tile_m % 64:
@@ -172,6 +185,36 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
   minor = 0 if cfg.grid_minor == "m" else 1
   in_flight = cfg.mma_in_flight if k_iters > 1 else 0  # a ring of one step keeps none
 
+  def epilogue(acc_ref, scale, wg, out_smem, dst, amax_gmem, m0, group):
+    """The warpgroup's (tile_m, tile_n) accumulator times scale: its row maxima to amax_gmem
+    (with_amax), cast and stored to dst through out_smem in (epi_m, epi_n) pieces."""
+    scaled = acc_ref[...] * scale
+    if with_amax:
+      amax_gmem[group, pl.ds(m0, tile_m)] = jnp.max(jnp.abs(scaled), axis=1)
+    out = scaled.astype(out_dtype)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for em in range(tile_m // cfg.epi_m):
+      for en in range(epi_per_row):
+        rows = slice(em * cfg.epi_m, (em + 1) * cfg.epi_m)
+        cols = slice(en * cfg.epi_n, (en + 1) * cfg.epi_n)
+        slot = (em * epi_per_row + en) % slots
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+        out_smem[wg, slot] = out[rows, cols]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+
+  def pingpong_body(a_gmem, b_gmem, scale_gmem, *outs, out_smem, ring):
+    out_gmem, amax_gmem = outs if with_amax else (outs[0], None)
+    scale = scale_gmem[0]
+
+    def tile(wg, mi, ni, acc_ref):
+      dst = out_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)]
+      epilogue(acc_ref, scale, wg, out_smem, dst, amax_gmem, mi * tile_m, ni)
+
+    pingpong(a_gmem, b_gmem, ring, tile, grid=(m_iters, n_iters, k_iters),
+             tile=(tile_m, tile_n, tile_k), num_ctas=num_ctas, in_flight=cfg.mma_in_flight,
+             snake=(minor, cfg.grid_tile_width))
+
   def body(a_gmem, b_gmem, scale_gmem, *outs, out_smem):
     out_gmem, amax_gmem = outs if with_amax else (outs[0], None)
 
@@ -229,23 +272,10 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def _acc_scope(acc_ref):
             run_pipeline(acc_ref)
-            scaled = acc_ref[...] * scale
-            if with_amax:
-              wg_m0 = mi * cta_m + (wg * tile_m if cfg.wg_dim == "m" else 0)
-              group = ni * (cta_n // tile_n) + (wg if cfg.wg_dim == "n" else 0)
-              amax_gmem[group, pl.ds(wg_m0, tile_m)] = jnp.max(jnp.abs(scaled), axis=1)
-            out = scaled.astype(out_dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dst = out_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols]
-            for em in range(tile_m // cfg.epi_m):
-              for en in range(epi_per_row):
-                rows = slice(em * cfg.epi_m, (em + 1) * cfg.epi_m)
-                cols = slice(en * cfg.epi_n, (en + 1) * cfg.epi_n)
-                slot = (em * epi_per_row + en) % slots
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                out_smem[wg, slot] = out[rows, cols]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+            epilogue(acc_ref, scale, wg, out_smem,
+                     out_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols], amax_gmem,
+                     mi * cta_m + (wg * tile_m if cfg.wg_dim == "m" else 0),
+                     ni * (cta_n // tile_n) + (wg if cfg.wg_dim == "n" else 0))
 
         def step(idx, a_smem, b_smem, acc_ref):
           plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[b_rows].transpose((1, 0)))
@@ -257,13 +287,16 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  scratch = dict(out_smem=plgpu.SMEM((2, slots, cfg.epi_m, cfg.epi_n), out_dtype,
+                                     transforms=out_transforms))
+  if cfg.schedule == "pingpong":
+    scratch["ring"] = pingpong_ring(cfg.stages, tile_m, tile_n, tile_k)
   return jax.jit(plgpu.kernel(
-      body,
+      pingpong_body if cfg.schedule == "pingpong" else body,
       out_type=(jax.ShapeDtypeStruct((m, n), out_dtype),
                 jax.ShapeDtypeStruct((n // tile_n, m), jnp.float32)) if with_amax
       else jax.ShapeDtypeStruct((m, n), out_dtype),
-      scratch_types=dict(out_smem=plgpu.SMEM((2, slots, cfg.epi_m, cfg.epi_n), out_dtype,
-                                             transforms=out_transforms)),
+      scratch_types=scratch,
       grid=(num_ctas // cfg.cluster_size,),
       grid_names=("sm",),
       **(dict(cluster=(2,), cluster_names=("cluster",)) if cfg.cluster_dim else {}),
@@ -273,6 +306,110 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=interpret,
   ))
+
+
+def pingpong_ring(stages: int, tile_m: int, tile_n: int, tile_k: int) -> dict:
+  """`pingpong`'s shared memory: the ring's A and B slots, each consumer warpgroup's "full"
+  barriers (stages each; both copies of a slot arrive) and the slots' "empty" barriers."""
+  fp8 = swizzled(tile_k, jnp.float8_e4m3fn)
+  return dict(a=plgpu.SMEM((stages, tile_m, tile_k), jnp.float8_e4m3fn, transforms=fp8),
+              b=plgpu.SMEM((stages, tile_n, tile_k), jnp.float8_e4m3fn, transforms=fp8),
+              full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
+              empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages))
+
+
+def pingpong(a_gmem, b_gmem, ring, tile_fn, *, grid, tile, num_ctas, in_flight, snake):
+  """The ping-pong schedule of a persistent TN GEMM (warpgroups 0, 1 consumers, 2 producer):
+  the producer streams (tile_m, tile_k) tiles of A and (tile_n, tile_k) of B through the ring;
+  consumer warpgroup w takes the CTA's j-th output tile where j % 2 == w, runs its K loop into
+  a (tile_m, tile_n) float32 accumulator and calls tile_fn(w, mi, ni, acc_ref) (the epilogue),
+  which then overlaps the other warpgroup's K loop.
+
+  A consumer waits only on its own "full" barriers, so it sees every phase of each (a barrier
+  wait tracks its phase per waiting thread); the producer waits on every release of a slot (the
+  last `stages` after its loop, so that no release is pending when the barriers go). With
+  in_flight = 1 a consumer keeps one `wgmma` group running and releases each slot a step
+  later. grid: (m tiles, n tiles, k steps); tile: (tile_m, tile_n, tile_k); snake: (minor axis,
+  band width) of the tile order (`plgpu.planar_snake`).
+  """
+  m_iters, n_iters, k_iters = grid
+  tile_m, tile_n, tile_k = tile
+  stages = ring["a"].shape[0]
+  a_smem, b_smem, full, empty = ring["a"], ring["b"], ring["full"], ring["empty"]
+  tiles = m_iters * n_iters
+  wg = lax.axis_index("wg")
+
+  def tile_of(info):
+    """(j, mi, ni): the CTA's j-th tile and its place in the output."""
+    (lin,) = info.index
+    mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), *snake)
+    return info.local_index, mi, ni
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    @plgpu.nd_loop((tiles,), collective_axes="sm")
+    def _tile(info):
+      j, mi, ni = tile_of(info)
+      owner = lax.rem(j, 2)   # the consumer warpgroup of this tile: its "full" barriers
+
+      @pl.loop(0, k_iters)
+      def _k_step(ki):
+        step = j * k_iters + ki
+        slot = lax.rem(step, stages)
+
+        @pl.when(step >= stages)
+        def _wait_release():
+          plgpu.barrier_wait(empty.at[slot])
+        ks = pl.ds(ki * tile_k, tile_k)
+        filled = full.at[owner * stages + slot]
+        plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(mi * tile_m, tile_m), ks], a_smem.at[slot],
+                                filled)
+        plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(ni * tile_n, tile_n), ks], b_smem.at[slot],
+                                filled)
+
+    # the last `stages` releases, observed before the barriers go
+    steps = (tiles - lax.axis_index("sm") + num_ctas - 1) // num_ctas * k_iters
+
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _drain(step):
+      plgpu.barrier_wait(empty.at[lax.rem(step, stages)])
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+
+    @plgpu.nd_loop((tiles,), collective_axes="sm")
+    def _tile(info):
+      j, mi, ni = tile_of(info)
+
+      @pl.when(lax.rem(j, 2) == wg)
+      def _mine():
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          @pl.loop(0, k_iters)
+          def _k_step(ki):
+            step = j * k_iters + ki
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(full.at[wg * stages + slot])
+            plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].transpose((1, 0)))
+            if in_flight:
+              plgpu.wgmma_wait(1)   # the step before is done: release its slot
+
+              @pl.when(ki > 0)
+              def _release():
+                plgpu.barrier_arrive(empty.at[lax.rem(step - 1, stages)])
+            else:
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(empty.at[slot])
+
+          if in_flight:
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(empty.at[lax.rem(j * k_iters + k_iters - 1, stages)])
+          tile_fn(wg, mi, ni, acc_ref)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _wait_for_products(idx, in_flight: int, k_iters: int) -> None:
