@@ -31,10 +31,10 @@ weights through a ring of `stages` shared-memory slots; warpgroups 0 and 1 each 
 128 x 128 output tiles, alternating (a CTA's j-th tile goes to warpgroup j % 2), so that one
 warpgroup's epilogue runs while the other's `wgmma` streams (the epilogue is as long as a tile's
 products at K = 2048); each keeps one `wgmma` group in flight. Interleaving puts 64 columns of
-gate and the same 64 of up in one accumulator, so SwiGLU is elementwise within it. The epilogue takes the accumulator 16
-columns at a time for the group maxima (one group = one row of 16), stores h and the codes
-through swizzled shared memory with TMA and each group's scale straight to global memory (scales
-laid out (F / G, M): one row per group column, contiguous across rows).
+gate and the same 64 of up in one accumulator, so SwiGLU is elementwise within it. The epilogue
+takes the accumulator 16 columns at a time for the group maxima (one group = one row of 16),
+stores h and the codes through swizzled shared memory with TMA and each group's scale straight to
+global memory (scales laid out (F / G, M): one row per group column, contiguous across rows).
 Imports jax only.
 """
 from __future__ import annotations
@@ -47,14 +47,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm.fp8_matmul import FP8_DTYPES, num_sms, pingpong, pingpong_ring, swizzled
+from pallas_kernels.gemm.fp8_matmul import (FP8_DTYPES, SMEM_BYTES, SMEM_RESERVE, num_sms,
+                                            pingpong, pingpong_ring, swizzled)
 from pallas_kernels.quantize.quantize_mgpu import group_scale, saturate, true_div
 
 KERNEL_NAME = "coat_fp8_gemm_swiglu_mgpu"
 HALF = 64                 # gate (and up) columns per warpgroup tile; the interleave block
 GROUP = 16                # the 1 x G quantize group
 TILE_M, TILE_K = 128, 128  # one warpgroup's output tile rows; K per ring slot
-SMEM_BYTES = 232448       # per-block shared memory (Hopper, opt-in)
 H_DTYPES = (jnp.dtype(jnp.bfloat16),)
 SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -92,7 +92,7 @@ def _smem_bytes(stages: int, code_dtype) -> int:
   """Shared memory of the ring (x's and the weights' (128, 128) FP8 tiles per slot) and of both
   warpgroups' epilogue buffers (h, gate's and up's codes)."""
   epilogue = 2 * TILE_M * HALF * (2 + 2 * jnp.dtype(code_dtype).itemsize)
-  return stages * (TILE_M + 2 * HALF) * TILE_K + epilogue + 1024
+  return stages * (TILE_M + 2 * HALF) * TILE_K + epilogue + SMEM_RESERVE
 
 
 @functools.lru_cache(maxsize=None)

@@ -34,7 +34,7 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 KERNEL_NAME = "coat_fp8_gemm_mgpu"  # the kernel's name in profiles and compile breakdowns
 SMEM_BYTES = 232448  # H100 per-block shared memory limit (opt-in).
-_SMEM_RESERVE = 2048  # barriers and bookkeeping.
+SMEM_RESERVE = 2048  # barriers and bookkeeping.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def epilogue_smem_bytes(cfg: GemmConfig, out_dtype) -> int:
 
 def max_stages(cfg: GemmConfig, out_dtype) -> int:
   """Deepest ring that fits next to the epilogue buffers."""
-  free = SMEM_BYTES - _SMEM_RESERVE - epilogue_smem_bytes(cfg, out_dtype)
+  free = SMEM_BYTES - SMEM_RESERVE - epilogue_smem_bytes(cfg, out_dtype)
   return free // smem_bytes_per_stage(cfg)
 
 
