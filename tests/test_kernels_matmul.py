@@ -279,19 +279,29 @@ def test_gpu_kernel_matches_reference(rng, m, n, k, out_dtype):
   assert err < 2.0 * err_xla + 2e-4 and err < 4e-3, (err, err_xla)
 
 
+def _gpu_bitwise_equal(rng, cfg, ref_cfg, shapes, with_amax=False):
+  """The compiled kernel under cfg against ref_cfg on each (M, N, K): finite, and the same bf16
+  output (and epilogue maxima, with_amax) bit for bit."""
+  for m, n, k in shapes:
+    a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+    scale = jnp.float32(rng.uniform(1e-3, 1e-1))
+    run = lambda c: jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=c,
+                                                             with_amax=with_amax))(a, b, scale)
+    out, ref = run(cfg), run(ref_cfg)
+    (out, amax), (ref, ref_amax) = (out, ref) if with_amax else ((out, None), (ref, None))
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    if with_amax:
+      np.testing.assert_array_equal(np.asarray(amax), np.asarray(ref_amax))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cluster_dim", ["m", "n"])
 def test_gpu_cluster_pairs_equal_single_ctas(rng, cluster_dim):
   """Two-CTA clusters with the shared tile multicast compute every output tile as one CTA
   does (same K order): bit for bit the default's output, on a padded and an aligned shape."""
-  for m, n, k in [(1000, 1500, 700), (2048, 4096, 1024)]:
-    a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
-    scale = jnp.float32(rng.uniform(1e-3, 1e-1))
-    cfg = dataclasses.replace(fm.DEFAULT_CONFIG, cluster_dim=cluster_dim)
-    run = lambda c: jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=c))
-    out, ref = run(cfg)(a, b, scale), run(fm.DEFAULT_CONFIG)(a, b, scale)
-    assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  _gpu_bitwise_equal(rng, dataclasses.replace(fm.DEFAULT_CONFIG, cluster_dim=cluster_dim),
+                     fm.DEFAULT_CONFIG, [(1000, 1500, 700), (2048, 4096, 1024)])
 
 
 @pytest.mark.gpu
@@ -299,14 +309,9 @@ def test_gpu_mma_in_flight_equals_waiting_each_step(rng):
   """Leaving one wgmma group in flight per K step changes when ring slots are released, not the
   products or their order: bit for bit the output of a kernel waiting at every step, over many
   tiles per CTA (a slot refilled too early for the next tile would show here)."""
-  for m, n, k in [(4096, 4096, 2048), (1000, 1500, 700), (2048, 2048, 128)]:
-    a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
-    scale = jnp.float32(rng.uniform(1e-3, 1e-1))
-    run = lambda c: jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=c))
-    cfg = lambda i: dataclasses.replace(fm.DEFAULT_CONFIG, mma_in_flight=i)
-    out, ref = run(cfg(1))(a, b, scale), run(cfg(0))(a, b, scale)
-    assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  cfg = lambda i: dataclasses.replace(fm.DEFAULT_CONFIG, mma_in_flight=i)
+  _gpu_bitwise_equal(rng, cfg(1), cfg(0), [(4096, 4096, 2048), (1000, 1500, 700),
+                                           (2048, 2048, 128)])
 
 
 @pytest.mark.gpu
@@ -315,15 +320,8 @@ def test_gpu_pingpong_equals_cooperative(rng, in_flight):
   """The ping-pong schedule computes each output tile as the cooperative one does (same K
   order): bit for bit its output and epilogue maxima, on padded and aligned shapes."""
   cfg = dataclasses.replace(fm.DEFAULT_CONFIG, schedule="pingpong", mma_in_flight=in_flight)
-  for m, n, k in [(4096, 4096, 2048), (1000, 1500, 700), (2048, 2048, 128)]:
-    a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
-    scale = jnp.float32(rng.uniform(1e-3, 1e-1))
-    run = lambda c: jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=c,
-                                                             with_amax=True))(a, b, scale)
-    (out, amax), (ref, ref_amax) = run(cfg), run(fm.DEFAULT_CONFIG)
-    assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
-    np.testing.assert_array_equal(np.asarray(amax), np.asarray(ref_amax))
+  _gpu_bitwise_equal(rng, cfg, fm.DEFAULT_CONFIG,
+                     [(4096, 4096, 2048), (1000, 1500, 700), (2048, 2048, 128)], with_amax=True)
 
 
 @pytest.mark.gpu
