@@ -133,14 +133,15 @@ def test_kernel_interpret_cluster_pairs(rng, cluster_dim, wg_dim):
   assert _rel(out, _ref64(a, b, scale)) < 1e-6
 
 
-@pytest.mark.parametrize("k", [128, 640])
-def test_kernel_interpret_mma_in_flight(rng, k):
-  """One wgmma group left in flight per K step (the ring slot released a step later): float64's
-  product over several K steps and several tiles per CTA, and over one K step (none kept)."""
+@pytest.mark.parametrize("k,in_flight", [(128, 1), (640, 1), (640, 0)])
+def test_kernel_interpret_mma_in_flight(rng, k, in_flight):
+  """One wgmma group left in flight per K step (the default: the ring slot released a step
+  later) and none (each step waits for its product): float64's product over several K steps
+  and several tiles per CTA, and over one K step (none kept)."""
   m, n = 256, 192
   a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
   scale = jnp.float32(rng.uniform(0.1, 2.0))
-  cfg = dataclasses.replace(SMALL, stages=3, mma_in_flight=1)
+  cfg = dataclasses.replace(SMALL, stages=3, mma_in_flight=in_flight)
   out = fm.fp8_matmul_tn(a, b, scale, jnp.float32, config=cfg, interpret=_interp())
   assert _rel(out, _ref64(a, b, scale)) < 1e-6
 

@@ -8,6 +8,7 @@ All three take the same operands: A (M, K), B as (N, K) (TN); bf16 runs A @ B.T 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,34 +38,37 @@ LAYER_OLMO_1B = [  # (M, N, K): OLMo-1B, d 2048, SwiGLU 8192 (its q/k/v/o GEMMs 
     (2048, 8192, T),      # dW gate/up
     (8192, 2048, T),      # dW down
 ]
+# Names without "_f1" wait for each K step's product before releasing its ring slot (the
+# configurations as first measured); "_f1" leaves one wgmma group in flight, as the default does.
+waiting = functools.partial(fm.GemmConfig, mma_in_flight=0)
 TUNE = {
-    "m128x128": fm.GemmConfig(),  # the default
-    "n128x128": fm.GemmConfig(wg_dim="n"),
-    "n128x128_s3": fm.GemmConfig(wg_dim="n", stages=3),
-    "n128x128_gm_m": fm.GemmConfig(wg_dim="n", grid_minor="m"),
-    "n128x128_w16": fm.GemmConfig(wg_dim="n", grid_tile_width=16),
-    "n64x256": fm.GemmConfig(tile_m=64, tile_n=256, epi_n=128, wg_dim="n"),
-    "m64x256": fm.GemmConfig(tile_m=64, tile_n=256, epi_n=128, wg_dim="m"),
-    "n128x96": fm.GemmConfig(tile_m=128, tile_n=96, epi_n=32, wg_dim="n"),
-    "m128x128_w4": fm.GemmConfig(wg_dim="m", grid_tile_width=4),
-    "m128x128_gm_m": fm.GemmConfig(wg_dim="m", grid_minor="m"),
+    "m128x128": waiting(),  # the default until one wgmma group was left in flight
+    "n128x128": waiting(wg_dim="n"),
+    "n128x128_s3": waiting(wg_dim="n", stages=3),
+    "n128x128_gm_m": waiting(wg_dim="n", grid_minor="m"),
+    "n128x128_w16": waiting(wg_dim="n", grid_tile_width=16),
+    "n64x256": waiting(tile_m=64, tile_n=256, epi_n=128, wg_dim="n"),
+    "m64x256": waiting(tile_m=64, tile_n=256, epi_n=128, wg_dim="m"),
+    "n128x96": waiting(tile_m=128, tile_n=96, epi_n=32, wg_dim="n"),
+    "m128x128_w4": waiting(wg_dim="m", grid_tile_width=4),
+    "m128x128_gm_m": waiting(wg_dim="m", grid_minor="m"),
     # Two-CTA clusters, the shared operand's tile multicast (B's for "m", A's for "n")
-    "m128x128_cm": fm.GemmConfig(cluster_dim="m"),
-    "m128x128_cn": fm.GemmConfig(cluster_dim="n"),
-    "n128x128_cm": fm.GemmConfig(wg_dim="n", cluster_dim="m"),
-    "n128x128_cn": fm.GemmConfig(wg_dim="n", cluster_dim="n"),
-    "m128x128_cm_gm_m": fm.GemmConfig(cluster_dim="m", grid_minor="m"),
+    "m128x128_cm": waiting(cluster_dim="m"),
+    "m128x128_cn": waiting(cluster_dim="n"),
+    "n128x128_cm": waiting(wg_dim="n", cluster_dim="m"),
+    "n128x128_cn": waiting(wg_dim="n", cluster_dim="n"),
+    "m128x128_cm_gm_m": waiting(cluster_dim="m", grid_minor="m"),
     # Epilogue store pieces (fewer, larger TMA stores; 3 stages fit beside them)
-    "m128x128_s3": fm.GemmConfig(stages=3),
-    "m128x128_e64x128": fm.GemmConfig(epi_n=128),
-    "m128x128_e128x128": fm.GemmConfig(epi_m=128, epi_n=128),
-    # One wgmma group left in flight per K step (ring slots released a step later)
-    "m128x128_f1": fm.GemmConfig(mma_in_flight=1),
-    "n128x128_f1": fm.GemmConfig(wg_dim="n", mma_in_flight=1),
-    "m128x128_cn_f1": fm.GemmConfig(cluster_dim="n", mma_in_flight=1),
+    "m128x128_s3": waiting(stages=3),
+    "m128x128_e64x128": waiting(epi_n=128),
+    "m128x128_e128x128": waiting(epi_m=128, epi_n=128),
+    # One wgmma group left in flight per K step (ring slots released a step later): the default
+    "m128x128_f1": fm.GemmConfig(),
+    "n128x128_f1": fm.GemmConfig(wg_dim="n"),
+    "m128x128_cn_f1": fm.GemmConfig(cluster_dim="n"),
     # Ping-pong: each consumer warpgroup owns whole tiles, the two in turn (epilogue overlapped)
-    "pp128x128": fm.GemmConfig(schedule="pingpong"),
-    "pp128x128_f1": fm.GemmConfig(schedule="pingpong", mma_in_flight=1),
+    "pp128x128": waiting(schedule="pingpong"),
+    "pp128x128_f1": fm.GemmConfig(schedule="pingpong"),
 }
 
 
@@ -124,21 +128,15 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--tune", action="store_true", help="all TUNE variants (else the default only)")
   p.add_argument("--shapes", default="all",
-                 help="all | square | layer (7B) | olmo (OLMo-1B's layer) | MxNxK,MxNxK")
+                 help="comma-separated of all, square, layer (7B), olmo (OLMo-1B's layer), MxNxK")
   p.add_argument("--configs", default="", help="comma-separated TUNE names (overrides --tune)")
   p.add_argument("--amax", action="store_true", help="also the default with the amax epilogue")
   p.add_argument("--iters", type=int, default=20)
   args = p.parse_args()
-  if args.shapes == "all":
-    shapes = SQUARE + LAYER_7B
-  elif args.shapes == "square":
-    shapes = SQUARE
-  elif args.shapes == "layer":
-    shapes = LAYER_7B
-  elif args.shapes == "olmo":
-    shapes = LAYER_OLMO_1B
-  else:
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+  named = {"all": SQUARE + LAYER_7B, "square": SQUARE, "layer": LAYER_7B, "olmo": LAYER_OLMO_1B}
+  shapes = []
+  for s in args.shapes.split(","):
+    shapes += named[s] if s in named else [tuple(int(v) for v in s.split("x"))]
   configs = TUNE if args.tune else {"default": fm.DEFAULT_CONFIG}
   if args.configs:
     configs = {name: TUNE[name] for name in args.configs.split(",")}

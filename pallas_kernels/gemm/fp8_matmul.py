@@ -62,11 +62,11 @@ class GemmConfig:
       the previous step's product and releases that slot (`delay_release=1`), so the tensor
       cores never wait for a consumer to issue its next `wgmma`; the last K step of a tile
       waits for its own product too, so that every slot is released only once read. Same
-      output bit for bit; on OLMo-1B's six shapes -2 % to +6 % of 0's time on the H200
-      (docs/kernels.md), so 0 by default.
-  Default: CTA 256 x 128 (two 128 x 128 warpgroup tiles along M), 4 stages of 48 KiB; measured
-  best-or-within-noise on the H100 for the square and 7B-layer shapes (docs/kernels.md, "The
-  kernels").
+      output bit for bit; on the H200 within 2 % of 0's time on ten of OLMo-1B's and the 7B
+      layer's twelve shapes and 8 % less on two (docs/kernels.md), so 1 by default.
+  Default: CTA 256 x 128 (two 128 x 128 warpgroup tiles along M), 4 stages of 48 KiB, one
+  `wgmma` group in flight; measured best-or-within-noise on the H100 for the square and 7B-layer
+  shapes (docs/kernels.md, "The kernels").
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -79,7 +79,7 @@ class GemmConfig:
   grid_tile_width: int = 8
   cluster_dim: str | None = None
   schedule: str = "cooperative"
-  mma_in_flight: int = 0
+  mma_in_flight: int = 1
 
   @property
   def cluster_size(self) -> int:
