@@ -15,6 +15,7 @@ best per kernel.
   python3 -m benchmarks.kernels.bench_kernels_mgpu --only adam --adam-rows 4096 --check
   python3 -m benchmarks.kernels.bench_kernels_mgpu --sweep --only per_group,dequantize   # ~1 min
   python3 -m benchmarks.kernels.bench_kernels_mgpu --only swiglu_bwd --check   # SwiGLU's backward
+  python3 -m benchmarks.kernels.bench_kernels_mgpu --only per_tensor_t --shape 16384x2048  # OLMo-1B
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _swiglu_backward_call(x, gate_q):
           lambda: reference(gate_q, up_q, x))
 
 
-def _cases(n: int, adam_rows: int, check: bool):
+def _cases(shape: tuple[int, int], adam_rows: int, check: bool):
   """(name, bytes moved, new kernel thunk, baseline thunk or None, check thunk or None)."""
   import jax
   import jax.numpy as jnp
@@ -75,7 +76,8 @@ def _cases(n: int, adam_rows: int, check: bool):
   from pallas_kernels.quantize import quantize_mgpu as q_mgpu
 
   e4 = jnp.float8_e4m3fn
-  x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
+  n2 = math.prod(shape)
   codes = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32))
   ndiff = lambda a, b: int(np.sum(~((codes(a) == codes(b)) | (np.isnan(codes(a))
                                                              & np.isnan(codes(b))))))
@@ -84,7 +86,7 @@ def _cases(n: int, adam_rows: int, check: bool):
   sb = sd.itemsize
   ref_g = Q.quantize_per_group(x, 16, "e4m3")
   xla_g = jax.jit(lambda a: Q.quantize_per_group(a, 16, "e4m3"))
-  yield ("per_group", n * n * (2 + 1) + n * n // 16 * sb,
+  yield ("per_group", n2 * (2 + 1) + n2 // 16 * sb,
          lambda: q_mgpu.quantize_per_group(x, group_size=16, scale_dtype=sd, **qk),
          lambda: xla_g(x),
          (lambda: (lambda q, s: f"code diffs {ndiff(q, ref_g.data)}, scale diffs "
@@ -92,11 +94,11 @@ def _cases(n: int, adam_rows: int, check: bool):
                        x, group_size=16, scale_dtype=sd, **qk)))
          if check else None)
   xla_amax = jax.jit(lambda a: Q.group_amax(a, 16))
-  yield ("tile_amax", n * n * 2 + n * n // 16 * 4, lambda: q_mgpu.tile_amax(x),
+  yield ("tile_amax", n2 * 2 + n2 // 16 * 4, lambda: q_mgpu.tile_amax(x),
          lambda: xla_amax(x),
          (lambda: f"diffs {ndiff(q_mgpu.tile_amax(x), Q.group_amax(x, 16))}") if check else None)
   xla_deq = jax.jit(lambda q: Q.dequantize(q, jnp.bfloat16))
-  yield ("dequantize", n * n * (1 + 2) + n * n // 16 * sb,
+  yield ("dequantize", n2 * (1 + 2) + n2 // 16 * sb,
          lambda: q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16,
                                              dtype=jnp.bfloat16),
          lambda: xla_deq(ref_g),
@@ -105,12 +107,12 @@ def _cases(n: int, adam_rows: int, check: bool):
   swiglu_bytes, swiglu_bwd, swiglu_ref = _swiglu_backward_call(x, ref_g)
   yield ("swiglu_bwd", swiglu_bytes, swiglu_bwd, swiglu_ref,
          (lambda: (lambda a, b: f"dgate diffs {ndiff(a[0], b[0])}, dup diffs {ndiff(a[1], b[1])} "
-                   f"of {n * n}")(swiglu_bwd(), swiglu_ref())) if check else None)
+                   f"of {n2}")(swiglu_bwd(), swiglu_ref())) if check else None)
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   for name, tr in (("per_tensor", False), ("per_tensor_t", True)):
     ref_t = Q.quantize_per_tensor(x, "e4m3", amax=amax, with_transpose=tr)
     run = lambda tr=tr: q_mgpu.quantize_per_tensor(x, amax=amax, with_transpose=tr, **qk)
-    yield (name, n * n * (2 + (2 if tr else 1)), run,
+    yield (name, n2 * (2 + (2 if tr else 1)), run,
            lambda tr=tr, f=jax.jit(lambda a, m, tr=tr: Q.quantize_per_tensor(
                a, "e4m3", amax=m, with_transpose=tr)): f(x, amax),
            (lambda tr=tr, ref_t=ref_t, run=run: (lambda q, s, qt: f"code diffs "
@@ -169,29 +171,30 @@ SWEEP = {
 }
 
 
-def _sweep(n: int, names, reps: int) -> None:
-  """GB/s of each Mosaic GPU quantize kernel per setting of SWEEP (8192^2 bf16 by default)."""
+def _sweep(shape: tuple[int, int], names, reps: int) -> None:
+  """GB/s of each Mosaic GPU quantize kernel per setting of SWEEP on a bf16 input of `shape`."""
   import itertools
   import jax
   import jax.numpy as jnp
   from coat_jax import formats, quantize as Q
   from pallas_kernels.quantize import quantize_mgpu as q_mgpu
 
-  x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
+  n2 = math.prod(shape)
   ref_g = Q.quantize_per_group(x, 16, "e4m3")
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   qk = dict(out_dtype=jnp.float8_e4m3fn, fmax=448.0, floor=1e-10)
   sd = formats.ACTIVATION_SCALE_DTYPE
   calls = {
-      "per_group": (n * n * 3 + n * n // 16 * sd.itemsize,
+      "per_group": (n2 * 3 + n2 // 16 * sd.itemsize,
                     lambda **t: q_mgpu.quantize_per_group(x, group_size=16, scale_dtype=sd, **qk,
                                                           **t)),
-      "tile_amax": (n * n * 2 + n * n // 16 * 4, lambda **t: q_mgpu.tile_amax(x, **t)),
-      "dequantize": (n * n * 3 + n * n // 16 * sd.itemsize, lambda **t: q_mgpu.dequantize_per_group(
+      "tile_amax": (n2 * 2 + n2 // 16 * 4, lambda **t: q_mgpu.tile_amax(x, **t)),
+      "dequantize": (n2 * 3 + n2 // 16 * sd.itemsize, lambda **t: q_mgpu.dequantize_per_group(
           ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16, **t)),
       "swiglu_bwd": _swiglu_backward_call(x, ref_g)[:2],
-      "per_tensor": (n * n * 3, lambda **t: q_mgpu.quantize_per_tensor(x, amax=amax, **qk, **t)),
-      "per_tensor_t": (n * n * 4, lambda **t: q_mgpu.quantize_per_tensor(
+      "per_tensor": (n2 * 3, lambda **t: q_mgpu.quantize_per_tensor(x, amax=amax, **qk, **t)),
+      "per_tensor_t": (n2 * 4, lambda **t: q_mgpu.quantize_per_tensor(
           x, amax=amax, with_transpose=True, **qk, **t)),
   }
   for name in names:
@@ -220,6 +223,8 @@ def main(argv=None) -> int:
   parser.add_argument("--only", default=",".join(KERNELS),
                       help=f"comma-separated subset of {', '.join(KERNELS)}")
   parser.add_argument("--n", type=int, default=8192, help="quantize inputs are n x n bf16")
+  parser.add_argument("--shape", default=None,
+                      help="ROWSxCOLS: quantize inputs of that shape instead (e.g. 16384x2048)")
   parser.add_argument("--adam-rows", type=int, default=16384,
                       help="the Adam step's param is (rows, 4096) float32")
   parser.add_argument("--reps", type=int, default=20)
@@ -234,15 +239,22 @@ def main(argv=None) -> int:
   if bad:
     parser.error(f"--only: unknown kernel(s) {bad}; choose from {list(KERNELS)}")
 
+  try:
+    shape = tuple(int(v) for v in args.shape.split("x")) if args.shape else (args.n, args.n)
+    assert len(shape) == 2 and min(shape) > 0
+  except (ValueError, AssertionError):
+    parser.error(f"--shape: expected ROWSxCOLS, e.g. 16384x2048, got {args.shape!r}")
+
   import jax
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; quantize inputs "
+        f"{shape[0]} x {shape[1]} bf16")
   if args.sweep:
-    _sweep(args.n, names, args.reps)
+    _sweep(shape, names, args.reps)
     return 0
   header = f"{'kernel':<14}{'MB moved':>10}{'copy GB/s':>11}{'new GB/s':>11}{'% copy':>8}" \
            f"{'base GB/s':>13}{'% copy':>8}  check   (base: XLA's jnp reference)"
   print(header)
-  for name, nbytes, new, old, check in _cases(args.n, args.adam_rows, args.check):
+  for name, nbytes, new, old, check in _cases(shape, args.adam_rows, args.check):
     if name not in names:
       continue
     copy = _copy_gbs(nbytes, args.reps)
