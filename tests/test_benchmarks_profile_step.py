@@ -108,3 +108,27 @@ allocation 1: size 50, parameter 0:
   phys = common.physical_peak(live, slots)
   assert (phys["time"], phys["bytes"]) == (6, 350)   # while.1 + fusion.7 + p0 at position 6
   assert phys["buffers"][0] == ("fusion.7{}", 200)
+
+
+def test_kernel_events_count_launches_and_the_report_prints_them(monkeypatch, capsys):
+  """Time and launches per (kernel, HLO instruction); the largest-kernels list prints launches per
+  step, and still reads reports written before it carried them."""
+  class Ev:
+    def __init__(self, name, op, ns):
+      self.name, self.stats, self.duration_ns = name, [("hlo_op", op)], ns
+  events = [Ev("quantize", "cb_1", 4000), Ev("quantize", "cb_1", 6000), Ev("gemm", "cb_1", 9000),
+            Ev("quantize", "cb_2", 1000)]
+  monkeypatch.setattr(profile_step, "gpu_kernel_events", lambda data: [(None, e) for e in events])
+  us, calls = profile_step.kernel_events(None)
+  assert us[("quantize", "cb_1")] == 10.0 and calls[("quantize", "cb_1")] == 2
+  assert calls[("gemm", "cb_1")] == 1 and calls[("quantize", "cb_2")] == 1
+  r = {"variant": "coat:loop", "category_ms": {"quantize": 0.01}, "kernel_ms": 0.02,
+       "step_ms": 0.03, "compile_s": 1.0, "hlo_categories": {}, "gaps": {},
+       "top": [[0.005, "quantize", "quantize [cb_1]", "bf16[8]", 17.0],
+               [0.004, "FP8 GEMM", "gemm [cb_1]", "bf16[4]"]]}   # the second: an older report
+  profile_step.print_table([r])
+  lines = capsys.readouterr().out.splitlines()
+  row = next(line for line in lines if "quantize [cb_1]" in line)
+  assert row.split()[:3] == ["0.005", "17", "quantize"]
+  old = next(line for line in lines if "gemm [cb_1]" in line)
+  assert old.split()[:2] == ["0.004", "FP8"]

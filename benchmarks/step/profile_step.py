@@ -118,14 +118,16 @@ def category(kernel: str, info) -> str:
   return "optimizer"
 
 
-def kernel_events(data) -> collections.Counter:
-  """Microseconds per (kernel name, HLO instruction or "") over the GPU kernels of a read trace
-  (as `_common.kernel_times`, plus the `hlo_op` stat XLA attaches to a kernel)."""
-  out = collections.Counter()
+def kernel_events(data) -> tuple[collections.Counter, collections.Counter]:
+  """Microseconds and launches per (kernel name, HLO instruction or "") over the GPU kernels of a
+  read trace (as `_common.kernel_times`, plus the `hlo_op` stat XLA attaches to a kernel)."""
+  us, calls = collections.Counter(), collections.Counter()
   for _, ev in gpu_kernel_events(data):
     stats = dict((str(k), v) for k, v in ev.stats)
-    out[(ev.name, str(stats.get("hlo_op", "")))] += ev.duration_ns / 1e3
-  return out
+    key = (ev.name, str(stats.get("hlo_op", "")))
+    us[key] += ev.duration_ns / 1e3
+    calls[key] += 1
+  return us, calls
 
 
 def measure_one(a) -> dict:
@@ -172,14 +174,15 @@ def measure_one(a) -> dict:
         *state, metrics = compiled(*state, tokens)
       jax.block_until_ready(metrics["loss"])
     trace = load_trace(tmp)   # read once for the kernel times and the gaps
-    times_us = kernel_events(trace)
+    times_us, launches = kernel_events(trace)
     out["gaps"] = gap_report(trace, top=a.gaps)
   per_cat, kernels = collections.Counter(), []
   for (name, hlo_op), us in times_us.items():
     cat = category(name, index.get(hlo_op) or index.get(name))
     per_cat[cat] += us / a.iters / 1e3
     kernels.append((us / a.iters / 1e3, cat, f"{name} [{hlo_op}]" if hlo_op else name,
-                    shapes.get(hlo_op) or shapes.get(name, "")))
+                    shapes.get(hlo_op) or shapes.get(name, ""),
+                    launches[(name, hlo_op)] / a.iters))
   out["category_ms"] = dict(per_cat)
   out["kernel_ms"] = sum(per_cat.values())
   out["top"] = sorted(kernels, reverse=True)[:a.top]
@@ -330,9 +333,11 @@ def print_table(results: list[dict]) -> None:
                      ("compile_s", "compile s")):
     print(f"{label:20}" + "".join(f"{r[key]:18.2f}" for r in ok))
   for r in ok:
-    print(f"\n{r['variant']}: largest kernels (ms per step, category, name)")
+    print(f"\n{r['variant']}: largest kernels (ms per step, launches per step, category, name)")
     for ms, cat, name, *what in r["top"]:
-      print(f"  {ms:8.3f}  {cat:16}  {name[:70]:70}  {(what or [''])[0][:120]}")
+      shape = what[0] if what else ""
+      calls = f"{what[1]:6.0f}" if len(what) > 1 else ""   # absent from reports written before
+      print(f"  {ms:8.3f}  {calls:>6}  {cat:16}  {name[:70]:70}  {shape[:120]}")
     print(f"  HLO instructions per category: {r['hlo_categories']}")
     print_gap_report(r.get("gaps") or {}, f"{r['variant']}: GPU idle time", per=r.get("iters", 1))
 
