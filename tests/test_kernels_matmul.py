@@ -364,3 +364,16 @@ def test_gpu_bf16_output_is_the_float32_output_rounded(rng):
   assert np.isfinite(np.asarray(out32)).all()
   np.testing.assert_array_equal(np.asarray(out16.astype(jnp.float32)),
                                 np.asarray(out32.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_gemm_benchmark_configs_and_arguments():
+  """The benchmark's configuration names keep the meaning their recorded numbers had ("_f1": one
+  wgmma group in flight, the default; no suffix: waiting each step), and bad arguments are usage
+  errors (exit 2), not tracebacks."""
+  from benchmarks.kernels import bench_kernels_gemm as bench
+  assert bench.TUNE["m128x128_f1"] == fm.DEFAULT_CONFIG
+  assert all((cfg.mma_in_flight == 1) == name.endswith("_f1") for name, cfg in bench.TUNE.items())
+  for argv in (["--shapes", "olmo,xyz"], ["--shapes", "16x16"], ["--configs", "m128x128,nope"]):
+    with pytest.raises(SystemExit) as exit_bad:
+      bench.main(argv)
+    assert exit_bad.value.code == 2

@@ -124,7 +124,7 @@ def run_shape(m, n, k, configs, key, iters):
   return flops, t_bf16, t_fp8, rows
 
 
-def main():
+def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--tune", action="store_true", help="all TUNE variants (else the default only)")
   p.add_argument("--shapes", default="all",
@@ -132,11 +132,18 @@ def main():
   p.add_argument("--configs", default="", help="comma-separated TUNE names (overrides --tune)")
   p.add_argument("--amax", action="store_true", help="also the default with the amax epilogue")
   p.add_argument("--iters", type=int, default=20)
-  args = p.parse_args()
+  args = p.parse_args(argv)
   named = {"all": SQUARE + LAYER_7B, "square": SQUARE, "layer": LAYER_7B, "olmo": LAYER_OLMO_1B}
   shapes = []
   for s in args.shapes.split(","):
-    shapes += named[s] if s in named else [tuple(int(v) for v in s.split("x"))]
+    try:
+      shapes += named[s] if s in named else [tuple(int(v) for v in s.split("x", 2))]
+      assert len(shapes[-1]) == 3
+    except (ValueError, AssertionError):
+      p.error(f"--shapes: {s!r} is neither one of {sorted(named)} nor MxNxK")
+  bad = sorted(set(args.configs.split(",")) - set(TUNE) - {""})
+  if bad:
+    p.error(f"--configs: unknown {bad}; choose from {sorted(TUNE)}")
   configs = TUNE if args.tune else {"default": fm.DEFAULT_CONFIG}
   if args.configs:
     configs = {name: TUNE[name] for name in args.configs.split(",")}
