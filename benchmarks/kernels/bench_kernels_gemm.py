@@ -1,8 +1,9 @@
-"""FP8 GEMM on the H100: XLA bf16 vs XLA fp8 (cuBLASLt) vs the Pallas Mosaic GPU TN kernel.
+"""FP8 GEMM on Hopper (H100, H200): XLA bf16 vs XLA fp8 (cuBLASLt) vs the Pallas Mosaic GPU TN kernel.
 
 Run on the GPU:  PYTHONUNBUFFERED=1 python3 -m benchmarks.kernels.bench_kernels_gemm [--tune] [--shapes all]
+                 python3 -m benchmarks.kernels.bench_kernels_gemm --shapes olmo,layer --configs m128x128,m128x128_f1
 Prints one row per (M, N, K): TFLOP/s of each, ratios, relative error of Pallas vs XLA fp8, and
-the FLOP floor 2MNK / peak (H100 SXM dense: fp8 1979, bf16 989 TFLOP/s).
+the FLOP floor 2MNK / peak (H100 and H200 SXM dense: fp8 1979, bf16 989 TFLOP/s).
 All three take the same operands: A (M, K), B as (N, K) (TN); bf16 runs A @ B.T the same way.
 """
 from __future__ import annotations
