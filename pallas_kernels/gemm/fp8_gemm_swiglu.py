@@ -47,14 +47,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm.fp8_matmul import (FP8_DTYPES, SMEM_BYTES, SMEM_RESERVE, num_sms,
-                                            pingpong, pingpong_ring, swizzled)
+from pallas_kernels.gemm.fp8_matmul import (FP8_DTYPES, SMEM_BYTES, SMEM_RESERVE, GemmConfig,
+                                            num_sms, pingpong, pingpong_ring,
+                                            smem_bytes_per_stage, swizzled)
 from pallas_kernels.quantize.quantize_mgpu import group_scale, saturate, true_div
 
 KERNEL_NAME = "coat_fp8_gemm_swiglu_mgpu"
 HALF = 64                 # gate (and up) columns per warpgroup tile; the interleave block
 GROUP = 16                # the 1 x G quantize group
 TILE_M, TILE_K = 128, 128  # one warpgroup's output tile rows; K per ring slot
+# The ring's tiling in fp8_matmul's terms (its shared memory per slot: `smem_bytes_per_stage`)
+RING = GemmConfig(tile_m=TILE_M, tile_n=2 * HALF, tile_k=TILE_K, schedule="pingpong")
 H_DTYPES = (jnp.dtype(jnp.bfloat16),)
 SCALE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -92,7 +95,7 @@ def _smem_bytes(stages: int, code_dtype) -> int:
   """Shared memory of the ring (x's and the weights' (128, 128) FP8 tiles per slot) and of both
   warpgroups' epilogue buffers (h, gate's and up's codes)."""
   epilogue = 2 * TILE_M * HALF * (2 + 2 * jnp.dtype(code_dtype).itemsize)
-  return stages * (TILE_M + 2 * HALF) * TILE_K + epilogue + SMEM_RESERVE
+  return stages * smem_bytes_per_stage(RING) + epilogue + SMEM_RESERVE
 
 
 @functools.lru_cache(maxsize=None)
