@@ -195,15 +195,22 @@ def _by_kernel_name(pairs) -> dict:
 
 
 def instruction_shapes(text: str) -> dict:
-  """{instruction name: 'shape opcode [file:line] | op_name tail'} of the launched instructions,
-  to tell fusions apart in a profile."""
+  """{instruction name: 'shape opcode [file:line] [<- (operand shapes)] | op_name tail'} of the
+  launched instructions (operand shapes for custom calls), to tell kernels apart in a profile."""
+  comps, instructions = _top_level(text)
+  shape_of = {name: re.sub(r"\{[^{}]*\}", "", shape)   # every instruction's shape, no layouts
+              for body in comps.values() for name, _, shape, _ in body}
+
   def what(opcode, shape, line):
     op_name = re.search(r'op_name="([^"]*)"', line)
     src = re.search(r'source_file="[^"]*?([^/"]+)" source_line=(\d+)', line)
     out = f"{shape} {opcode}" + (f" {src.group(1)}:{src.group(2)}" if src else "")
+    if opcode == "custom-call":   # a kernel's operands tell its shapes apart (a GEMM's K)
+      args = re.search(r"custom-call\(([^()]*)\)", line)
+      operands = [shape_of.get(a, "?") for a in re.findall(r"%([\w.\-]+)", args.group(1))] if args else []
+      out += f" <- ({', '.join(operands)})" if operands else ""
     return out + (" | " + op_name.group(1)[-60:] if op_name else "")
 
-  _, instructions = _top_level(text)
   return _by_kernel_name((name, what(opcode, shape, line))
                          for name, opcode, shape, line in instructions)
 

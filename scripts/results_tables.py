@@ -134,6 +134,18 @@ def _summary_field(run: str, field: str) -> str:
   return rf"re:{re.escape(run)} {{[^}}]*'{field}': ([\d.e+-]+)"
 
 
+def _step_field(run: str, field: str, step: int = 4) -> str:
+  """A selector for `field` (tok/s, mfu, mem) of train.py's `[step N]` line in the log section of
+  the run writing to `run` (a run stopped before its summary line still logged its steps)."""
+  return (rf"re:--out-dir {re.escape(run)} --overwrite\n(?:.*\n)*?\[step {step}\] .*?"
+          rf"{re.escape(field)} ([\d,.]+)")
+
+
+def _run_field(run: str, pattern: str) -> str:
+  """A selector for group 1 of `pattern`, its first match in the log section of the run in `run`."""
+  return rf"re:--out-dir {re.escape(run)} --overwrite\n(?:.*\n)*?{pattern}"
+
+
 SFT_RUNS = (("coat", "coat + coat_adamw", 64), ("bf16", "bf16 + optax.adamw", 64),
             ("coat_b4", "coat + coat_adamw", 4), ("bf16_b4", "bf16 + optax.adamw", 4))
 
@@ -162,8 +174,8 @@ HEADLINE = [
   ("optimizer state, bytes per parameter", "optimizer_stacked_h200",
    _optimizer_row("optax.adamw", 6), _optimizer_row(OPTIMIZER_STACKED_ROWS[1][1], 6), ".2f", "less"),
   ("Llama-2-7B full fine-tuning, `configs/llama2-7b-sft.yaml`, batch 64 x 2048 on one 141 GB "
-   "GPU: tokens/s", "sft_llama2_7b_h200", _summary_field("/tmp/sft_bf16", "tokens_per_s"),
-   _summary_field("/tmp/sft_coat", "tokens_per_s"), ",.0f", "faster"),
+   "GPU: tokens/s", "sft_llama2_7b_pingpong_h200", _step_field("/tmp/sft_bf16", "tok/s"),
+   _step_field("/tmp/sft_coat", "tok/s"), ",.0f", "faster"),
   ("Llama-2-7B through train.py (`configs/llama2-7b.yaml`), batch 8 x 4096, remat full for "
    "both, no microbatches: tokens/s", "equal_batch_7b_h200",
    _summary_field("/tmp/equal_bf16_8", "tokens_per_s"),
@@ -404,6 +416,25 @@ def largest_batch_7b(src: Sources) -> list[str]:
                                                  v("coat_56", "tokens_per_s")), "", "", ""]))
   return rows_table(src, sid, ["", "tokens/s", "MFU", "device peak GiB", "compile s"], rows)
 
+
+
+def sft_now(src: Sources) -> list[str]:
+  """configs/llama2-7b-sft.yaml, coat and bf16 + optax.adamw at the recipe's batch, one lease,
+  from each run's logged steps (steps 3-4)."""
+  sid = "sft_llama2_7b_pingpong_h200"
+  text = src.raw(sid)
+  rows = []
+  for run, recipe in (("coat", "coat + coat_adamw"), ("bf16", "bf16 + optax.adamw")):
+    d = f"/tmp/sft_{run}"
+    rows.append((recipe, [_plan_choice(text, d), (_step_field(d, "tok/s"), ",.0f"),
+                          f"{src.value(sid, _step_field(d, 'mfu')):.1f}%",
+                          (_step_field(d, "mem"), ".2f"),
+                          (_run_field(d, r"\[plan\] chose .*?compile\(s\) in ([\d.]+) s"), ".1f"),
+                          (_run_field(d, r"\[run\] first step in ([\d.]+) s"), ".1f")]))
+  tok = lambda run: src.value(sid, _step_field(f"/tmp/sft_{run}", "tok/s"))
+  rows.append(("coat vs bf16", ["", ratio("faster", tok("bf16"), tok("coat")), "", "", "", ""]))
+  return rows_table(src, sid, ["", "remat / microbatches (plan)", "tokens/s, steps 3-4", "MFU",
+                               "device memory GiB", "plan compile s", "first step s"], rows)
 
 def _plan_choice(text: str, run: str) -> str:
   """The remat policy and microbatches the `[plan]` line of `run`'s section in a log chose."""
@@ -940,12 +971,57 @@ def step_profile_7b(src: Sources) -> list[str]:
   return out + ["", source_line(src, sid)]
 
 
+
+def step_profile_olmo(src: Sources) -> list[str]:
+  """OLMo-1B's unrolled step without command buffers: ms and launches per kernel category, and the
+  kernels shorter than profile_step's SMALL_KERNEL_US (launch-bound), bf16 and coat."""
+  sid = "step_profile_olmo1b_nocb_h200"
+  runs = {r["variant"].split(":")[0]: r for r in src.raw(sid)}
+  bf16, coat = runs["bf16"], runs["coat"]
+  out = ["| per step | bf16 ms | bf16 launches | bf16 small kernels: launches, ms | coat ms | "
+         "coat launches | coat small kernels: launches, ms |", "|---|---|---|---|---|---|---|"]
+  cats = {**bf16["category_ms"], **coat["category_ms"]}
+  cell = lambda r, cat: (f"{r['category_ms'].get(cat, 0.0):.2f} | "
+                         f"{r['category_launches'].get(cat, 0):.0f} | "
+                         f"{r['small_launches'].get(cat, 0):.0f}, {r['small_ms'].get(cat, 0.0):.2f}")
+  for cat in sorted(cats, key=lambda c: -max(bf16["category_ms"].get(c, 0.0),
+                                              coat["category_ms"].get(c, 0.0))):
+    out.append(f"| {cat} | {cell(bf16, cat)} | {cell(coat, cat)} |")
+  total = lambda r: (f"{r['kernel_ms']:.2f} | {sum(r['category_launches'].values()):.0f} | "
+                     f"{sum(r['small_launches'].values()):.0f}, {sum(r['small_ms'].values()):.2f}")
+  out.append(f"| kernel total | {total(bf16)} | {total(coat)} |")
+  return out + ["", source_line(src, sid)]
+
+
+GEMM_SHAPES = re.compile(r"^\S*?\[(\d+),(\d+)\]\S* custom-call <- "
+                         r"\((\w+)\[(\d+),(\d+)\], (\w+)\[")
+
+
+def step_gemms_olmo(src: Sources) -> list[str]:
+  """coat's plain FP8 GEMMs in OLMo-1B's step by shape (M x N x K from the output's and the
+  left operand's shapes): launches, time and TFLOP/s in the step."""
+  sid = "step_profile_olmo1b_nocb_h200"
+  coat = next(r for r in src.raw(sid) if r["variant"].startswith("coat"))
+  out = ["| M x N x K | A, B -> out | launches per step | ms per step | us each | TFLOP/s |",
+         "|---|---|---|---|---|---|"]
+  for ms, cat, name, shape, calls in coat["top_by_shape"]:
+    m = GEMM_SHAPES.match(shape)
+    if cat != "FP8 GEMM" or "swiglu" in name or not m:
+      continue
+    rows, cols, a, _, k, b = m.groups()
+    rows, cols, k = int(rows), int(cols), int(k)
+    us = 1e3 * ms / calls
+    types = f"{a.removeprefix('f8')}, {b.removeprefix('f8')} -> {shape.split('[')[0]}"
+    out.append(f"| {rows} x {cols} x {k} | {types} | {calls:.0f} | {ms:.2f} | "
+               f"{us:.0f} | {2 * rows * cols * k / us / 1e6:,.0f} |")
+  return out + ["", source_line(src, sid)]
+
 TABLES = {
   "headline": headline, "e2e": e2e, "train_py": train_py, "largest_batch": largest_batch,
   "layer": layer, "layer_fp8_attention": layer_fp8_attention, "optimizer": optimizer,
   "big_models": big_models, "accuracy": accuracy, "stability": stability, "formats": formats,
   "master_weights": master_weights, "group_axis": group_axis, "step_floor": step_floor,
-  "sft": sft, "remat_sweep": remat_sweep,
+  "sft": sft, "sft_now": sft_now, "remat_sweep": remat_sweep,
   "plan_candidates": plan_candidates, "compile_7b": compile_7b,
   "summed_in_place": summed_in_place, "two_pass": two_pass, "step_floor_h200": step_floor_h200,
   "largest_models": largest_models, "largest_summary": largest_summary,
@@ -953,7 +1029,8 @@ TABLES = {
   "compile_olmo": compile_olmo, "compile_warm": compile_warm,
   "compile_traced_once": compile_traced_once, "largest_batch_7b": largest_batch_7b,
   "step_memory_sr": step_memory_sr, "swiglu_weight_codes": swiglu_weight_codes,
-  "step_profile_7b": step_profile_7b,
+  "step_profile_7b": step_profile_7b, "step_profile_olmo": step_profile_olmo,
+  "step_gemms_olmo": step_gemms_olmo,
   "checkpoint_memory": checkpoint_memory,
 }
 

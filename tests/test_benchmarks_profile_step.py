@@ -132,3 +132,59 @@ def test_kernel_events_count_launches_and_the_report_prints_them(monkeypatch, ca
   assert row.split()[:3] == ["0.005", "17", "quantize"]
   old = next(line for line in lines if "gemm [cb_1]" in line)
   assert old.split()[:2] == ["0.004", "FP8"]
+
+
+def test_summary_counts_small_kernels_and_adds_up_kernels_by_shape(capsys):
+  """Launches per category, the kernels under SMALL_KERNEL_US on average counted apart, and the
+  per-instruction kernels of a step without command buffers added up by kernel and shape."""
+  small = profile_step.SMALL_KERNEL_US
+  times = {("gemm", "mm.1"): 300.0, ("gemm", "mm.2"): 100.0, ("gemm", "mm.3"): 50.0,
+           ("scale_fusion", "fusion.9"): 2 * (small - 1) * 3}       # 3 launches a step, 2 steps
+  launches = {("gemm", "mm.1"): 2, ("gemm", "mm.2"): 2, ("gemm", "mm.3"): 2,
+              ("scale_fusion", "fusion.9"): 6}
+  index = {"mm.1": ("other", "", "mosaic_gpu_v2"), "mm.2": ("other", "", "mosaic_gpu_v2"),
+           "mm.3": ("other", "", "mosaic_gpu_v2"),
+           "fusion.9": ("other fusion", "jit(f)/jvp()/div", "")}
+  shapes = {"mm.1": "bf16[64,32]{1,0} custom-call <- (f8e4m3fn[64,16], f8e4m3fn[32,16]) | jit(f)/a",
+            "mm.2": "bf16[64,32]{1,0} custom-call <- (f8e4m3fn[64,16], f8e4m3fn[32,16]) | jit(f)/b",
+            "mm.3": "bf16[64,32]{1,0} custom-call <- (f8e4m3fn[64,64], f8e4m3fn[32,64]) | jit(f)/c",
+            "fusion.9": "f32[] fusion | jit(f)/jvp()/div"}
+  s = profile_step.summarize_kernels(times, launches, index, shapes, iters=2, top=10)
+  assert s["category_launches"] == {"FP8 GEMM": 3.0, "fusions fwd": 3.0}
+  assert s["small_launches"] == {"fusions fwd": 3.0}
+  assert abs(s["small_ms"]["fusions fwd"] - 3 * (small - 1) / 1e3) < 1e-12
+  assert abs(s["kernel_ms"] - (0.225 + 3 * (small - 1) / 1e3)) < 1e-12
+  # mm.1 and mm.2 (same shapes, op names apart) are one row; mm.3 (another K) its own
+  by_shape = {(row[2], row[3]): (row[0], row[4]) for row in s["top_by_shape"]}
+  assert by_shape[("gemm", shapes["mm.1"].split(" | ")[0])] == (0.2, 2.0)
+  assert by_shape[("gemm", shapes["mm.3"].split(" | ")[0])] == (0.025, 1.0)
+  assert len(s["top"]) == 4 and s["top"][0][2] == "gemm [mm.1]"
+  r = {"variant": "coat:loop+nocb", "step_ms": 1.0, "compile_s": 1.0, "hlo_categories": {},
+       "gaps": {}, **s}
+  profile_step.print_table([r])
+  out = capsys.readouterr().out
+  fwd = next(line for line in out.splitlines() if line.startswith("fusions fwd") and
+             len(line.split()) == 5)
+  assert fwd.split()[2:] == ["3", "3", f"{3 * (small - 1) / 1e3:.2f}"]
+  assert "by kernel and instruction shape" in out
+
+
+def test_instruction_shapes_name_a_custom_calls_operand_shapes():
+  """A compiled module prints a custom call's operands by name only: their shapes are looked up
+  (layouts dropped), so that two GEMMs of one output shape and different K are told apart."""
+  text = """HloModule m, entry_computation_layout={()->bf16[64,32]{1,0}}
+
+ENTRY %main (p0: f8e4m3fn[64,16], p1: f8e4m3fn[32,16]) -> bf16[64,32] {
+  %p0 = f8e4m3fn[64,16]{1,0} parameter(0)
+  %p1 = f8e4m3fn[32,16]{1,0} parameter(1)
+  ROOT %mm.1 = bf16[64,32]{1,0} custom-call(%p0, %p1), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/gemm"}
+}
+"""
+  shapes = common.instruction_shapes(text)
+  assert shapes["mm.1"] == ("bf16[64,32]{1,0} custom-call <- (f8e4m3fn[64,16], f8e4m3fn[32,16]) "
+                            "| jit(f)/gemm")
+  assert shapes["mm_1"] == shapes["mm.1"]
+  # A module XLA compiled here: the CPU's LAPACK call of a Cholesky factorization
+  compiled = jax.jit(lambda a: jnp.linalg.cholesky(a * 2.0)).lower(jnp.eye(4)).compile().as_text()
+  calls = [v for v in common.instruction_shapes(compiled).values() if " custom-call " in v]
+  assert calls and all("<- (f32[4,4])" in v for v in calls)

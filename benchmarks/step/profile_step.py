@@ -8,7 +8,10 @@ per scan iteration) runs in its own child process: it builds and compiles the tr
 bench_e2e does (`_hlo.build_step`), runs --warmup steps, times --steps steps (median), then
 traces --iters steps (dispatched back to back, as train.py does) with jax.profiler and sums device
 time per kernel (the GPU stream lines, as `_common.kernel_times`, keyed also by the `hlo_op` XLA
-attaches to each kernel); the GPU's idle time between kernels and its --gaps largest gaps, with
+attaches to each kernel) and launches per category, the kernels under SMALL_KERNEL_US counted
+apart (launch-bound: XLA's scalar fusions), and lists the --top largest kernels per instruction
+and added up per kernel and shape (with `+nocb`, by GEMM shape: a custom call's shapes name its
+operands'); the GPU's idle time between kernels and its --gaps largest gaps, with
 the host events during each, come from the same trace (`_trace.gap_report`).
 Every kernel is put in a category through the compiled HLO (XLA names a kernel after its HLO
 instruction; the instruction's op_name says forward `jvp(...)`, backward `transpose(...)` or
@@ -82,6 +85,8 @@ CATEGORIES = ("FP8 GEMM", "bf16 GEMM", "quantize", "attention", "optimizer", "co
 SCAN_CLASSES = ("DUS fusion (in place)", "dynamic-slice fusion", "dynamic-update-slice",
                 "dynamic-slice", "broadcast fusion (fill)")
 COPY_CLASSES = ("copy", "copy/transpose fusion", "transpose")
+# A kernel whose mean time is below this (microseconds) is counted as small in the report.
+SMALL_KERNEL_US = 5.0
 
 
 def category(kernel: str, info) -> str:
@@ -130,6 +135,38 @@ def kernel_events(data) -> tuple[collections.Counter, collections.Counter]:
   return us, calls
 
 
+def summarize_kernels(times_us, launches, index, shapes, iters: int, top: int) -> dict:
+  """Per step (`iters` traced steps): ms and launches per category; the kernels shorter than
+  SMALL_KERNEL_US on average (XLA's scalar and small fusions: launch-bound, each costs the GPU a
+  few microseconds whatever it computes) per category; the `top` largest kernels per (kernel,
+  HLO instruction); and the `top` largest per (category, kernel, instruction shape), which adds up
+  the per-instruction kernels of a step without command buffers (`+nocb`) by shape.
+  times_us, launches: `kernel_events`; index, shapes: `_hlo.instruction_index`, `instruction_shapes`
+  of the compiled step."""
+  per_cat, calls_cat = collections.Counter(), collections.Counter()
+  small_ms, small_calls = collections.Counter(), collections.Counter()
+  kernels, by_shape = [], collections.defaultdict(lambda: [0.0, 0.0])
+  for (name, hlo_op), us in times_us.items():
+    cat = category(name, index.get(hlo_op) or index.get(name))
+    ms, n = us / iters / 1e3, launches[(name, hlo_op)] / iters
+    shape = shapes.get(hlo_op) or shapes.get(name, "")
+    per_cat[cat] += ms
+    calls_cat[cat] += n
+    if us / max(launches[(name, hlo_op)], 1) < SMALL_KERNEL_US:
+      small_ms[cat] += ms
+      small_calls[cat] += n
+    kernels.append((ms, cat, f"{name} [{hlo_op}]" if hlo_op else name, shape, n))
+    slot = by_shape[(cat, name, shape.split(" | ")[0])]
+    slot[0] += ms
+    slot[1] += n
+  shaped = sorted(((ms, cat, name, shape, n) for (cat, name, shape), (ms, n) in by_shape.items()),
+                  reverse=True)
+  return {"category_ms": dict(per_cat), "kernel_ms": sum(per_cat.values()),
+          "category_launches": dict(calls_cat), "small_ms": dict(small_ms),
+          "small_launches": dict(small_calls), "top": sorted(kernels, reverse=True)[:top],
+          "top_by_shape": shaped[:top]}
+
+
 def measure_one(a) -> dict:
   import jax
   import numpy as np
@@ -176,16 +213,7 @@ def measure_one(a) -> dict:
     trace = load_trace(tmp)   # read once for the kernel times and the gaps
     times_us, launches = kernel_events(trace)
     out["gaps"] = gap_report(trace, top=a.gaps)
-  per_cat, kernels = collections.Counter(), []
-  for (name, hlo_op), us in times_us.items():
-    cat = category(name, index.get(hlo_op) or index.get(name))
-    per_cat[cat] += us / a.iters / 1e3
-    kernels.append((us / a.iters / 1e3, cat, f"{name} [{hlo_op}]" if hlo_op else name,
-                    shapes.get(hlo_op) or shapes.get(name, ""),
-                    launches[(name, hlo_op)] / a.iters))
-  out["category_ms"] = dict(per_cat)
-  out["kernel_ms"] = sum(per_cat.values())
-  out["top"] = sorted(kernels, reverse=True)[:a.top]
+  out.update(summarize_kernels(times_us, launches, index, shapes, a.iters, a.top))
   out["iters"] = a.iters
   return out
 
@@ -319,6 +347,13 @@ def run_child(a, variant: str) -> dict:
   return {"variant": variant, "error": tail}
 
 
+def _print_kernels(rows) -> None:
+  for ms, cat, name, *what in rows:
+    shape = what[0] if what else ""
+    calls = f"{what[1]:6.0f}" if len(what) > 1 else ""   # absent from reports written before
+    print(f"  {ms:8.3f}  {calls:>6}  {cat:16}  {name[:70]:70}  {shape[:120]}")
+
+
 def print_table(results: list[dict]) -> None:
   from benchmarks._trace import print_gap_report
 
@@ -332,12 +367,25 @@ def print_table(results: list[dict]) -> None:
   for key, label in (("kernel_ms", "kernel total"), ("step_ms", "step (wall)"),
                      ("compile_s", "compile s")):
     print(f"{label:20}" + "".join(f"{r[key]:18.2f}" for r in ok))
+  counted = [r for r in ok if "category_launches" in r]   # absent from reports written before
+  if counted:
+    head = (f"{'launches per step':20}" + "".join(f"{r['variant']:>18}" for r in counted)
+            + f"   (in kernels < {SMALL_KERNEL_US:g} us: launches, ms)")
+    print("\n" + head + "\n" + "-" * len(head))
+    for cat in CATEGORIES:
+      print(f"{cat:20}" + "".join(
+          f"{r['category_launches'].get(cat, 0):7.0f} {r['small_launches'].get(cat, 0):4.0f} "
+          f"{r['small_ms'].get(cat, 0.0):5.2f}" for r in counted))
+    print(f"{'all':20}" + "".join(
+        f"{sum(r['category_launches'].values()):7.0f} {sum(r['small_launches'].values()):4.0f} "
+        f"{sum(r['small_ms'].values()):5.2f}" for r in counted))
   for r in ok:
     print(f"\n{r['variant']}: largest kernels (ms per step, launches per step, category, name)")
-    for ms, cat, name, *what in r["top"]:
-      shape = what[0] if what else ""
-      calls = f"{what[1]:6.0f}" if len(what) > 1 else ""   # absent from reports written before
-      print(f"  {ms:8.3f}  {calls:>6}  {cat:16}  {name[:70]:70}  {shape[:120]}")
+    _print_kernels(r["top"])
+    if r.get("top_by_shape"):
+      print(f"\n{r['variant']}: largest kernels by kernel and instruction shape (ms per step, "
+            f"launches per step, category, name)")
+      _print_kernels(r["top_by_shape"])
     print(f"  HLO instructions per category: {r['hlo_categories']}")
     print_gap_report(r.get("gaps") or {}, f"{r['variant']}: GPU idle time", per=r.get("iters", 1))
 
