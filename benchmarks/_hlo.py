@@ -207,7 +207,8 @@ def instruction_shapes(text: str) -> dict:
     out = f"{shape} {opcode}" + (f" {src.group(1)}:{src.group(2)}" if src else "")
     if opcode == "custom-call":   # a kernel's operands tell its shapes apart (a GEMM's K)
       args = re.search(r"custom-call\(([^()]*)\)", line)
-      operands = [shape_of.get(a, "?") for a in re.findall(r"%([\w.\-]+)", args.group(1))] if args else []
+      names = re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
+      operands = [shape_of.get(a, "?") for a in names]
       out += f" <- ({', '.join(operands)})" if operands else ""
     return out + (" | " + op_name.group(1)[-60:] if op_name else "")
 
