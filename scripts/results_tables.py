@@ -417,7 +417,6 @@ def largest_batch_7b(src: Sources) -> list[str]:
   return rows_table(src, sid, ["", "tokens/s", "MFU", "device peak GiB", "compile s"], rows)
 
 
-
 def sft_now(src: Sources) -> list[str]:
   """configs/llama2-7b-sft.yaml, coat and bf16 + optax.adamw at the recipe's batch, one lease,
   from each run's logged steps (steps 3-4)."""
@@ -434,7 +433,8 @@ def sft_now(src: Sources) -> list[str]:
   tok = lambda run: src.value(sid, _step_field(f"/tmp/sft_{run}", "tok/s"))
   rows.append(("coat vs bf16", ["", ratio("faster", tok("bf16"), tok("coat")), "", "", "", ""]))
   return rows_table(src, sid, ["", "remat / microbatches (plan)", "tokens/s, steps 3-4", "MFU",
-                               "device memory GiB", "plan compile s", "first step s"], rows)
+                               "device peak GiB", "plan compile s", "first step s"], rows)
+
 
 def _plan_choice(text: str, run: str) -> str:
   """The remat policy and microbatches the `[plan]` line of `run`'s section in a log chose."""
@@ -971,7 +971,6 @@ def step_profile_7b(src: Sources) -> list[str]:
   return out + ["", source_line(src, sid)]
 
 
-
 def step_profile_olmo(src: Sources) -> list[str]:
   """OLMo-1B's unrolled step without command buffers: ms and launches per kernel category, and the
   kernels shorter than profile_step's SMALL_KERNEL_US (launch-bound), bf16 and coat."""
@@ -1015,6 +1014,7 @@ def step_gemms_olmo(src: Sources) -> list[str]:
     out.append(f"| {rows} x {cols} x {k} | {types} | {calls:.0f} | {ms:.2f} | "
                f"{us:.0f} | {2 * rows * cols * k / us / 1e6:,.0f} |")
   return out + ["", source_line(src, sid)]
+
 
 TABLES = {
   "headline": headline, "e2e": e2e, "train_py": train_py, "largest_batch": largest_batch,
