@@ -1,0 +1,72 @@
+"""The accuracy tables: loss curves against bf16, stability across seeds and learning rates, the
+optimizer-state formats, bfloat16 master weights, the optimizer's group axis."""
+from __future__ import annotations
+
+
+from .common import Sources, fmt, ratio, source_line
+
+
+def accuracy(src: Sources) -> list[str]:
+  sid = "accuracy_llama125m_h100"
+  runs = src.value(sid, "runs")
+  b, c = runs["bf16+adamw"]["final_eval_loss"], runs["coat+coat_adamw"]["final_eval_loss"]
+  fp8 = src.value("accuracy_llama125m_fp8_attention_residuals_h100", r"re:\n\s+2000\s+([\d.]+)\n")
+  out = ["| run | final eval loss (step 2000) | vs bf16 |", "|---|---|---|",
+         f"| bf16 + adamw | {b:.4f} | |",
+         f"| coat + coat_adamw | {c:.4f} | {ratio('pct', b, c)} |",
+         f"| coat + coat_adamw, `attention_residuals: fp8` | {fp8:.4f} | {ratio('pct', b, fp8)} |",
+         "", source_line(src, sid),
+         "The FP8 attention residuals run: " + source_line(
+             src, "accuracy_llama125m_fp8_attention_residuals_h100")]
+  return out
+
+
+def stability(src: Sources) -> list[str]:
+  sid = "stability_h100"
+  runs = src.value(sid, "runs")
+  out = ["| mode | peak lr | diverged (of 3 seeds) | final train loss, mean over seeds |",
+         "|---|---|---|---|"]
+  for mode in ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw"):
+    for lr in (0.003, 0.03, 0.3):
+      rs = [r for r in runs if r["mode"] == mode and r["lr"] == lr]
+      div = sum(bool(r["diverged"]) for r in rs)
+      mean = sum(r["final_loss"] for r in rs) / len(rs)
+      out.append(f"| {mode} | {lr:g} | {div} of {len(rs)} | {mean:.4f} |")
+  return out + ["", source_line(src, sid)]
+
+
+def formats(src: Sources) -> list[str]:
+  sid = "state_formats_h100"
+  f = src.value(sid, "formats")
+  out = ["| format | expansion | m rel. MSE | v rel. MSE | v flushed to 0 | final train loss |",
+         "|---|---|---|---|---|---|"]
+  for r in f["rows"]:
+    out.append(f"| {r['format']} | {'on' if r['expand'] else 'off'} | {r['m_rel_mse_geomean']:.2e} "
+               f"| {r['v_rel_mse_geomean']:.2e} | {100 * r['v_flushed_frac']:.2f} % "
+               f"| {fmt(r['final_loss'], '.4f')} |")
+  return out + ["", source_line(src, sid)]
+
+
+def master_weights(src: Sources) -> list[str]:
+  sid = "master_weights_h100"
+  out = ["| variant | eval loss, step 2000 | vs float32 master | bytes per parameter |",
+         "|---|---|---|---|"]
+  for r in src.value(sid, "rows"):
+    out.append(f"| {r['variant']} | {r['eval_loss']:.4f} | {r['diff_pct']:+.3f} % "
+               f"| {r['bytes_per_param']['total']:.2f} |")
+  return out + ["", source_line(src, sid)]
+
+
+def group_axis(src: Sources) -> list[str]:
+  out = ["| seed | eval loss, `group_axis: last` | eval loss, `group_axis: coat` | coat vs last |",
+         "|---|---|---|---|"]
+  for seed, sid, last, coat in ((0, "group_axis_loss_seed0_h100", "f32_master", "coat_group_axis"),
+                                (1, "group_axis_loss_seed1_h100", "group_axis_last", "f32_master"),
+                                (2, "group_axis_loss_seed2_h200", "group_axis_last",
+                                 "group_axis_coat")):
+    loss = {r["variant"]: r["eval_loss"] for r in src.value(sid, "rows")}
+    out.append(f"| {seed} | {loss[last]:.4f} | {loss[coat]:.4f} | "
+               f"{ratio('pct', loss[last], loss[coat])} |")
+  return out + ["", source_line(src, "group_axis_loss_seed0_h100"),
+                "Seed 1: " + source_line(src, "group_axis_loss_seed1_h100"),
+                "Seed 2: " + source_line(src, "group_axis_loss_seed2_h200")]

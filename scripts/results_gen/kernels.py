@@ -1,0 +1,122 @@
+"""The kernel tables: the 7B decoder layer, the optimizer step, the optimizer's column kernel,
+the SwiGLU weights' codes."""
+from __future__ import annotations
+
+import re
+
+from .common import Sources, optimizer_row, ratio, rows_table, source_line
+
+
+OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name); the default second (the headline's)
+  ("optax.adamw (XLA)", "optax.adamw"),
+  ("coat_adamw_apply, default (`group_axis=\"last\"`, row kernel), per leaf",
+   "coat_adamw_apply, per leaf"),
+  ("same, `state_layout=\"packed\"`", "coat_adamw_apply, packed state"),
+  ("coat_adamw_apply, `group_axis=\"coat\"` (COAT's layout, column kernel), per leaf",
+   "coat_adamw_apply, per leaf, groups along axis -2 (column kernel), tile 32 cols x 8 warps"),
+  ("same, `state_layout=\"packed\"`",
+   "coat_adamw_apply, packed state, groups along axis -2 (column kernel), tile 32 cols x 8 warps"),
+]
+
+
+OPTIMIZER_STACKED_ROWS = [  # (label, bench_optimizer's row name)
+  ("optax.adamw (XLA)", "optax.adamw"),
+  ("coat_adamw_apply, per leaf, default tile (16 rows x 4 warps)",
+   "coat_adamw_apply, per leaf, tile 16 rows x 4 warps"),
+  ("same, tile 8 rows x 4 warps", "coat_adamw_apply, per leaf, tile 8 rows x 4 warps"),
+  ("coat_adamw_apply, packed state, default tile", "coat_adamw_apply, packed state, tile 16 rows x 4 warps"),
+  ("same, tile 8 rows x 4 warps", "coat_adamw_apply, packed state, tile 8 rows x 4 warps"),
+]
+
+
+def two_pass(src: Sources) -> list[str]:
+  sid = "adam_column_two_pass_h200"
+  text = src.raw(sid)
+  out = ["| column kernel, tile | GPU kernel ms | wall ms |", "|---|---|---|"]
+  for line in text.splitlines():
+    m = re.match(r"\| coat_adamw_apply, per leaf, groups along axis -2 \(column kernel\), "
+                 r"([^|]+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \|", line)
+    if m:
+      out.append(f"| {m.group(1).strip()} | {m.group(3)} | {m.group(2)} |")
+  return out + ["", source_line(src, sid)]
+
+
+def layer(src: Sources) -> list[str]:
+  sid = "layer7b_h200"
+  v = lambda k: src.value(sid, k)
+  rows = [("bf16 (coat-jax)", [("bf16_ms", ".2f"), ("bf16_ms_back_to_back", ".2f"),
+                               ("bf16_held_mb", ".1f")]),
+          ("coat (coat-jax)", [("coat_ms", ".2f"), ("coat_ms_back_to_back", ".2f"),
+                               ("coat_held_mb", ".1f")]),
+          ("BF16 (COAT's PyTorch)", [("COAT_bf16_ms", ".2f"), "", ("COAT_bf16_held_mb", ".1f")]),
+          ("COAT (PyTorch + Triton)", [("COAT_ms", ".2f"), "", ("COAT_held_mb", ".1f")]),
+          ("coat vs bf16 (coat-jax)", [ratio("time", v("bf16_ms"), v("coat_ms")), "",
+                                       ratio("less", v("bf16_held_mb"), v("coat_held_mb"))])]
+  return rows_table(src, sid, ["", "fwd + bwd ms", "back to back ms", "held MB"], rows)
+
+
+def layer_fp8_attention(src: Sources) -> list[str]:
+  sid = "layer7b_fp8_attention_residuals_h100"
+  r = src.value(sid, "results.0")
+  out = ["| | fwd + bwd ms | held MB |", "|---|---|---|",
+         f"| coat, `attention_residuals: fp8` | {r['fwd_bwd_ms']:.2f} "
+         f"| {r['held_bytes'] / 1e6:.1f} |"]
+  return out + ["", source_line(src, sid)]
+
+
+def optimizer(src: Sources) -> list[str]:
+  sid = "optimizer_step_h200"
+  # bench_optimizer's columns: wall 1, pipelined 2, kernel 3, ..., state B/param 6, wall/floor 9,
+  # kernel/floor 10
+  cells = [(1, ".2f"), (3, ".2f"), (6, ".2f"), (9, ".2f"), (10, ".2f")]
+  rows = [(label, [(optimizer_row(name, c), f) for c, f in cells])
+          for label, name in OPTIMIZER_ROWS]
+  out = rows_table(src, sid, ["optimizer", "wall ms", "GPU kernel ms", "state B/param",
+                              "wall / floor", "kernel / floor"], rows)
+  floor = src.value(sid, r"re:floor at ([\d.]+) TB/s")
+  out += ["", f"Floor: {floor:.3f} TB/s read + write, measured in the same run."]
+  anchors = [("torch.optim.AdamW, fused", "torch_fused_ms", "torch_bytes"),
+             ("torchao AdamW8bit", "torchao_8bit_ms", "torchao_8bit_bytes"),
+             ("torchao AdamWFp8", "torchao_fp8_ms", "torchao_fp8_bytes"),
+             ("bitsandbytes AdamW8bit", "bnb_8bit_ms", "bnb_8bit_bytes"),
+             ("COAT's FP8 AdamW (its CUDA kernel)", "COAT_ms", "COAT_bytes")]
+  out += [""] + rows_table(src, "optimizer_anchors_h200", ["PyTorch optimizer", "ms",
+                                                           "state B/param"],
+                           [(label, [(t, ".2f"), (b, ".2f")]) for label, t, b in anchors])
+  return out
+
+
+def swiglu_weight_codes(src: Sources) -> list[str]:
+  """The gate/up weights' transposed codes by XLA or by the quantize kernel: the 20.3e9 step's
+  prediction, the 7B layer and OLMo-1B's step, each way."""
+  sid = "swiglu_weight_codes_h200"
+  text = src.raw(sid)
+  out = ["| gate/up W^T codes | 20.3e9 step: temporaries B/param | predicted B/param | "
+         "predicted GiB | 7B layer fwd+bwd ms | held MB | OLMo-1B step ms (tokens/s) |",
+         "|---|---|---|---|---|---|---|"]
+  for name, label in (("xla", "XLA's transpose of W's codes"),
+                      ("kernel", "the quantize kernel writes them (default)")):
+    mem = re.search(rf"^\| {name} \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \|", text, re.M)
+    layer = re.search(rf"=== layer {name}:.*?^coat +[\d.]+ +([\d.]+) +[\d.]+ +([\d.]+)", text,
+                      re.M | re.S)
+    e2e = re.search(rf"=== e2e {name}:.*?^coat\+coat_adamw +scanned(?: +\S+){{9}} +([\d.]+) +[\d.]+ "
+                    rf"+([\d,]+)", text, re.M | re.S)
+    params = float(mem.group(1)) * 1e9
+    out.append(f"| {label} | {float(mem.group(2)):.3f} | {float(mem.group(3)):.3f} | "
+               f"{float(mem.group(3)) * params / 2**30:.2f} | {layer.group(1)} | {layer.group(2)} | "
+               f"{float(e2e.group(1)):.1f} ({e2e.group(2)}) |")
+  return out + ["", source_line(src, sid)]
+
+
+def optimizer_stacked(src: Sources) -> list[str]:
+  sid = "optimizer_stacked_h200"
+  base = [src.value(sid, optimizer_row("optax.adamw", c)) for c in (1, 2, 3)]
+  rows = []
+  for label, name in OPTIMIZER_STACKED_ROWS:
+    wall, piped, kernel = (src.value(sid, optimizer_row(name, c)) for c in (1, 2, 3))
+    rows.append((label, [f"{wall:.2f}", f"{piped:.2f}", f"{kernel:.2f}",
+                         f"{wall / base[0]:.2f}x", f"{piped / base[1]:.2f}x",
+                         f"{kernel / base[2]:.2f}x", (optimizer_row(name, 10), ".2f")]))
+  return rows_table(src, sid, ["optimizer", "wall ms", "pipelined ms", "GPU kernel ms",
+                               "wall vs optax", "pipelined vs optax", "kernel vs optax",
+                               "kernel / floor"], rows)

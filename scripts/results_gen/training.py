@@ -1,0 +1,191 @@
+"""The training-run tables: the OLMo-1B step end to end, the shipped configs through train.py,
+remat and microbatch plans, equal and largest batches, the fine-tuning recipe."""
+from __future__ import annotations
+
+import re
+
+from .common import (PLAN_LINE, Sources, fmt, plan_choice, ratio, rows_table, run_field,
+                     source_line, step_field, summary_field)
+
+
+SFT_RUNS = (("coat", "coat + coat_adamw", 64), ("bf16", "bf16 + optax.adamw", 64),
+            ("coat_b4", "coat + coat_adamw", 4), ("bf16_b4", "bf16 + optax.adamw", 4))
+
+
+def e2e(src: Sources) -> list[str]:
+  sid = "olmo1b_e2e_h200"
+  v = lambda k: src.value(sid, k)
+  rows = [("bf16 + optax.adamw", [("bf16_tokens_unrolled", ",.0f"), ("bf16_tokens_scanned", ",.0f"),
+                                  ("bf16_peak_gb", ".2f"), ("bf16_compile_unrolled_s", ".1f"),
+                                  ("bf16_compile_scanned_s", ".1f")]),
+          ("coat + coat_adamw", [("coat_tokens_unrolled", ",.0f"), ("coat_tokens_scanned", ",.0f"),
+                                 ("coat_peak_gb", ".2f"), ("coat_compile_unrolled_s", ".1f"),
+                                 ("coat_compile_scanned_s", ".1f")]),
+          ("coat vs bf16", [ratio("faster", v("bf16_tokens_unrolled"), v("coat_tokens_unrolled")),
+                            ratio("faster", v("bf16_tokens_scanned"), v("coat_tokens_scanned")),
+                            ratio("less", v("bf16_peak_gb"), v("coat_peak_gb")),
+                            f"{v('coat_compile_unrolled_s') / v('bf16_compile_unrolled_s'):.2f}x",
+                            f"{v('coat_compile_scanned_s') / v('bf16_compile_scanned_s'):.2f}x"])]
+  return rows_table(src, sid, ["", "tokens/s, unrolled", "tokens/s, scanned", "peak GB",
+                               "compile s, unrolled", "compile s, scanned"], rows)
+
+
+SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
+                   ("llama-125m", "bf16 + adamw", "configs_train_py_h200"),
+                   ("olmo-1b", "coat + coat_adamw", "configs_train_py_h200"),
+                   ("llama2-7b", "coat + coat_adamw", "configs_llama2_7b_h200"),
+                   ("llama2-13b", "coat + coat_adamw", "configs_llama2_13b_h200"),
+                   ("llama-20b", "coat + coat_adamw", "largest_20b_h200"))
+
+
+def train_py(src: Sources) -> list[str]:
+  """Each shipped config through train.py: its summary line in the raw log."""
+  rows = []
+  for name, recipe, sid in SHIPPED_CONFIGS:
+    key = lambda field: summary_field(f"/tmp/cfg_{name}", field)
+    cells = [recipe] + [fmt(src.value(sid, key(f)), spec) for f, spec in (
+        ("tokens_per_s", ",.0f"), ("mfu", ".1%"))] + [
+        f"{src.value(sid, key('peak_memory_bytes')) / 2**30:.2f}",
+        fmt(src.value(sid, key("compile_s")), ".1f"),
+        fmt(src.value(sid, key("first_step_s")), ".2f")]
+    rows.append((f"`configs/{name}.yaml`", cells))
+  out = rows_table(src, "configs_train_py_h200", ["config", "precision + optimizer", "tokens/s",
+                                                  "MFU", "device peak GiB", "compile s",
+                                                  "first step s"], rows)
+  return out + ["", "`configs/llama2-7b.yaml`: " + source_line(src, "configs_llama2_7b_h200"),
+                "", "`configs/llama2-13b.yaml`: " + source_line(src, "configs_llama2_13b_h200"),
+                "", "`configs/llama-20b.yaml`: " + source_line(src, "largest_20b_h200")]
+
+
+PLAN_RUNS = (("llama2-7b", "configs_llama2_7b_h200", 16 * 4096),
+             ("llama2-13b", "configs_llama2_13b_h200", 32 * 4096))
+
+
+def plan_candidates(src: Sources) -> list[str]:
+  """The candidates `auto` timed before the first step (one step each) in the shipped configs'
+  runs, from the `[plan]` line: each policy at the fewest microbatches that fit."""
+  out = ["| config | remat / microbatches | step s (one timed step) | tokens/s | vs the fastest "
+         "| chosen |", "|---|---|---|---|---|---|"]
+  for name, sid, tokens in PLAN_RUNS:
+    line = PLAN_LINE.search(src.raw(sid))
+    timed = [(c, float(t)) for c, t in re.findall(r"(\S+/\d+): ([\d.]+) s", line["timed"])]
+    fastest = min(t for _, t in timed)
+    chosen = f"{line['remat']}/{line['micro']}"
+    for cand, t in timed:
+      out.append(f"| `{name}` | {cand.replace('/', ' / ')} | {t:.3f} | {tokens / t:,.0f} | "
+                 f"{100 * (fastest / t - 1):+.1f} % | {'yes' if cand == chosen else ''} |")
+  return out + ["", "Llama-2-7B: " + source_line(src, "configs_llama2_7b_h200"),
+                "Llama-2-13B: " + source_line(src, "configs_llama2_13b_h200")]
+
+
+def largest_batch_7b(src: Sources) -> list[str]:
+  """configs/llama2-7b.yaml through train.py, each mode at its largest batch (run_gpu.sh batch7b)."""
+  sid = "largest_batch_7b_h200"
+  key = lambda run, field: summary_field(f"/tmp/batch7b_{run}", field)
+  rows = []
+  for run, label in (("bf16_16", "bf16 + optax.adamw, batch 16 x 4096"),
+                     ("coat_56", "coat + coat_adamw, batch 56 x 4096")):
+    rows.append((label, [(key(run, "tokens_per_s"), ",.0f"), (key(run, "mfu"), ".1%"),
+                         f"{src.value(sid, key(run, 'peak_memory_bytes')) / 2**30:.2f}",
+                         (key(run, "compile_s"), ".1f")]))
+  v = lambda run, field: src.value(sid, key(run, field))
+  rows.append(("coat (56) vs bf16 (16)", [ratio("faster", v("bf16_16", "tokens_per_s"),
+                                                 v("coat_56", "tokens_per_s")), "", "", ""]))
+  return rows_table(src, sid, ["", "tokens/s", "MFU", "device peak GiB", "compile s"], rows)
+
+
+def sft_now(src: Sources) -> list[str]:
+  """configs/llama2-7b-sft.yaml, coat and bf16 + optax.adamw at the recipe's batch, one lease,
+  from each run's logged steps (steps 3-4)."""
+  sid = "sft_llama2_7b_pingpong_h200"
+  text = src.raw(sid)
+  rows = []
+  for run, recipe in (("coat", "coat + coat_adamw"), ("bf16", "bf16 + optax.adamw")):
+    d = f"/tmp/sft_{run}"
+    rows.append((recipe, [plan_choice(text, d), (step_field(d, "tok/s"), ",.0f"),
+                          f"{src.value(sid, step_field(d, 'mfu')):.1f}%",
+                          (step_field(d, "mem"), ".2f"),
+                          (run_field(d, r"\[plan\] chose .*?compile\(s\) in ([\d.]+) s"), ".1f"),
+                          (run_field(d, r"\[run\] first step in ([\d.]+) s"), ".1f")]))
+  tok = lambda run: src.value(sid, step_field(f"/tmp/sft_{run}", "tok/s"))
+  rows.append(("coat vs bf16", ["", ratio("faster", tok("bf16"), tok("coat")), "", "", "", ""]))
+  return rows_table(src, sid, ["", "remat / microbatches (plan)", "tokens/s, steps 3-4", "MFU",
+                               "device peak GiB", "plan compile s", "first step s"], rows)
+
+
+def sft(src: Sources) -> list[str]:
+  """configs/llama2-7b-sft.yaml through train.py, coat and bf16 + optax.adamw."""
+  sid = "sft_llama2_7b_h200"
+  text = src.raw(sid)
+  rows = []
+  for run, recipe, batch in SFT_RUNS:
+    key = lambda field: summary_field(f"/tmp/sft_{run}", field)
+    rows.append((recipe, [f"{batch} x 2048", plan_choice(text, f"/tmp/sft_{run}"),
+                          (key("tokens_per_s"), ",.0f"), (key("mfu"), ".1%"),
+                          f"{src.value(sid, key('peak_memory_bytes')) / 2**30:.2f}",
+                          (key("compile_s"), ".1f"), (key("first_step_s"), ".2f")]))
+  tok = lambda run: src.value(sid, summary_field(f"/tmp/sft_{run}", "tokens_per_s"))
+  rows.append(("coat vs bf16", ["64 x 2048", "", ratio("faster", tok("bf16"), tok("coat")),
+                                "", "", "", ""]))
+  rows.append(("coat vs bf16", ["4 x 2048", "", ratio("faster", tok("bf16_b4"), tok("coat_b4")),
+                                "", "", "", ""]))
+  return rows_table(src, sid, ["", "global batch", "remat / microbatches (plan)", "tokens/s",
+                               "MFU", "device peak GiB", "compile s", "first step s"], rows)
+
+
+def remat_sweep(src: Sources) -> list[str]:
+  """Each config at `remat: auto` and at each policy by hand (microbatches auto)."""
+  out = ["| config | remat | microbatches | tokens/s | device peak GiB | vs the best by hand |",
+         "|---|---|---|---|---|---|"]
+  for name, sid in (("olmo-1b", "remat_sweep_olmo1b_h200"),
+                    ("llama2-7b", "remat_sweep_llama2_7b_h200")):
+    text = src.raw(sid)
+    runs = {}
+    for remat in ("auto", "none", "fp8_residuals", "dots", "full"):
+      key = lambda field: summary_field(f"/tmp/sweep_{remat}", field)
+      try:
+        tokens = src.value(sid, key("tokens_per_s"))
+      except ValueError:   # the run left no summary (stopped before its end)
+        continue
+      runs[remat] = (tokens, src.value(sid, key("peak_memory_bytes")) / 2**30,
+                     plan_choice(text, f"/tmp/sweep_{remat}").split(" / ")[-1])
+    best = max(v[0] for r, v in runs.items() if r != "auto")
+    for remat, (tok, peak, micro) in runs.items():
+      out.append(f"| `{name}` | {remat} | {micro} | {tok:,.0f} | {peak:.2f} | "
+                 f"{100 * (tok / best - 1):+.1f} % |")
+    if "auto" not in runs:
+      out.append(f"| `{name}` | auto | | not measured in this run (stopped by its time limit "
+                 f"while the data cache was built) | | |")
+  return out + ["", source_line(src, "remat_sweep_olmo1b_h200"),
+                "Llama-2-7B: " + source_line(src, "remat_sweep_llama2_7b_h200")]
+
+
+def largest_batch(src: Sources) -> list[str]:
+  sid = "olmo1b_largest_batch_h100"
+  pat = r"re:{} \(unrolled\) batch {}: ok in \d+ s, ([\d,]+) tokens/s, peak ([\d.]+) GB"
+  rows = []
+  for mode, batch in (("bf16+adamw", 22), ("coat+coat_adamw", 32), ("coat+coat_adamw", 36)):
+    p = pat.format(re.escape(mode), batch)
+    peak = p.replace(r"([\d,]+) tokens/s", r"[\d,]+ tokens/s")
+    rows.append((f"{mode}, batch {batch}", [(p, ",.0f"), (peak, ".2f")]))
+  b, c = (src.value(sid, r[1][0][0]) for r in (rows[0], rows[2]))
+  rows.append(("coat (36) vs bf16 (22)", [ratio("faster", b, c), ""]))
+  return rows_table(src, sid, ["", "tokens/s", "peak GB"], rows)
+
+
+def equal_batch_7b(src: Sources) -> list[str]:
+  """configs/llama2-7b.yaml through train.py at one batch and remat for both modes."""
+  sid = "equal_batch_7b_h200"
+  key = lambda run, field: summary_field(f"/tmp/equal_{run}_8", field)
+  rows = []
+  for run, label in (("bf16", "bf16 + optax.adamw"), ("coat", "coat + coat_adamw")):
+    rows.append((label, [(key(run, "tokens_per_s"), ",.0f"), (key(run, "mfu"), ".1%"),
+                         f"{src.value(sid, key(run, 'peak_memory_bytes')) / 2**30:.2f}",
+                         (key(run, "compile_s"), ".1f"), (key(run, "first_step_s"), ".2f")]))
+  v = lambda run, field: src.value(sid, key(run, field))
+  rows.append(("coat vs bf16", [ratio("faster", v("bf16", "tokens_per_s"), v("coat", "tokens_per_s")),
+                                "", ratio("less", v("bf16", "peak_memory_bytes"),
+                                          v("coat", "peak_memory_bytes")),
+                                f"{v('coat', 'compile_s') / v('bf16', 'compile_s'):.2f}x", ""]))
+  return rows_table(src, sid, ["", "tokens/s", "MFU", "device peak GiB", "compile s",
+                               "first step s"], rows)
