@@ -56,6 +56,28 @@ def parse_modes(parser: argparse.ArgumentParser, text: str, choices: Sequence[st
   return modes
 
 
+
+def parse_shapes(parser: argparse.ArgumentParser, option: str, text: str, form: str,
+                 named: dict[str, list[tuple[int, ...]]] | None = None) -> list[tuple[int, ...]]:
+  """The comma-separated value of `option` as shapes: each item a key of `named` (its list of
+  shapes) or positive integers joined by "x" as `form` spells them ("MxNxK": three); exits
+  through `parser.error` naming the first item that is neither."""
+  named = named or {}
+  want = f"one of {sorted(named)} or {form}" if named else form
+  shapes = []
+  for item in text.split(","):
+    if item in named:
+      shapes += named[item]
+      continue
+    try:
+      dims = tuple(int(v) for v in item.split("x"))
+    except ValueError:
+      dims = ()
+    if len(dims) != len(form.split("x")) or min(dims) <= 0:
+      parser.error(f"{option}: {item!r} is not {want}")
+    shapes.append(dims)
+  return shapes
+
 # ----------------------------------------------------------------------------------------------
 # Timing.
 

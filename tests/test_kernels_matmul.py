@@ -377,3 +377,19 @@ def test_gemm_benchmark_configs_and_arguments():
     with pytest.raises(SystemExit) as exit_bad:
       bench.main(argv)
     assert exit_bad.value.code == 2
+
+
+def test_benchmark_shapes_argument_names_sets_and_shapes():
+  """benchmarks/_common.parse_shapes: named sets expand in order, MxNxK items are read as
+  integers, and an item of the wrong length, a non-positive size or text is a usage error."""
+  import argparse
+  from benchmarks._common import parse_shapes
+  p = argparse.ArgumentParser()
+  named = {"pair": [(1, 2, 3), (4, 5, 6)]}
+  assert parse_shapes(p, "--shapes", "pair,7x8x9", "MxNxK", named) == [(1, 2, 3), (4, 5, 6),
+                                                                         (7, 8, 9)]
+  assert parse_shapes(p, "--shape", "16384x2048", "ROWSxCOLS") == [(16384, 2048)]
+  for text in ("7x8", "7x8x9x1", "7x0x9", "7x-1x9", "pairs", "7xax9", ""):
+    with pytest.raises(SystemExit) as exit_bad:
+      parse_shapes(p, "--shapes", text, "MxNxK", named)
+    assert exit_bad.value.code == 2

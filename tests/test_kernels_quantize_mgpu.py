@@ -247,7 +247,7 @@ def test_benchmark_script_parses_its_arguments(monkeypatch):
   with pytest.raises(SystemExit) as exit_bad:
     bench.main(["--only", "nope"])
   assert exit_bad.value.code == 2
-  for shape in ("16384", "16384x0", "axb"):
+  for shape in ("16384", "16384x0", "axb", "16384x2048,8x8"):
     with pytest.raises(SystemExit) as exit_shape:
       bench.main(["--shape", shape])
     assert exit_shape.value.code == 2

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._common import median_ms_back_to_back
+from benchmarks._common import median_ms_back_to_back, parse_shapes
 from coat_jax.quantize import quantize_per_tensor
 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)   # 448
@@ -178,14 +178,8 @@ def main(argv=None):
   p.add_argument("--do-scale", type=float, default=1e-3,
                  help="standard deviation of the output's gradient (q, k, v: 1)")
   args = p.parse_args(argv)
-  shapes = []
-  for s in args.shapes.split(","):
-    try:
-      shapes.append(SHAPES[s] if s in SHAPES else tuple(int(d) for d in s.split("x")))
-    except ValueError:
-      p.error(f"--shapes: {s!r} is neither one of {tuple(SHAPES)} nor BxTxNxH")
-    if len(shapes[-1]) != 4:
-      p.error(f"--shapes: {s!r} is not BxTxNxH")
+  shapes = parse_shapes(p, "--shapes", args.shapes, "BxTxNxH",
+                        {name: [shape] for name, shape in SHAPES.items()})
   if jax.default_backend() != "gpu":
     p.error("cuDNN attention needs a GPU (this process sees "
             f"{jax.default_backend()})")

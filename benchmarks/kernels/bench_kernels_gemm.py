@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from benchmarks._common import median_ms_back_to_back
+from benchmarks._common import median_ms_back_to_back, parse_shapes
 from coat_jax.training.metrics import PEAK_BF16_FLOPS
 from pallas_kernels.gemm import fp8_matmul as fm
 
@@ -134,14 +134,9 @@ def main(argv=None):
   p.add_argument("--amax", action="store_true", help="also the default with the amax epilogue")
   p.add_argument("--iters", type=int, default=20)
   args = p.parse_args(argv)
-  named = {"all": SQUARE + LAYER_7B, "square": SQUARE, "layer": LAYER_7B, "olmo": LAYER_OLMO_1B}
-  shapes = []
-  for s in args.shapes.split(","):
-    try:
-      shapes += named[s] if s in named else [tuple(int(v) for v in s.split("x", 2))]
-      assert len(shapes[-1]) == 3
-    except (ValueError, AssertionError):
-      p.error(f"--shapes: {s!r} is neither one of {sorted(named)} nor MxNxK")
+  shapes = parse_shapes(p, "--shapes", args.shapes, "MxNxK",
+                        {"all": SQUARE + LAYER_7B, "square": SQUARE, "layer": LAYER_7B,
+                         "olmo": LAYER_OLMO_1B})
   bad = sorted(set(args.configs.split(",")) - set(TUNE) - {""})
   if bad:
     p.error(f"--configs: unknown {bad}; choose from {sorted(TUNE)}")

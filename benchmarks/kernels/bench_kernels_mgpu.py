@@ -23,7 +23,7 @@ import argparse
 import math
 import sys
 
-from benchmarks._common import median_ms_back_to_back
+from benchmarks._common import median_ms_back_to_back, parse_shapes
 
 KERNELS = ("per_group", "tile_amax", "dequantize", "swiglu_bwd", "per_tensor", "per_tensor_t",
            "adam")
@@ -239,11 +239,10 @@ def main(argv=None) -> int:
   if bad:
     parser.error(f"--only: unknown kernel(s) {bad}; choose from {list(KERNELS)}")
 
-  try:
-    shape = tuple(int(v) for v in args.shape.split("x")) if args.shape else (args.n, args.n)
-    assert len(shape) == 2 and min(shape) > 0
-  except (ValueError, AssertionError):
-    parser.error(f"--shape: expected ROWSxCOLS, e.g. 16384x2048, got {args.shape!r}")
+  shapes = parse_shapes(parser, "--shape", args.shape or f"{args.n}x{args.n}", "ROWSxCOLS")
+  if len(shapes) != 1:
+    parser.error(f"--shape: one ROWSxCOLS, got {args.shape!r}")
+  (shape,) = shapes
 
   import jax
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; quantize inputs "
