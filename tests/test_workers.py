@@ -81,6 +81,27 @@ def test_an_idle_worker_exits_and_the_next_request_starts_another(monkeypatch):
   assert workers.run({"call": (__name__, "pid"), "args": {}}) == workers._thread.proc.pid != first
 
 
+def scaled(a, b, c):   # a generator expression: a nested code object
+  return tuple(x * 2.5 for x in (a, b, c))
+
+
+def test_code_hash_ignores_references_and_sees_changes():
+  """The hash a worker compares does not change when something else holds a reference to one of
+  the function's nested code objects (as JAX's tracebacks do once the function is traced; the
+  marshal bytes do change), and does change with the code (a constant, a name, the bytecode)."""
+  import marshal
+  import types
+  before, marshalled = workers._code_hash(scaled.__code__), marshal.dumps(scaled.__code__)
+  held = [c for c in scaled.__code__.co_consts if isinstance(c, types.CodeType)]
+  assert held and marshal.dumps(scaled.__code__) != marshalled
+  assert workers._code_hash(scaled.__code__) == before
+  for edited in ("tuple(x * 2.0 for x in (a, b, c))", "tuple(y * 2.5 for y in (a, b, c))",
+                 "tuple(x / 2.5 for x in (a, b, c))", "list(x * 2.5 for x in (a, b, c))"):
+    space = {}
+    exec(f"def scaled(a, b, c):\n  return {edited}\n", space)
+    assert workers._code_hash(space["scaled"].__code__) != before, edited
+
+
 def test_the_worker_resolves_the_callers_function_or_refuses():
   recipe = workers.recipe(nap)
   assert recipe["module"] == __name__ and recipe["name"] == "nap"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import importlib
-import marshal
 import os
 import pickle
 import queue
@@ -29,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 
 MAX_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 TIMEOUT_S = 600          # the longest a request may take in a worker
@@ -127,7 +127,32 @@ def _code_of(fn):
 
 
 def _code_hash(code) -> str:
-  return hashlib.sha256(marshal.dumps(code)).hexdigest()
+  """sha256 of a code object's bytecode, names and constants, nested code objects included.
+  Not of `marshal.dumps(code)`: marshal flags each object referenced more than once, so the same
+  function marshals differently in a process that holds an extra reference to one of its nested
+  code objects (as JAX's tracebacks do to a generator expression's, once the function has been
+  traced), and the worker would refuse a function that did not change."""
+  h = hashlib.sha256()
+
+  def feed(obj):
+    if isinstance(obj, types.CodeType):
+      h.update(b"code:" + obj.co_code)
+      for part in (obj.co_qualname, obj.co_names, obj.co_varnames, obj.co_freevars,
+                   obj.co_cellvars, obj.co_argcount, obj.co_posonlyargcount,
+                   obj.co_kwonlyargcount, obj.co_flags):
+        h.update(repr(part).encode())
+      feed(obj.co_consts)
+    elif isinstance(obj, tuple):
+      h.update(b"tuple:%d" % len(obj))
+      for item in obj:
+        feed(item)
+    elif isinstance(obj, frozenset):   # its order follows the process' string hashing
+      h.update(b"frozenset:" + repr(sorted(map(repr, obj))).encode())
+    else:
+      h.update(f"{type(obj).__name__}:{obj!r}".encode())
+
+  feed(code)
+  return h.hexdigest()
 
 
 def resolve(recipe: dict, inner=lambda obj: obj):
