@@ -108,6 +108,35 @@ def test_kernel_interpret_scales_near_limits(rng):
     assert _rel(out, _ref64(a, b, scale)) < 1e-6
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_interpret_takes_the_two_scales_apart(rng, out_dtype):
+  """scale=a.scale, b_scale=b.scale: the kernel's product of the two is float32's, so the output
+  is the one the product passed whole gives, bit for bit (and b_scale is applied)."""
+  m, n, k = 64, 128, 256
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  sa, sb = jnp.float32(rng.uniform(0.1, 3.0)), jnp.float32(rng.uniform(1e-3, 0.1))
+  print(f"scales {float(sa)!r} x {float(sb)!r}")
+  run = lambda *s, **kw: np.asarray(fm.fp8_matmul_tn(a, b, *s, out_dtype, config=SMALL,
+                                                     interpret=_interp(), **kw), np.float32)
+  apart, whole = run(sa, b_scale=sb), run(sa * sb)
+  np.testing.assert_array_equal(apart, whole)
+  assert _rel(apart, _ref64(a, b, float(sa) * float(sb))) < (1e-6 if out_dtype == jnp.float32
+                                                             else 6e-3)
+
+
+def test_dispatch_multiplies_no_scales_outside_the_kernel(rng):
+  """The dispatch hands the kernel a's and b's per-tensor scales apart: no multiply is left
+  outside the kernel (on the GPU each would be an XLA kernel launch of its own per GEMM)."""
+  a, b = _qa(rng, (128, 256)), _qa(rng, (192, 256))
+  fn = lambda a, b: kernels.fp8_dot_general(a, b, TN, jnp.bfloat16)
+  with kernels.backend("gemm=pallas"):
+    jaxpr = jax.make_jaxpr(fn)(a, b)
+  kernel_call = ("mpmd_map", "pallas_call")   # plgpu.kernel's primitive (and pallas_call's)
+  names = [e.primitive.name for e in equations(jaxpr, stop=lambda e: e.primitive.name
+                                               in kernel_call)]
+  assert set(kernel_call) & set(names) and "mul" not in names, names
+
+
 @pytest.mark.parametrize("wg_dim", ["m", "n"])
 def test_kernel_interpret_epilogue_amax(rng, wg_dim):
   """The epilogue's per-(1 x tile_n) maxima equal group_amax of the float32 output."""
@@ -364,6 +393,23 @@ def test_gpu_bf16_output_is_the_float32_output_rounded(rng):
   assert np.isfinite(np.asarray(out32)).all()
   np.testing.assert_array_equal(np.asarray(out16.astype(jnp.float32)),
                                 np.asarray(out32.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_gpu_two_scales_equal_their_product(rng, schedule):
+  """a's and b's scales passed apart (multiplied in the kernel) give the output of their float32
+  product passed whole, bit for bit, on both schedules."""
+  m, n, k = 1024, 1536, 2048
+  a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+  sa, sb = jnp.float32(rng.uniform(0.1, 3.0)), jnp.float32(rng.uniform(1e-3, 1e-1))
+  cfg = fm.GemmConfig(schedule=schedule)
+  apart = jax.jit(lambda a, b, x, y: fm.fp8_matmul_tn(a, b, x, jnp.bfloat16, b_scale=y,
+                                                      config=cfg))(a, b, sa, sb)
+  whole = jax.jit(lambda a, b, s: fm.fp8_matmul_tn(a, b, s, jnp.bfloat16, config=cfg))(
+      a, b, sa * sb)
+  assert np.isfinite(np.asarray(whole, np.float32)).all()
+  np.testing.assert_array_equal(np.asarray(apart, np.float32), np.asarray(whole, np.float32))
 
 
 def test_gemm_benchmark_configs_and_arguments():

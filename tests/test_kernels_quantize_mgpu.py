@@ -217,6 +217,19 @@ def test_one_kernel_trace_per_kernel_view():
     assert eqns[0] is eqns[1] and eqns[2] is not eqns[0]
 
 
+def test_per_tensor_scale_reaches_the_kernel_as_it_is():
+  """The scale goes to the kernel as a (1,) view of itself: no padding or stacking outside the
+  kernel (on the GPU a kernel launch of its own per quantize)."""
+  kw = dict(out_dtype=jnp.float8_e4m3fn, fmax=448.0, floor=1e-10, interpret=True)
+  fn = lambda x, s: qm.quantize_per_tensor(x, scale=s, with_transpose=True, **kw)
+  jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((128, 64), jnp.bfloat16),
+                             jax.ShapeDtypeStruct((), jnp.float32))
+  is_kernel = lambda eqn: eqn.primitive.name in ("mpmd_map", "pallas_call")
+  names = {e.primitive.name for e in equations(jaxpr, stop=is_kernel)}
+  assert names & {"mpmd_map", "pallas_call"}, names
+  assert not names & {"stack", "concatenate", "pad", "broadcast_in_dim"}, names
+
+
 def test_supported_and_clear_errors():
   assert qm.supported_per_group((4, 256), jnp.float32, 16)
   assert not qm.supported_per_group((4, 250), jnp.float32, 16)      # N % G

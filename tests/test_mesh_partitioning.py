@@ -169,10 +169,10 @@ def test_per_tensor_quantize_writes_transposed_copy_per_shard(rng, monkeypatch, 
       assert op not in hlo
 
 
-def _xla_tn(a, b, s, out_dtype=F32, interpret=None, **_):
-  """The Mosaic kernel's contract, (s * a @ b.T).astype(out_dtype), in XLA (CPU)."""
+def _xla_tn(a, b, s, out_dtype=F32, interpret=None, b_scale=None, **_):
+  """The Mosaic kernel's contract, (s * b_scale * a @ b.T).astype(out_dtype), in XLA (CPU)."""
   out = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-  return (out * s).astype(out_dtype)
+  return (out * (s if b_scale is None else s * b_scale)).astype(out_dtype)
 
 
 @pytest.mark.parametrize("axes,a_spec,b_spec,partial", [

@@ -25,9 +25,13 @@ from coat_jax.ops import linear_layer
 from coat_jax.quantize import QuantizedArray
 from flax import nnx
 from pallas_kernels.gemm import fp8_gemm_swiglu as fs, fp8_matmul as fm
-from tests.test_kernels_quantize_mgpu import E4M3, FLOOR, _code_steps, _np_per_group
+from tests.jaxpr_walk import equations
+from tests.test_kernels_quantize_mgpu import E4M3, _code_steps, _np_per_group
 
-SCALES = (0.011, 0.0042)   # gate's and up's product scales: distinct, so a swap shows
+# x's per-tensor scale and gate's and up's weight scales (distinct, so that a swap shows); the
+# kernel scales gate's and up's products by their float32 products, SCALES
+X_SCALE, W_SCALES = 0.37, (0.0297, 0.0114)
+SCALES = tuple(float(np.float32(X_SCALE) * np.float32(w)) for w in W_SCALES)
 
 
 def _operands(m, f, k, seed):
@@ -45,7 +49,8 @@ def _products64(x, wg, wu):
 
 
 def _run_kernel(x, wg, wu, interpret=True, **kw):
-  return fs.fp8_gemm_swiglu(x, fs.interleave_gate_up(wg, wu), jnp.asarray(SCALES, jnp.float32),
+  return fs.fp8_gemm_swiglu(x, fs.interleave_gate_up(wg, wu), *map(jnp.float32, (X_SCALE,
+                                                                              *W_SCALES)),
                             interpret=plgpu.InterpretGPUParams() if interpret else None, **kw)
 
 
@@ -119,7 +124,7 @@ def test_interleave_and_errors():
   with pytest.raises(ValueError, match="must be equal"):
     fs.interleave_gate_up(g, u[:64])
   with pytest.raises(ValueError, match="must be float8"):
-    fs.fp8_gemm_swiglu(x.astype(jnp.bfloat16), fs.interleave_gate_up(g, u), jnp.ones(2))
+    fs.fp8_gemm_swiglu(x.astype(jnp.bfloat16), fs.interleave_gate_up(g, u), 1.0, 1.0, 1.0)
   assert fs.problem(256, 128, 128, jnp.float32) is not None
   assert fs.problem(256, 128, 128, jnp.bfloat16) is None
 
@@ -135,6 +140,21 @@ def _dispatch_inputs(seed, lead=(2, 128), f=128, k=256):
   xs, ws = jnp.float32(0.05), (jnp.float32(SCALES[0] / 0.05), jnp.float32(SCALES[1] / 0.05))
   qa = lambda d, s: QuantizedArray(d, s, "e4m3", 0)
   return qa(x.reshape(*lead, k), xs), qa(wg, ws[0]), qa(wu, ws[1])
+
+
+def test_dispatch_multiplies_no_scales_outside_the_kernel():
+  """x's, gate's and up's scales reach the kernel apart: no product or stack of them outside it
+  (on the GPU each would be an XLA kernel launch of its own per layer)."""
+  xq, wgq, wuq = _dispatch_inputs(seed=5)
+  with kernels.backend("gemm=pallas"):
+    jaxpr = jax.make_jaxpr(lambda a, b, c: kernels.gemm_swiglu_quantize(a, b, c, jnp.bfloat16))(
+        xq, wgq, wuq)
+  is_kernel = lambda e: e.primitive.name in ("mpmd_map", "pallas_call")
+  eqns = list(equations(jaxpr, stop=is_kernel))
+  assert any(map(is_kernel, eqns))
+  scalar_ops = [e.primitive.name for e in eqns if not is_kernel(e)
+                and all(getattr(v.aval, "shape", None) in ((), (1,), (2,)) for v in e.outvars)]
+  assert not {"mul", "stack", "concatenate"} & set(scalar_ops), scalar_ops
 
 
 def test_dispatch_kernel_matches_its_reference():

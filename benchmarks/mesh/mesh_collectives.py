@@ -161,12 +161,13 @@ def block_hlo(mode: str, mesh, args) -> str:
 
 def _use_xla_gemm_standin() -> None:
   """Routes kernels.fp8_dot_general to its compiled-kernel path (wrapped by sharded.matmul_tn)
-  with the Mosaic kernel replaced by its contract in XLA: (s * a @ b.T).astype(out_dtype)."""
+  with the Mosaic kernel replaced by its contract in XLA:
+  (s * b_scale * a @ b.T).astype(out_dtype)."""
   from pallas_kernels.gemm import fp8_matmul
 
-  def tn(a, b, s, out_dtype=jnp.bfloat16, **_):
+  def tn(a, b, s, out_dtype=jnp.bfloat16, *, b_scale=None, **_):
     out = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (out * s).astype(out_dtype)
+    return (out * (s if b_scale is None else s * b_scale)).astype(out_dtype)
 
   fp8_matmul.fp8_matmul_tn = tn
   kernels.interpret_mode = lambda: False   # only the GEMM family is Pallas under this switch

@@ -51,14 +51,14 @@ def fp8_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, out
     # the references run
     a2, b2, out_shape, _ = pk.tn_operands(a.data, a.data_t, b.data, b.data_t, dimension_numbers)
     if a2 is not None and jnp.dtype(out_dtype) in pk.OUT_DTYPES:
-      scale = a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32)
+      a_scale, b_scale = a.scale.astype(jnp.float32), b.scale.astype(jnp.float32)
       kw = _gemm_kernel_kw()
-      kernel = lambda x, y, s: backends.launch(pk.fp8_matmul_tn, x, y, s, out_dtype, **kw)
-      if not wrap:
-        out = kernel(a2, b2, scale)
+      if not wrap:   # the kernel multiplies the two scales (no XLA op of its own for that)
+        out = backends.launch(pk.fp8_matmul_tn, a2, b2, a_scale, out_dtype, b_scale=b_scale, **kw)
       else:
+        kernel = lambda x, y, s: backends.launch(pk.fp8_matmul_tn, x, y, s, out_dtype, **kw)
         partial = lambda x, y, s: pk.fp8_matmul_tn(x, y, s, jnp.float32, interpret=kw["interpret"])
-        out = sharded.matmul_tn(kernel, a2, b2, scale, partial_kernel=partial)
+        out = sharded.matmul_tn(kernel, a2, b2, a_scale * b_scale, partial_kernel=partial)
       return out.reshape(out_shape)
   return gemm.fp8_dot_general_reference(a, b, dimension_numbers, out_dtype)
 
@@ -88,11 +88,11 @@ def gemm_swiglu_quantize(x: QuantizedArray, w_gate_t: QuantizedArray, w_up_t: Qu
     if (pg.problem(m, n, k, out_dtype) is None and group_size == pg.GROUP
         and f.dtype in formats.fp8_dtypes() and x.per_tensor
         and w_up_t.data.shape == (n, k) and w_gate_t.per_tensor and w_up_t.per_tensor):
-      scales = jnp.stack([x.scale * w_gate_t.scale, x.scale * w_up_t.scale]).astype(jnp.float32)
       h, hmax, gd, gs, ud, us = backends.launch(
           pg.fp8_gemm_swiglu, x.data.reshape(m, k), pg.interleave_gate_up(w_gate_t.data,
                                                                           w_up_t.data),
-          scales, code_dtype=f.dtype, fmax=f.max, floor=floor,
+          *(s.astype(jnp.float32) for s in (x.scale, w_gate_t.scale, w_up_t.scale)),
+          code_dtype=f.dtype, fmax=f.max, floor=floor,
           scale_dtype=formats.ACTIVATION_SCALE_DTYPE, **_gemm_kernel_kw())
       meta = (*lead, n // group_size)
       return (h.reshape(*lead, n), jnp.max(hmax),

@@ -107,9 +107,10 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
   groups = HALF // GROUP
   exact_div = interpret is not None
 
-  def body(a_gmem, b_gmem, scale_gmem, h_gmem, hmax_gmem, gq_gmem, gs_gmem, uq_gmem, us_gmem,
-           ring, h_smem, gq_smem, uq_smem):
-    scale_g, scale_u = scale_gmem[0], scale_gmem[1]
+  def body(a_gmem, b_gmem, xs_gmem, gs_scale_gmem, us_scale_gmem, h_gmem, hmax_gmem, gq_gmem,
+           gs_gmem, uq_gmem, us_gmem, ring, h_smem, gq_smem, uq_smem):
+    # the products of x's scale and each weight's, as XLA's float32 multiply rounds them
+    scale_g, scale_u = xs_gmem[0] * gs_scale_gmem[0], xs_gmem[0] * us_scale_gmem[0]
 
     def tile(wg, mi, ni, acc_ref):
       rows = pl.ds(mi * TILE_M, TILE_M)
@@ -165,7 +166,8 @@ def _kernel_fn(m, f, k, num_ctas, stages, interpret, code_dtype, scale_dtype, fm
       interpret=interpret))
 
 
-def fp8_gemm_swiglu(x: jax.Array, w_interleaved: jax.Array, scales: jax.Array, *,
+def fp8_gemm_swiglu(x: jax.Array, w_interleaved: jax.Array, x_scale: jax.Array,
+                    gate_scale: jax.Array, up_scale: jax.Array, *,
                     code_dtype=jnp.float8_e4m3fn, fmax: float = 448.0, floor: float = 1e-10,
                     scale_dtype=jnp.bfloat16, stages: int = 4, num_ctas: int | None = None,
                     interpret=None):
@@ -173,7 +175,10 @@ def fp8_gemm_swiglu(x: jax.Array, w_interleaved: jax.Array, scales: jax.Array, *
 
   Args:
     x: float8 (M, K). w_interleaved: float8 (2F, K), `interleave_gate_up(W_g^T, W_u^T)` codes.
-    scales: float32 (2,): (x.scale * W_g.scale, x.scale * W_u.scale).
+    x_scale, gate_scale, up_scale: float32 scalars, the per-tensor scales of x, W_g and W_u: the
+      kernel scales gate's products by x_scale * gate_scale and up's by x_scale * up_scale (the
+      products taken in the kernel, so that no XLA operation, a kernel launch of its own, makes
+      them).
     code_dtype, fmax: the codes' FP8 dtype and its largest finite value; floor: the scales'
       floor; scale_dtype: bfloat16 or float32.
     stages: ring depth (4: 128 KiB of operand tiles beside 64 KiB of epilogue buffers; 2 to 5).
@@ -200,5 +205,6 @@ def fp8_gemm_swiglu(x: jax.Array, w_interleaved: jax.Array, scales: jax.Array, *
     num_ctas = 2 if interpret is not None else num_sms()
   fn = _kernel_fn(m, f, k, min(num_ctas, tiles), stages, interpret, jnp.dtype(code_dtype),
                   jnp.dtype(scale_dtype), float(fmax), float(floor))
-  h, hmax, gq, gs, uq, us = fn(x, w_interleaved, jnp.asarray(scales, jnp.float32).reshape(2))
+  h, hmax, gq, gs, uq, us = fn(x, w_interleaved, *(jnp.asarray(s, jnp.float32).reshape(1)
+                                                    for s in (x_scale, gate_scale, up_scale)))
   return h, hmax.T, gq, gs.T, uq, us.T

@@ -165,7 +165,7 @@ def num_sms() -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int, interpret,
-               with_amax: bool = False):
+               with_amax: bool = False, num_scales: int = 1):
   """The jitted pallas kernel for padded (m, n, k) (each divisible by its tile), built once per
   signature: every call of one signature then reuses one traced jaxpr, so JAX lowers it (to
   Mosaic GPU MLIR) once per step instead of once per call site (its lowering cache is keyed on
@@ -173,6 +173,7 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
 
   with_amax: also output float32 (n // tile_n, m): max|scale * acc| per row of each warpgroup
   tile, i.e. per 1 x tile_n group (stored group-major so each store is contiguous).
+  num_scales: float32 (1,) scale operands after a and b; the epilogue's scale is their product.
   """
   tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
   cta_m, cta_n = cfg.cta_m, cfg.cta_n
@@ -184,6 +185,13 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
   epi_per_row = tile_n // cfg.epi_n
   minor = 0 if cfg.grid_minor == "m" else 1
   in_flight = cfg.mma_in_flight if k_iters > 1 else 0  # a ring of one step keeps none
+
+  def split_refs(refs):
+    """(scale, out_gmem, amax_gmem) from the kernel's refs after a and b: the scale operands'
+    product (a float32 multiply, rounded as XLA's), then the outputs."""
+    scale = functools.reduce(lambda x, y: x * y, [r[0] for r in refs[:num_scales]])
+    outs = refs[num_scales:]
+    return (scale, *outs) if with_amax else (scale, outs[0], None)
 
   def epilogue(acc_ref, scale, wg, out_smem, dst, amax_gmem, m0, group):
     """The warpgroup's (tile_m, tile_n) accumulator times scale: its row maxima to amax_gmem
@@ -203,9 +211,8 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
 
-  def pingpong_body(a_gmem, b_gmem, scale_gmem, *outs, out_smem, ring):
-    out_gmem, amax_gmem = outs if with_amax else (outs[0], None)
-    scale = scale_gmem[0]
+  def pingpong_body(a_gmem, b_gmem, *refs, out_smem, ring):
+    scale, out_gmem, amax_gmem = split_refs(refs)
 
     def tile(wg, mi, ni, acc_ref):
       dst = out_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)]
@@ -215,8 +222,7 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
              tile=(tile_m, tile_n, tile_k), num_ctas=num_ctas, in_flight=cfg.mma_in_flight,
              snake=(minor, cfg.grid_tile_width))
 
-  def body(a_gmem, b_gmem, scale_gmem, *outs, out_smem):
-    out_gmem, amax_gmem = outs if with_amax else (outs[0], None)
+  def body(a_gmem, b_gmem, *refs, out_smem):
 
     def make_pipeline(step_fn, context_fn):
       return plgpu.emit_pipeline_warp_specialized(
@@ -246,7 +252,7 @@ def _kernel_fn(m: int, n: int, k: int, out_dtype, cfg: GemmConfig, num_ctas: int
     )
     def _scope(allocs):
       wg = lax.axis_index("wg")
-      scale = scale_gmem[0]
+      scale, out_gmem, amax_gmem = split_refs(refs)
 
       pair = lax.axis_index("cluster") if cfg.cluster_dim else 0
 
@@ -450,14 +456,17 @@ def check_operands(a: jax.Array, b: jax.Array, out_dtype) -> None:
 
 
 def fp8_matmul_tn(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype=jnp.bfloat16, *,
-                  config: GemmConfig = DEFAULT_CONFIG, num_ctas: int | None = None,
-                  interpret=None, with_amax: bool = False):
-  """(scale * a @ b.T).astype(out_dtype) with float32 accumulation.
+                  b_scale: jax.Array | None = None, config: GemmConfig = DEFAULT_CONFIG,
+                  num_ctas: int | None = None, interpret=None, with_amax: bool = False):
+  """(scale * b_scale * a @ b.T).astype(out_dtype) with float32 accumulation.
 
   Args:
     a: float8 (M, K).
     b: float8 (N, K) (K-major: the "TN" layout FP8 wgmma needs).
-    scale: float32 scalar (a.scale * b.scale), applied to the float32 accumulator.
+    scale: float32 scalar applied to the float32 accumulator: a.scale * b.scale, or a.scale alone
+      with b_scale.
+    b_scale: optional float32 scalar, b.scale: the kernel multiplies the two scales itself (the
+      same float32 product), so that no XLA operation (a kernel launch of its own) makes it.
     out_dtype: bfloat16 or float32.
     config: tiling (`GemmConfig`); `stages=0` takes the deepest ring that fits.
     num_ctas: persistent CTAs (default: the device's SM count).
@@ -476,12 +485,13 @@ def fp8_matmul_tn(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype=jnp.bf
   kp = _round_up(k, cfg.tile_k)
   a = _pad_to(a, mp, kp)
   b = _pad_to(b, np_, kp)
-  scale = jnp.asarray(scale, jnp.float32).reshape(1)
+  scales = [jnp.asarray(s, jnp.float32).reshape(1) for s in (scale, b_scale) if s is not None]
   tiles = (mp // cfg.cta_m) * (np_ // cfg.cta_n)
   if num_ctas is None:
     num_ctas = 2 if interpret is not None else num_sms()
   ctas = min(num_ctas, tiles) // cfg.cluster_size * cfg.cluster_size
-  out = _kernel_fn(mp, np_, kp, jnp.dtype(out_dtype), cfg, ctas, interpret, with_amax)(a, b, scale)
+  out = _kernel_fn(mp, np_, kp, jnp.dtype(out_dtype), cfg, ctas, interpret, with_amax,
+                   len(scales))(a, b, *scales)
   if with_amax:
     out, amax = out
     amax = amax.T[:m, :-(-n // cfg.tile_n)]

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.extend.core import jaxpr_as_fun
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.quantize.rows_mgpu import MAX_CTAS, ROW_QUANTUM, launch, pad_scalars
+from pallas_kernels.quantize.rows_mgpu import MAX_CTAS, ROW_QUANTUM, launch
 
 STAGE1_TILE = 16
 BLOCK_ROWS = (1024, 512, 256, 128, 64)
@@ -354,7 +354,7 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
     width = 128 if x.shape[-1] % 128 == 0 and (x.size // 128) % ROW_QUANTUM == 0 else 64
     x3 = x.reshape(1, -1, width)              # any row view will do without the transpose
   outs = _per_tensor_launch(
-      pad_scalars([scale]), x3, out_dtype=jnp.dtype(out_dtype), fmax=float(fmax),
+      scale.reshape(1), x3, out_dtype=jnp.dtype(out_dtype), fmax=float(fmax),
       with_transpose=with_transpose, interpret=interpret,
       block_rows=block_rows or (128 if with_transpose else 64), block_cols=block_cols or 128,
       max_ctas=max_ctas, stages=stages)
@@ -364,7 +364,7 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
 
 
 @shared_trace
-def _per_tensor_launch(scalars, x3, *, out_dtype, fmax, with_transpose, interpret, block_rows,
+def _per_tensor_launch(scale, x3, *, out_dtype, fmax, with_transpose, interpret, block_rows,
                        block_cols, max_ctas, stages):
   b, m, n = x3.shape
   bm = rows_per_block(m, block_rows)
@@ -381,7 +381,7 @@ def _per_tensor_launch(scalars, x3, *, out_dtype, fmax, with_transpose, interpre
   return launch(
       functools.partial(_tensor_kernel, fmax=fmax, interpret=interpret,
                         transpose=with_transpose),
-      scalars=[scalars], inputs=[x3], in_blocks=[((None, bm, bn), where)],
+      scalars=[scale], inputs=[x3], in_blocks=[((None, bm, bn), where)],
       out_shapes=out_shapes, out_blocks=out_blocks, num_blocks=b * gi * gj,
       interpret=interpret, max_ctas=max_ctas, stages=stages,
       name="coat_quantize_per_tensor_mgpu")

@@ -149,9 +149,3 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
       interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
   return list(call(*scalars, *inputs))
 
-
-def pad_scalars(values: Sequence, size: int = 16) -> jax.Array:
-  """float32 (size,) vector of scalars (TMA and SMEM want >= 16-byte operands)."""
-  vals = [jnp.asarray(v, jnp.float32).reshape(()) for v in values]
-  vals += [jnp.float32(0.0)] * (size - len(vals))
-  return jnp.stack(vals)
