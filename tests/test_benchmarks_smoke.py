@@ -218,6 +218,31 @@ def test_common_timing_and_budget(rng):
   assert 0 <= b.elapsed() < 5 and time.time() >= b.t0
 
 
+def test_device_time_is_the_traced_kernels_per_call(monkeypatch):
+  """device_ms_per_call: the traced kernels' microseconds summed, per call; on a CPU (no GPU
+  kernel in the trace) a clear error, not a zero time."""
+  f = jax.jit(lambda a: a + 1)
+  x = jnp.ones((256,), jnp.float32)
+  with pytest.raises(ValueError, match="no GPU kernel"):
+    common.device_ms_per_call(f, x, iters=2)
+  import collections
+  monkeypatch.setattr(common, "kernel_times",
+                      lambda trace: collections.Counter({"quantize": 240.0, "memset": 60.0}))
+  assert common.device_ms_per_call(f, x, iters=3) == pytest.approx(0.1)
+  from benchmarks.kernels import bench_kernels_mgpu as bench
+  assert bench.timer(3, device_time=True)(lambda: f(x)) == pytest.approx(1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_device_time_of_a_copy_is_within_the_hbm_rate():
+  """A 256 MB read + write by the device's own clock: positive, and no faster than the HBM
+  datasheet rate allows (a profiler trace that missed work would read faster)."""
+  f = jax.jit(lambda a: a + 1)
+  x = jnp.ones((32 * 2**20,), jnp.float32)
+  ms = common.device_ms_per_call(f, x, iters=5)
+  assert 256e6 / 4.8e12 * 1e3 < ms < 10.0, ms
+
+
 @pytest.mark.slow
 def test_compile_breakdown_child():
   """benchmarks/step/compile_breakdown.py: one child in-process (tiny coat step, remat full)."""

@@ -264,6 +264,9 @@ def test_benchmark_script_parses_its_arguments(monkeypatch):
     with pytest.raises(SystemExit) as exit_shape:
       bench.main(["--shape", shape])
     assert exit_shape.value.code == 2
+  with pytest.raises(SystemExit) as exit_flag:   # the device-time flag is known (a bad kernel
+    bench.main(["--device-time", "--only", "nope"])   # name is what fails)
+  assert exit_flag.value.code == 2
 
 
 @pytest.mark.gpu

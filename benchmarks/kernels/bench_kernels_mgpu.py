@@ -16,6 +16,8 @@ best per kernel.
   python3 -m benchmarks.kernels.bench_kernels_mgpu --sweep --only per_group,dequantize   # ~1 min
   python3 -m benchmarks.kernels.bench_kernels_mgpu --only swiglu_bwd --check   # SwiGLU's backward
   python3 -m benchmarks.kernels.bench_kernels_mgpu --only per_tensor_t --shape 16384x2048  # OLMo-1B
+  python3 -m benchmarks.kernels.bench_kernels_mgpu --sweep --device-time --only per_tensor_t \
+      --shape 16384x2048      # a small shape's tunables by the GPU's own time
 """
 from __future__ import annotations
 
@@ -23,24 +25,28 @@ import argparse
 import math
 import sys
 
-from benchmarks._common import median_ms_back_to_back, parse_shapes
+from benchmarks._common import device_ms_per_call, median_ms_back_to_back, parse_shapes
 
 KERNELS = ("per_group", "tile_amax", "dequantize", "swiglu_bwd", "per_tensor", "per_tensor_t",
            "adam")
 
 
-def _median_seconds(fn, reps: int) -> float:
-  """Seconds per call of `fn()`: the shared back-to-back median (benchmarks/_common.py)."""
-  return median_ms_back_to_back(fn, iters=reps, repeats=5) / 1e3
+def timer(reps: int, device_time: bool):
+  """seconds(fn): the time of one call of `fn()`: the back-to-back host median
+  (benchmarks/_common.py), or with device_time the GPU's own time from a profiler trace
+  (`device_ms_per_call`: no dispatch in it, which a call of a few tens of microseconds needs)."""
+  if device_time:
+    return lambda fn: device_ms_per_call(fn, iters=reps) / 1e3
+  return lambda fn: median_ms_back_to_back(fn, iters=reps, repeats=5) / 1e3
 
 
-def _copy_gbs(nbytes: int, reps: int) -> float:
+def _copy_gbs(nbytes: int, seconds) -> float:
   """GB/s of x + 1 over a float32 array moving nbytes (read + write)."""
   import jax
   import jax.numpy as jnp
   x = jnp.ones((nbytes // 8,), jnp.float32)
   f = jax.jit(lambda a: a + 1)
-  return nbytes / _median_seconds(lambda: f(x), reps) / 1e9
+  return nbytes / seconds(lambda: f(x)) / 1e9
 
 
 def _swiglu_backward_call(x, gate_q):
@@ -171,7 +177,7 @@ SWEEP = {
 }
 
 
-def _sweep(shape: tuple[int, int], names, reps: int) -> None:
+def _sweep(shape: tuple[int, int], names, seconds) -> None:
   """GB/s of each Mosaic GPU quantize kernel per setting of SWEEP on a bf16 input of `shape`."""
   import itertools
   import jax
@@ -201,13 +207,13 @@ def _sweep(shape: tuple[int, int], names, reps: int) -> None:
     if name not in SWEEP:
       continue
     nbytes, call = calls[name]
-    copy = _copy_gbs(nbytes, reps)
+    copy = _copy_gbs(nbytes, seconds)
     best = (0.0, None)
     keys = [k for k, _ in SWEEP[name]]
     for values in itertools.product(*(v for _, v in SWEEP[name])):
       tun = dict(zip(keys, values))
       try:
-        gbs = nbytes / _median_seconds(lambda: call(**tun), reps) / 1e9
+        gbs = nbytes / seconds(lambda: call(**tun)) / 1e9
       except Exception as e:   # e.g. shared memory exceeded: report and go on
         print(f"sweep {name:<13} {tun}  FAIL {type(e).__name__}: {str(e)[:160]}", flush=True)
         continue
@@ -233,6 +239,10 @@ def main(argv=None) -> int:
   parser.add_argument("--no-baseline", action="store_true", help="skip the baselines")
   parser.add_argument("--sweep", action="store_true",
                       help="sweep the Mosaic GPU quantize kernels' tunables (see SWEEP)")
+  parser.add_argument("--device-time", action="store_true",
+                      help="time each call by its kernels' GPU time in a profiler trace instead "
+                           "of back-to-back host time (whose dispatch dominates calls of a few "
+                           "tens of microseconds, e.g. 16384 x 2048)")
   args = parser.parse_args(argv)
   names = [s for s in args.only.split(",") if s]
   bad = sorted(set(names) - set(KERNELS))
@@ -245,10 +255,12 @@ def main(argv=None) -> int:
   (shape,) = shapes
 
   import jax
+  seconds = timer(args.reps, args.device_time)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; quantize inputs "
-        f"{shape[0]} x {shape[1]} bf16")
+        f"{shape[0]} x {shape[1]} bf16; "
+        f"{'GPU kernel time (profiler)' if args.device_time else 'back-to-back host time'}")
   if args.sweep:
-    _sweep(shape, names, args.reps)
+    _sweep(shape, names, seconds)
     return 0
   header = f"{'kernel':<14}{'MB moved':>10}{'copy GB/s':>11}{'new GB/s':>11}{'% copy':>8}" \
            f"{'base GB/s':>13}{'% copy':>8}  check   (base: XLA's jnp reference)"
@@ -256,17 +268,17 @@ def main(argv=None) -> int:
   for name, nbytes, new, old, check in _cases(shape, args.adam_rows, args.check):
     if name not in names:
       continue
-    copy = _copy_gbs(nbytes, args.reps)
+    copy = _copy_gbs(nbytes, seconds)
     row = f"{name:<14}{nbytes / 1e6:>10.1f}{copy:>11.0f}"
     try:
-      gbs = nbytes / _median_seconds(new, args.reps) / 1e9
+      gbs = nbytes / seconds(new) / 1e9
       row += f"{gbs:>11.0f}{100 * gbs / copy:>7.0f}%"
     except Exception as e:   # report and go on: one table for the lead
       row += f"{'FAIL':>11}{'':>8}"
       print(f"  {name} new kernel failed: {type(e).__name__}: {str(e)[:400]}")
     if old is not None and not args.no_baseline:
       try:
-        gbs = nbytes / _median_seconds(old, args.reps) / 1e9
+        gbs = nbytes / seconds(old) / 1e9
         row += f"{gbs:>13.0f}{100 * gbs / copy:>7.0f}%"
       except Exception as e:
         row += f"{'FAIL':>13}{'':>8}"
