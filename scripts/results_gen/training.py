@@ -38,17 +38,20 @@ SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
                    ("llama-20b", "coat + coat_adamw", "largest_20b_h200"))
 
 
+def summary_cells(src: Sources, sid: str, run: str) -> list[str]:
+  """tokens/s, MFU, device peak GiB, compile s and first step s of the summary line run_gpu.sh
+  prints for the train.py run writing to `run`."""
+  value = lambda field: src.value(sid, summary_field(run, field))
+  return [fmt(value("tokens_per_s"), ",.0f"), fmt(value("mfu"), ".1%"),
+          f"{value('peak_memory_bytes') / 2**30:.2f}", fmt(value("compile_s"), ".1f"),
+          fmt(value("first_step_s"), ".2f")]
+
+
 def train_py(src: Sources) -> list[str]:
   """Each shipped config through train.py: its summary line in the raw log."""
   rows = []
   for name, recipe, sid in SHIPPED_CONFIGS:
-    key = lambda field: summary_field(f"/tmp/cfg_{name}", field)
-    cells = [recipe] + [fmt(src.value(sid, key(f)), spec) for f, spec in (
-        ("tokens_per_s", ",.0f"), ("mfu", ".1%"))] + [
-        f"{src.value(sid, key('peak_memory_bytes')) / 2**30:.2f}",
-        fmt(src.value(sid, key("compile_s")), ".1f"),
-        fmt(src.value(sid, key("first_step_s")), ".2f")]
-    rows.append((f"`configs/{name}.yaml`", cells))
+    rows.append((f"`configs/{name}.yaml`", [recipe] + summary_cells(src, sid, f"/tmp/cfg_{name}")))
   out = rows_table(src, "configs_train_py_h200", ["config", "precision + optimizer", "tokens/s",
                                                   "MFU", "device peak GiB", "compile s",
                                                   "first step s"], rows)
@@ -121,11 +124,8 @@ def sft_b4_now(src: Sources) -> list[str]:
   text = src.raw(sid)
   rows = []
   for run, recipe, _ in SFT_RUNS[2:]:
-    key = lambda field: summary_field(f"/tmp/sft_{run}", field)
-    rows.append((recipe, [plan_choice(text, f"/tmp/sft_{run}"), (key("tokens_per_s"), ",.0f"),
-                          (key("mfu"), ".1%"),
-                          f"{src.value(sid, key('peak_memory_bytes')) / 2**30:.2f}",
-                          (key("compile_s"), ".1f"), (key("first_step_s"), ".2f")]))
+    d = f"/tmp/sft_{run}"
+    rows.append((recipe, [plan_choice(text, d)] + summary_cells(src, sid, d)))
   tok = lambda run: src.value(sid, summary_field(f"/tmp/sft_{run}", "tokens_per_s"))
   rows.append(("coat vs bf16", ["", ratio("faster", tok("bf16_b4"), tok("coat_b4")),
                                 "", "", "", ""]))
@@ -139,11 +139,8 @@ def sft(src: Sources) -> list[str]:
   text = src.raw(sid)
   rows = []
   for run, recipe, batch in SFT_RUNS:
-    key = lambda field: summary_field(f"/tmp/sft_{run}", field)
-    rows.append((recipe, [f"{batch} x 2048", plan_choice(text, f"/tmp/sft_{run}"),
-                          (key("tokens_per_s"), ",.0f"), (key("mfu"), ".1%"),
-                          f"{src.value(sid, key('peak_memory_bytes')) / 2**30:.2f}",
-                          (key("compile_s"), ".1f"), (key("first_step_s"), ".2f")]))
+    d = f"/tmp/sft_{run}"
+    rows.append((recipe, [f"{batch} x 2048", plan_choice(text, d)] + summary_cells(src, sid, d)))
   tok = lambda run: src.value(sid, summary_field(f"/tmp/sft_{run}", "tokens_per_s"))
   rows.append(("coat vs bf16", ["64 x 2048", "", ratio("faster", tok("bf16"), tok("coat")),
                                 "", "", "", ""]))
