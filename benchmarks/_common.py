@@ -57,7 +57,6 @@ def parse_modes(parser: argparse.ArgumentParser, text: str, choices: Sequence[st
   return modes
 
 
-
 def parse_shapes(parser: argparse.ArgumentParser, option: str, text: str, form: str,
                  named: dict[str, list[tuple[int, ...]]] | None = None) -> list[tuple[int, ...]]:
   """The comma-separated value of `option` as shapes: each item a key of `named` (its list of
@@ -78,6 +77,7 @@ def parse_shapes(parser: argparse.ArgumentParser, option: str, text: str, form: 
       parser.error(f"{option}: {item!r} is not {want}")
     shapes.append(dims)
   return shapes
+
 
 # ----------------------------------------------------------------------------------------------
 # Timing.

@@ -267,6 +267,11 @@ def test_benchmark_script_parses_its_arguments(monkeypatch):
   with pytest.raises(SystemExit) as exit_flag:   # the device-time flag is known (a bad kernel
     bench.main(["--device-time", "--only", "nope"])   # name is what fails)
   assert exit_flag.value.code == 2
+  # the bytes each kernel must move, one table for the plain run and the sweep: 8192 bf16
+  # values (2 B), FP8 codes (1 B), 512 groups of 16 with bf16 scales or float32 maxima
+  assert bench._moved_bytes((64, 128)) == {
+      "per_group": 8192 * 3 + 512 * 2, "tile_amax": 8192 * 2 + 512 * 4,
+      "dequantize": 8192 * 3 + 512 * 2, "per_tensor": 8192 * 3, "per_tensor_t": 8192 * 4}
 
 
 @pytest.mark.gpu

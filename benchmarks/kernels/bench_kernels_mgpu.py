@@ -40,6 +40,17 @@ def timer(reps: int, device_time: bool):
   return lambda fn: median_ms_back_to_back(fn, iters=reps, repeats=5) / 1e3
 
 
+def _moved_bytes(shape: tuple[int, int]) -> dict[str, int]:
+  """Bytes each quantize kernel must move on a bf16 input of `shape`: 2 read per element, 1 per
+  FP8 code, and per 1 x 16 group a scale of the dispatch's scale dtype (a float32 maximum for the
+  tile maxima)."""
+  from coat_jax import formats
+  n2, sb = math.prod(shape), formats.ACTIVATION_SCALE_DTYPE.itemsize
+  return {"per_group": n2 * (2 + 1) + n2 // 16 * sb, "tile_amax": n2 * 2 + n2 // 16 * 4,
+          "dequantize": n2 * (1 + 2) + n2 // 16 * sb, "per_tensor": n2 * (2 + 1),
+          "per_tensor_t": n2 * (2 + 2)}
+
+
 def _copy_gbs(nbytes: int, seconds) -> float:
   """GB/s of x + 1 over a float32 array moving nbytes (read + write)."""
   import jax
@@ -89,10 +100,10 @@ def _cases(shape: tuple[int, int], adam_rows: int, check: bool):
                                                              & np.isnan(codes(b))))))
   qk = dict(out_dtype=e4, fmax=448.0, floor=1e-10)
   sd = formats.ACTIVATION_SCALE_DTYPE   # the dispatch's per-group scales
-  sb = sd.itemsize
+  moved = _moved_bytes(shape)
   ref_g = Q.quantize_per_group(x, 16, "e4m3")
   xla_g = jax.jit(lambda a: Q.quantize_per_group(a, 16, "e4m3"))
-  yield ("per_group", n2 * (2 + 1) + n2 // 16 * sb,
+  yield ("per_group", moved["per_group"],
          lambda: q_mgpu.quantize_per_group(x, group_size=16, scale_dtype=sd, **qk),
          lambda: xla_g(x),
          (lambda: (lambda q, s: f"code diffs {ndiff(q, ref_g.data)}, scale diffs "
@@ -100,11 +111,11 @@ def _cases(shape: tuple[int, int], adam_rows: int, check: bool):
                        x, group_size=16, scale_dtype=sd, **qk)))
          if check else None)
   xla_amax = jax.jit(lambda a: Q.group_amax(a, 16))
-  yield ("tile_amax", n2 * 2 + n2 // 16 * 4, lambda: q_mgpu.tile_amax(x),
+  yield ("tile_amax", moved["tile_amax"], lambda: q_mgpu.tile_amax(x),
          lambda: xla_amax(x),
          (lambda: f"diffs {ndiff(q_mgpu.tile_amax(x), Q.group_amax(x, 16))}") if check else None)
   xla_deq = jax.jit(lambda q: Q.dequantize(q, jnp.bfloat16))
-  yield ("dequantize", n2 * (1 + 2) + n2 // 16 * sb,
+  yield ("dequantize", moved["dequantize"],
          lambda: q_mgpu.dequantize_per_group(ref_g.data, ref_g.scale, group_size=16,
                                              dtype=jnp.bfloat16),
          lambda: xla_deq(ref_g),
@@ -118,7 +129,7 @@ def _cases(shape: tuple[int, int], adam_rows: int, check: bool):
   for name, tr in (("per_tensor", False), ("per_tensor_t", True)):
     ref_t = Q.quantize_per_tensor(x, "e4m3", amax=amax, with_transpose=tr)
     run = lambda tr=tr: q_mgpu.quantize_per_tensor(x, amax=amax, with_transpose=tr, **qk)
-    yield (name, n2 * (2 + (2 if tr else 1)), run,
+    yield (name, moved[name], run,
            lambda tr=tr, f=jax.jit(lambda a, m, tr=tr: Q.quantize_per_tensor(
                a, "e4m3", amax=m, with_transpose=tr)): f(x, amax),
            (lambda tr=tr, ref_t=ref_t, run=run: (lambda q, s, qt: f"code diffs "
@@ -186,21 +197,22 @@ def _sweep(shape: tuple[int, int], names, seconds) -> None:
   from pallas_kernels.quantize import quantize_mgpu as q_mgpu
 
   x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
-  n2 = math.prod(shape)
+  moved = _moved_bytes(shape)
   ref_g = Q.quantize_per_group(x, 16, "e4m3")
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   qk = dict(out_dtype=jnp.float8_e4m3fn, fmax=448.0, floor=1e-10)
   sd = formats.ACTIVATION_SCALE_DTYPE
   calls = {
-      "per_group": (n2 * 3 + n2 // 16 * sd.itemsize,
+      "per_group": (moved["per_group"],
                     lambda **t: q_mgpu.quantize_per_group(x, group_size=16, scale_dtype=sd, **qk,
                                                           **t)),
-      "tile_amax": (n2 * 2 + n2 // 16 * 4, lambda **t: q_mgpu.tile_amax(x, **t)),
-      "dequantize": (n2 * 3 + n2 // 16 * sd.itemsize, lambda **t: q_mgpu.dequantize_per_group(
+      "tile_amax": (moved["tile_amax"], lambda **t: q_mgpu.tile_amax(x, **t)),
+      "dequantize": (moved["dequantize"], lambda **t: q_mgpu.dequantize_per_group(
           ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16, **t)),
       "swiglu_bwd": _swiglu_backward_call(x, ref_g)[:2],
-      "per_tensor": (n2 * 3, lambda **t: q_mgpu.quantize_per_tensor(x, amax=amax, **qk, **t)),
-      "per_tensor_t": (n2 * 4, lambda **t: q_mgpu.quantize_per_tensor(
+      "per_tensor": (moved["per_tensor"], lambda **t: q_mgpu.quantize_per_tensor(
+          x, amax=amax, **qk, **t)),
+      "per_tensor_t": (moved["per_tensor_t"], lambda **t: q_mgpu.quantize_per_tensor(
           x, amax=amax, with_transpose=True, **qk, **t)),
   }
   for name in names:
