@@ -166,7 +166,7 @@ def test_tile_amax_matches_numpy_and_keeps_nan():
 
 
 @pytest.mark.parametrize("shape,transpose", [((64, 128), False), ((2, 64, 128), True),
-                                             ((128, 64), True)])
+                                             ((128, 64), True), ((192, 256), True)])
 def test_quantize_per_tensor_matches_numpy(shape, transpose):
   x = _inputs(shape, seed=16)
   if transpose:   # the transposing kernel takes 16-bit inputs

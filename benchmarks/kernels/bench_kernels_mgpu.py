@@ -183,8 +183,9 @@ SWEEP = {
                    ("stages", (2, 3, 4))),
     "swiglu_bwd": (("block", (64, 128, 256)), ("max_ctas", (132, 264, 528)), ("stages", (2, 3))),
     "per_tensor": (("block_rows", (64, 128)), ("block_cols", (128, 256)),
-                   ("max_ctas", (264, 528)), ("stages", (2, 3))),
-    "per_tensor_t": (("block_rows", (64, 128)), ("block_cols", (64, 128)), ("stages", (2, 3))),
+                   ("max_ctas", (132, 264, 528, 1056)), ("stages", (2, 3))),
+    "per_tensor_t": (("block_rows", (64, 128)), ("block_cols", (64, 128)),
+                     ("max_ctas", (132, 264, 528, 1056)), ("stages", (2, 3))),
 }
 
 

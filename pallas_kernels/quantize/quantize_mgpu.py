@@ -318,6 +318,14 @@ def _tensor_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
     out_refs[1][...] = qt.astype(out_refs[1].dtype)
 
 
+# The per-tensor quantize's CTA cap with the transposed copy (two per SM of an H100 or H200):
+# timed by the GPU's own clock (`benchmarks/kernels/bench_kernels_mgpu.py --sweep --device-time
+# --only per_tensor_t`, H200, 2026-12-04), 64 x 128 blocks at this cap moved 3,399 GB/s at
+# 16384 x 2048 bf16 (OLMo-1B's activations) against 2,816 for the earlier default (128 x 128 blocks,
+# MAX_CTAS CTAs), and 3,418 against 3,412 at 16384 x 8192; docs/kernels.md.
+TRANSPOSE_MAX_CTAS = 132 * 2
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "fmax", "floor", "with_transpose",
                                              "interpret", "block_rows", "block_cols", "max_ctas",
                                              "stages"))
@@ -325,14 +333,13 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
                         amax: jax.Array | None = None, scale: jax.Array | None = None,
                         with_transpose: bool = False,
                         interpret: bool = False, block_rows: int | None = None,
-                        block_cols: int | None = None, max_ctas: int = MAX_CTAS,
+                        block_cols: int | None = None, max_ctas: int | None = None,
                         stages: int = 2) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """Per-tensor quantize with the two-stage amax (stage 1 skipped when `amax` is given; with
   `scale` given, float32 (), that scale is used as it is and `amax` is ignored).
 
-  Blocks (block_rows x block_cols) default to 64 x 128 without the transposed copy and 128 x 128
-  with it (measured best on the H100 for 8192^2 bf16; larger transposing blocks exceed shared
-  memory).
+  Blocks (block_rows x block_cols) default to 64 x 128; max_ctas (the CTA cap) to MAX_CTAS
+  without the transposed copy and TRANSPOSE_MAX_CTAS with it (see TRANSPOSE_MAX_CTAS).
   Returns:
     (q: out_dtype x.shape, scale: float32 (), q_t: out_dtype with the last two axes swapped, or
     None without `with_transpose`).
@@ -344,8 +351,8 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
     raise ValueError(f"quantize_per_tensor: shape {x.shape} unsupported (needs {need})")
   if scale is None:
     if amax is None:
-      amax = jnp.max(tile_amax(x, interpret=interpret, max_ctas=max_ctas,   # + stage 2 (jnp.max
-                               stages=stages))                            # propagates NaN)
+      amax = jnp.max(tile_amax(x, interpret=interpret, max_ctas=max_ctas or MAX_CTAS,  # + stage 2
+                               stages=stages))                            # (jnp.max: NaN stays)
     scale = scale_from_amax(amax, fmax=fmax, floor=floor)
   scale = jnp.asarray(scale, jnp.float32).reshape(())
   if with_transpose:
@@ -356,8 +363,8 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
   outs = _per_tensor_launch(
       scale.reshape(1), x3, out_dtype=jnp.dtype(out_dtype), fmax=float(fmax),
       with_transpose=with_transpose, interpret=interpret,
-      block_rows=block_rows or (128 if with_transpose else 64), block_cols=block_cols or 128,
-      max_ctas=max_ctas, stages=stages)
+      block_rows=block_rows or 64, block_cols=block_cols or 128,
+      max_ctas=max_ctas or (TRANSPOSE_MAX_CTAS if with_transpose else MAX_CTAS), stages=stages)
   q = outs[0].reshape(x.shape)
   q_t = (outs[1].reshape(*x.shape[:-2], x.shape[-1], x.shape[-2]) if with_transpose else None)
   return q, scale, q_t
