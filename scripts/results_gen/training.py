@@ -35,7 +35,7 @@ SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
                    ("olmo-1b", "coat + coat_adamw", "configs_train_py_h200"),
                    ("llama2-7b", "coat + coat_adamw", "configs_llama2_7b_h200"),
                    ("llama2-13b", "coat + coat_adamw", "configs_llama2_13b_h200"),
-                   ("llama-20b", "coat + coat_adamw", "largest_20b_h200"))
+                   ("llama-20b", "coat + coat_adamw", "configs_llama_20b_h200"))
 
 
 def summary_cells(src: Sources, sid: str, run: str) -> list[str]:
@@ -57,7 +57,7 @@ def train_py(src: Sources) -> list[str]:
                                                   "first step s"], rows)
   return out + ["", "`configs/llama2-7b.yaml`: " + source_line(src, "configs_llama2_7b_h200"),
                 "", "`configs/llama2-13b.yaml`: " + source_line(src, "configs_llama2_13b_h200"),
-                "", "`configs/llama-20b.yaml`: " + source_line(src, "largest_20b_h200")]
+                "", "`configs/llama-20b.yaml`: " + source_line(src, "configs_llama_20b_h200")]
 
 
 PLAN_RUNS = (("llama2-7b", "configs_llama2_7b_h200", 16 * 4096),
