@@ -191,6 +191,25 @@ def test_per_tensor_given_amax_and_plain(rng):
                  jax.jit(lambda a, m: quantize.quantize_per_tensor(a, amax=m))(x, amax))
 
 
+@pytest.mark.parametrize("backend", ["quantize=mosaic", "reference"])
+def test_per_tensor_of_a_cast_equals_the_cast_quantized(rng, backend):
+  """cast_dtype: a float32 x quantized as x.astype(bfloat16) (amax of the cast), with the
+  transposed copy: the kernel (which reads x and rounds it as it loads) and the reference (which
+  casts first) both equal the reference of the cast, bit for bit."""
+  x = _inputs(rng, (128, 192), jnp.float32)
+  xb = x.astype(jnp.bfloat16)
+  amax = jnp.max(jnp.abs(xb))
+  fn = jax.jit(lambda a, m: kernels.quantize_per_tensor(a, "e4m3", amax=m, with_transpose=True,
+                                                        cast_dtype=jnp.bfloat16))
+  with kernels.backend(backend):
+    assert _uses_kernel(fn, x, amax) == (backend != "reference")
+    got = fn(x, amax)
+  want = jax.jit(lambda a, m: quantize.quantize_per_tensor(a, "e4m3", amax=m,
+                                                           with_transpose=True))(xb, amax)
+  _assert_same(got, want)
+  assert not np.array_equal(_bits(got.data), _bits(ref_per_tensor(x, "e4m3").data))
+
+
 @pytest.mark.parametrize("shape,g,transpose", [
     ((4, 48), 16, False),     # 12 groups (not a multiple of 64) and N % 64 != 0
     ((32, 64), 16, True),     # 128 groups, but M = 32: no transposed kernel

@@ -184,6 +184,45 @@ def test_quantize_per_tensor_matches_numpy(shape, transpose):
     assert q_t is None
 
 
+@pytest.mark.parametrize("transpose,amax_given", [(True, True), (True, False), (False, True)])
+def test_float32_input_quantized_as_its_bfloat16_cast(transpose, amax_given):
+  """cast_dtype: the codes of x.astype(bfloat16) from a float32 x (the cast never written; the
+  transposed copy read back from the cast staged in shared memory), equal to numpy's codes of the
+  cast, over blocks in both directions; without amax, stage 1's max of x rounded to the cast."""
+  x = _inputs((192, 256), seed=22)
+  xb = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+  assert not np.array_equal(x, xb)   # the rounding is there to be seen
+  amax = jnp.asarray(np.max(np.abs(xb)), jnp.bfloat16) if amax_given else None
+  q, s, q_t = qm.quantize_per_tensor(jnp.asarray(x), out_dtype=E4M3[0], fmax=E4M3[1],
+                                     floor=FLOOR, amax=amax, with_transpose=transpose,
+                                     cast_dtype=jnp.bfloat16, interpret=True)
+  s_ref = _np_scale(np.max(np.abs(xb)), E4M3[1])
+  assert np.asarray(s) == s_ref
+  q_ref = _np_cast(xb / s_ref, *E4M3)
+  assert _same_codes(q, q_ref)
+  assert not _same_codes(q, _np_cast(x / s_ref, *E4M3))   # float32's own codes differ
+  if transpose:
+    assert _same_codes(q_t, q_ref.T)
+  else:
+    assert q_t is None
+
+
+def test_float32_transposing_quantize_lowers_for_cuda_through_its_staged_cast():
+  """The Mosaic GPU lowering (layout inference included; run here, no GPU needed) of the float32
+  transposing quantize with a bfloat16 cast_dtype, at OLMo-1B's weight shapes."""
+  from jax import export
+
+  def f(x):
+    return qm.quantize_per_tensor(x, out_dtype=E4M3[0], fmax=E4M3[1], floor=FLOOR,
+                                  amax=jnp.float32(1.0), with_transpose=True,
+                                  cast_dtype=jnp.bfloat16)
+
+  for shape in ((2048, 2048), (2048, 8192)):
+    exported = export.export(jax.jit(f), platforms=["cuda"])(
+        jax.ShapeDtypeStruct(shape, jnp.float32))
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
 def test_quantize_per_tensor_given_amax_and_nan():
   x = _inputs((64, 128), seed=17)
   q, s, _ = qm.quantize_per_tensor(jnp.asarray(x), out_dtype=E4M3[0], fmax=E4M3[1], floor=FLOOR,
@@ -237,6 +276,8 @@ def test_supported_and_clear_errors():
   assert not qm.supported_per_group((4, 256), jnp.int32, 16)
   assert qm.supported_per_tensor((2, 64, 128), jnp.bfloat16, True)
   assert not qm.supported_per_tensor((2, 64, 128), jnp.float32, True)   # layout inference
+  assert qm.supported_per_tensor((2, 64, 128), jnp.float32, True, jnp.bfloat16)   # staged cast
+  assert not qm.supported_per_tensor((2, 64, 128), jnp.bfloat16, True, jnp.float32)
   assert not qm.supported_per_tensor((2, 32, 128), jnp.bfloat16, True)
   with pytest.raises(ValueError, match="multiple of 16"):
     qm.quantize_per_group(jnp.ones((4, 250)), group_size=16, out_dtype=E4M3[0], fmax=448.0,
@@ -272,6 +313,21 @@ def test_benchmark_script_parses_its_arguments(monkeypatch):
   assert bench._moved_bytes((64, 128)) == {
       "per_group": 8192 * 3 + 512 * 2, "tile_amax": 8192 * 2 + 512 * 4,
       "dequantize": 8192 * 3 + 512 * 2, "per_tensor": 8192 * 3, "per_tensor_t": 8192 * 4}
+
+
+@pytest.mark.gpu
+def test_gpu_float32_input_quantized_as_its_bfloat16_cast():
+  """cast_dtype on the GPU (a float32 weight's shape in OLMo-1B): both layouts' codes equal the
+  device reference's codes of the bfloat16 cast."""
+  from coat_jax import quantize as Q
+  x = jnp.asarray(_inputs((2048, 8192), seed=23))
+  xb = x.astype(jnp.bfloat16)
+  amax = jnp.max(jnp.abs(xb))
+  q, s, q_t = qm.quantize_per_tensor(x, out_dtype=E4M3[0], fmax=E4M3[1], floor=FLOOR, amax=amax,
+                                     with_transpose=True, cast_dtype=jnp.bfloat16)
+  ref = Q.quantize_per_tensor(xb, "e4m3", amax=amax, with_transpose=True)
+  assert np.asarray(s) == np.asarray(ref.scale)
+  assert _same_codes(q, ref.data) and _same_codes(q_t, ref.data_t)
 
 
 @pytest.mark.gpu

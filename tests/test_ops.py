@@ -142,6 +142,38 @@ def test_weight_is_reduced_once_a_step(options, rng):
   assert np.isfinite(np.asarray(dw)).all() and np.isfinite(np.asarray(dx, np.float32)).all()
 
 
+@pytest.mark.parametrize("once", [False, True])
+def test_weight_quant_once_reads_the_float32_weight_without_a_cast(once, rng):
+  """weight_quant="once" with the kernels: the forward's quantize reads the float32 parameter
+  and rounds it to bfloat16 as it loads it (no bfloat16 copy of W is made by an op of its own),
+  and the backward quantizes no W (it takes the forward's codes); the default per_use casts W
+  and quantizes it in each direction."""
+  x, w = bf16(rng, (4, 64, 128)), jnp.asarray(0.1 * rng.standard_normal((128, 192)), jnp.float32)
+  ct = bf16(rng, (4, 64, 192))   # M = 256: no activation or gradient has W's size
+
+  def step(x, w):
+    y, pb = jax.vjp(lambda x, w: ops.linear(x, w, mode="coat"), x, w)
+    return y, pb(ct)
+
+  kernel_call = ("mpmd_map", "pallas_call")
+  with linear_layer._ablation(weight_quant="once" if once else "per_use"), \
+      kernels.backend("quantize=pallas,gemm=pallas"):
+    jaxpr = jax.make_jaxpr(step)(x, w)
+  eqns = list(equations(jaxpr, stop=lambda e: e.primitive.name in kernel_call))
+  casts = [e for e in eqns if e.primitive.name == "convert_element_type"
+           and e.invars[0].aval.shape == w.shape and e.invars[0].aval.dtype == jnp.float32
+           and e.params["new_dtype"] == jnp.bfloat16]
+  w_codes = [e for e in eqns if e.primitive.name == "convert_element_type"
+             and e.params["new_dtype"] == jnp.float8_e4m3fn
+             and e.invars[0].aval.shape in (w.shape, w.shape[::-1])]
+  quantizes = [e for e in eqns if e.primitive.name in kernel_call   # of W or of its cast
+               and any(v.aval.size == w.size for v in e.invars)]
+  if once:
+    assert not casts and not w_codes and len(quantizes) == 1
+  else:
+    assert casts and w_codes and len(quantizes) == 1
+
+
 def rmsnorm_ref(x, s, eps=1e-6):
   return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * s
 

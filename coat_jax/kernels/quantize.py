@@ -49,21 +49,31 @@ def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
 
 
 def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
-                        floor=formats.ACTIVATION_SCALE_FLOOR,
-                        producer_fusion: bool = False) -> QuantizedArray:
+                        floor=formats.ACTIVATION_SCALE_FLOOR, producer_fusion: bool = False,
+                        cast_dtype=None) -> QuantizedArray:
   """See `coat_jax.quantize.quantize_per_tensor`.
 
   Kernel (mosaic, the shapes in the module docstring): stage-1 tile maxima, stage 2 and the scale
   here (`quantize.scale_from_amax`), then the quantize(+transpose) pass; else the reference.
   producer_fusion: always the reference (XLA's ops), which XLA fuses into the op producing x
   (a weight's cast and transpose: one pass, no kernel module to compile).
+  cast_dtype: quantize x.astype(cast_dtype), amax being max|x.astype(cast_dtype)|; on one device
+  the kernel rounds x as it reads it (a float32 weight's bfloat16 cast is never written), else
+  the cast is made first.
   """
   f = formats.get_format(fmt)
+  if cast_dtype is not None and jnp.dtype(cast_dtype) == x.dtype:
+    cast_dtype = None
   if (not producer_fusion and backends.implementation("quantize") == "mosaic"
       and f.dtype in formats.fp8_dtypes()):
     from pallas_kernels.quantize import quantize_mgpu as qm  # local: no Pallas import
     # where only the references run
-    if qm.supported_per_tensor(x.shape, x.dtype, with_transpose):
+    fused_cast = (cast_dtype is not None and qm.supported_per_tensor(x.shape, x.dtype,
+                                                                     with_transpose, cast_dtype)
+                  and (not backends.per_shard() or backends.interpret_mode()))
+    if cast_dtype is not None and not fused_cast:
+      x, cast_dtype = x.astype(cast_dtype), None
+    if qm.supported_per_tensor(x.shape, x.dtype, with_transpose, cast_dtype):
       tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max,
                                       **_row_kernel_kw(block=False))
 
@@ -74,12 +84,13 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
 
       if amax is None:   # stage 1 per shard; stage 2 (jnp.max, global, propagates NaN) by XLA
         (tiles,) = _mosaic(stage1, [x], ["data"], ["meta"], tile)
-        amax = jnp.max(tiles)
+        amax = jnp.max(tiles) if cast_dtype is None else jnp.max(tiles).astype(cast_dtype)
       amax = jnp.asarray(amax, jnp.float32)
       scale = quantize.scale_from_amax(amax, f, floor)
       if not backends.per_shard() or backends.interpret_mode():
         data, _, data_t = backends.launch(qm.quantize_per_tensor, x, scale=scale, floor=floor,
-                                          with_transpose=with_transpose, **kw)
+                                          with_transpose=with_transpose, cast_dtype=cast_dtype,
+                                          **kw)
       else:   # per shard (a shard the kernel does not take: the reference on that shard)
         def quant(a, am, s):
           if qm.supported_per_tensor(a.shape, a.dtype, False):
@@ -100,6 +111,8 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
                                   ["data"], tile)
           data_t = None
       return QuantizedArray(data, scale, f.name, 0, data_t)
+  if cast_dtype is not None:
+    x = x.astype(cast_dtype)
   return quantize.quantize_per_tensor(x, f, amax=amax, with_transpose=with_transpose, floor=floor)
 
 

@@ -75,16 +75,20 @@ def supported_per_group(shape, dtype, group_size: int) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and rows_problem(shape, dtype, group_size) is None
 
 
-def supported_per_tensor(shape, dtype, with_transpose: bool) -> bool:
+def supported_per_tensor(shape, dtype, with_transpose: bool, cast_dtype=None) -> bool:
   """Per-tensor quantize: N % 64 == 0 and size / 64 a positive multiple of 64; with the transposed
   copy instead ndim >= 2, both N and M (the second-last axis) multiples of 64 and a 16-bit dtype
-  (bf16 / f16: for float32 the transposed load fails Mosaic GPU layout inference on the H100,
-  "Failed to infer a possible set of layouts")."""
+  of the values quantized (cast_dtype where given, else dtype): the transposed copy loads them
+  through a transposed view of shared memory, which for float32 fails Mosaic GPU's layout
+  inference ("Failed to infer a possible set of layouts"); a float32 input rounded to a 16-bit
+  cast_dtype is staged there as that cast."""
   if not jnp.issubdtype(dtype, jnp.floating) or len(shape) == 0:
+    return False
+  if cast_dtype is not None and not jnp.issubdtype(cast_dtype, jnp.floating):
     return False
   if with_transpose:
     return (len(shape) >= 2 and shape[-1] % 64 == 0 and shape[-2] % 64 == 0
-            and jnp.dtype(dtype).itemsize == 2)
+            and jnp.dtype(cast_dtype or dtype).itemsize == 2)
   return rows_problem(shape, dtype, 64) is None
 
 
@@ -297,22 +301,35 @@ def scale_from_amax(amax: jax.Array, *, fmax: float, floor: float) -> jax.Array:
   return group_scale(amax.astype(jnp.float32), fmax, floor)
 
 
-def _tensor_kernel(s_ref, x_ref, *out_refs, fmax, interpret, transpose):
+def _tensor_kernel(s_ref, x_ref, *refs, fmax, interpret, transpose, cast_dtype, staged):
   """q = sat(x / s) of a (bm, bn) block; with `transpose` also of the block read transposed.
+  With cast_dtype, x is first rounded to it (the codes of x.astype(cast_dtype)).
 
   No reduction here, so the block is loaded in the default (strided, vectorized) layout. The
-  transposed copy reads the shared-memory tile through a transposed view (Mosaic GPU has no
+  transposed copy reads a shared-memory tile through a transposed view (Mosaic GPU has no
   register transpose; storing WGMMA-layout values through a transposed view of the output tile
-  failed layout inference on the H100: "Failed to infer a possible set of layouts").
+  failed layout inference on the H100: "Failed to infer a possible set of layouts"): the input
+  block itself, or with `staged` (a float32 block, whose transposed view fails the same way) the
+  block's 16-bit cast, stored to the last ref (shared-memory scratch) first. The pipeline's
+  barrier after each block keeps the next block's store from overtaking this block's reads.
   """
+  out_refs, staging = (refs[:-1], refs[-1]) if staged else (refs, None)
   scale = s_ref[0]
-  x = x_ref[...].astype(jnp.float32)
-  q = saturate(true_div(x, jnp.broadcast_to(scale, x.shape), interpret), fmax)
+  x = x_ref[...]
+  if cast_dtype is not None:
+    x = x.astype(cast_dtype)
+  x32 = x.astype(jnp.float32)
+  q = saturate(true_div(x32, jnp.broadcast_to(scale, x32.shape), interpret), fmax)
   out_refs[0][...] = q.astype(out_refs[0].dtype)
   if transpose:
+    src = x_ref
+    if staging is not None:
+      staging[...] = x
+      plgpu.commit_smem()   # every thread's part of the tile stored before any reads across
+      src = staging
     # A strided-layout load of the transposed view fails verification ("'vector.load' op most
     # minor memref dim must have unit stride"); the WGMMA layout, unoptimized, loads it.
-    xt_ref = x_ref.transpose((1, 0))
+    xt_ref = src.transpose((1, 0))
     xt = plgpu.load(xt_ref, layout=_WGMMA, optimized=False).astype(jnp.float32)
     qt = saturate(true_div(xt, jnp.broadcast_to(scale, xt.shape), interpret), fmax)
     out_refs[1][...] = qt.astype(out_refs[1].dtype)
@@ -327,16 +344,20 @@ TRANSPOSE_MAX_CTAS = 132 * 2
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "fmax", "floor", "with_transpose",
-                                             "interpret", "block_rows", "block_cols", "max_ctas",
-                                             "stages"))
+                                             "cast_dtype", "interpret", "block_rows",
+                                             "block_cols", "max_ctas", "stages"))
 def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
                         amax: jax.Array | None = None, scale: jax.Array | None = None,
-                        with_transpose: bool = False,
+                        with_transpose: bool = False, cast_dtype=None,
                         interpret: bool = False, block_rows: int | None = None,
                         block_cols: int | None = None, max_ctas: int | None = None,
                         stages: int = 2) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """Per-tensor quantize with the two-stage amax (stage 1 skipped when `amax` is given; with
   `scale` given, float32 (), that scale is used as it is and `amax` is ignored).
+
+  cast_dtype: quantize x.astype(cast_dtype) (e.g. a float32 weight's bfloat16 compute copy)
+  without writing that cast: the kernel reads x and rounds it as it loads; `amax` is then
+  max|x.astype(cast_dtype)| (the same as max|x| rounded to cast_dtype: rounding is monotonic).
 
   Blocks (block_rows x block_cols) default to 64 x 128; max_ctas (the CTA cap) to MAX_CTAS
   without the transposed copy and TRANSPOSE_MAX_CTAS with it (see TRANSPOSE_MAX_CTAS).
@@ -345,14 +366,20 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
     None without `with_transpose`).
   """
   _check_float(x.dtype, "quantize_per_tensor")
-  if not supported_per_tensor(x.shape, x.dtype, with_transpose):
-    need = ("ndim >= 2, the last two axes multiples of 64 and a 16-bit dtype" if with_transpose else
+  cast_dtype = None if cast_dtype is None or jnp.dtype(cast_dtype) == x.dtype else jnp.dtype(
+      cast_dtype)
+  if not supported_per_tensor(x.shape, x.dtype, with_transpose, cast_dtype):
+    need = ("ndim >= 2, the last two axes multiples of 64 and a 16-bit dtype (or cast_dtype)"
+            if with_transpose else
             "the last axis a multiple of 64 and size / 64 a positive multiple of 64")
-    raise ValueError(f"quantize_per_tensor: shape {x.shape} unsupported (needs {need})")
+    raise ValueError(f"quantize_per_tensor: shape {x.shape} of {x.dtype} unsupported (needs "
+                     f"{need})")
   if scale is None:
     if amax is None:
       amax = jnp.max(tile_amax(x, interpret=interpret, max_ctas=max_ctas or MAX_CTAS,  # + stage 2
                                stages=stages))                            # (jnp.max: NaN stays)
+      if cast_dtype is not None:
+        amax = amax.astype(cast_dtype)
     scale = scale_from_amax(amax, fmax=fmax, floor=floor)
   scale = jnp.asarray(scale, jnp.float32).reshape(())
   if with_transpose:
@@ -362,7 +389,7 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
     x3 = x.reshape(1, -1, width)              # any row view will do without the transpose
   outs = _per_tensor_launch(
       scale.reshape(1), x3, out_dtype=jnp.dtype(out_dtype), fmax=float(fmax),
-      with_transpose=with_transpose, interpret=interpret,
+      with_transpose=with_transpose, cast_dtype=cast_dtype, interpret=interpret,
       block_rows=block_rows or 64, block_cols=block_cols or 128,
       max_ctas=max_ctas or (TRANSPOSE_MAX_CTAS if with_transpose else MAX_CTAS), stages=stages)
   q = outs[0].reshape(x.shape)
@@ -371,8 +398,8 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
 
 
 @shared_trace
-def _per_tensor_launch(scale, x3, *, out_dtype, fmax, with_transpose, interpret, block_rows,
-                       block_cols, max_ctas, stages):
+def _per_tensor_launch(scale, x3, *, out_dtype, fmax, with_transpose, cast_dtype, interpret,
+                       block_rows, block_cols, max_ctas, stages):
   b, m, n = x3.shape
   bm = rows_per_block(m, block_rows)
   bn = max(d for d in (256, 128, 64) if d <= max(block_cols, 64) and n % d == 0)
@@ -385,10 +412,14 @@ def _per_tensor_launch(scale, x3, *, out_dtype, fmax, with_transpose, interpret,
     out_blocks.append(((None, bn, bm), lambda blk: (
         lambda k, i, j: (k, pl.ds(j * bn, bn), pl.ds(i * bm, bm)))(*kij(blk))))
     out_shapes.append(jax.ShapeDtypeStruct((b, n, m), out_dtype))
+  # With a cast, the transposed copy is read from the block's 16-bit cast, staged in shared
+  # memory (a float32 block's own transposed view fails Mosaic GPU's layout inference).
+  staged = with_transpose and cast_dtype is not None
   return launch(
       functools.partial(_tensor_kernel, fmax=fmax, interpret=interpret,
-                        transpose=with_transpose),
+                        transpose=with_transpose, cast_dtype=cast_dtype, staged=staged),
       scalars=[scale], inputs=[x3], in_blocks=[((None, bm, bn), where)],
       out_shapes=out_shapes, out_blocks=out_blocks, num_blocks=b * gi * gj,
       interpret=interpret, max_ctas=max_ctas, stages=stages,
+      body_scratch=[plgpu.SMEM((bm, bn), cast_dtype)] if staged else (),
       name="coat_quantize_per_tensor_mgpu")
