@@ -17,7 +17,7 @@ import pytest
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pallas_kernels.compile_ahead import compile_triton as ct, workers
+from pallas_kernels.compile_ahead import compile_triton as ct
 
 SEED = 11
 METAPARAMS = {"BLOCK": 16, "FAST": True}

@@ -10,7 +10,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from coat_jax import expansion as ex
 from coat_jax import formats, kernels, optim
-from coat_jax.kernels import adam as kernels_adam
 from coat_jax.optim import ExpandedMoment, adam_step_reference, coat_adamw, coat_adamw_apply
 from coat_jax.training import mesh as mesh_lib
 from coat_jax.training import schema

@@ -192,7 +192,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   cfg = schema.load(None, overrides + config_overrides)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   built = build(cfg, mesh, seed=0)
-  llama_cfg, parts, opt_abstract = built.llama_cfg, built.parts, built.opt_abstract
+  llama_cfg = built.llama_cfg
   dev = jax.devices()[0]
   out.update(device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}", num_devices=mesh.devices.size,
              dtype=llama_cfg.dtype, num_params=llama_lib.num_params(llama_cfg),

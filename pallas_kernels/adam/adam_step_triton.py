@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.compile_ahead import call_triton
-from pallas_kernels.adam.adam_operands import OUTPUTS, check_operands, check_packed_operands
+from pallas_kernels.adam.adam_operands import check_operands, check_packed_operands
 
 try:  # the kernels need triton only (they compile without a GPU); calling them needs jax-triton
   import triton
