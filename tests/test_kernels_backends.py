@@ -192,20 +192,21 @@ def test_per_tensor_given_amax_and_plain(rng):
 
 
 @pytest.mark.parametrize("backend", ["quantize=mosaic", "reference"])
-def test_per_tensor_of_a_cast_equals_the_cast_quantized(rng, backend):
-  """cast_dtype: a float32 x quantized as x.astype(bfloat16) (amax of the cast), with the
-  transposed copy: the kernel (which reads x and rounds it as it loads) and the reference (which
-  casts first) both equal the reference of the cast, bit for bit."""
+@pytest.mark.parametrize("amax_given", [True, False])
+def test_per_tensor_of_a_cast_equals_the_cast_quantized(rng, backend, amax_given):
+  """cast_dtype: a float32 x quantized as x.astype(bfloat16), with the transposed copy, its amax
+  max|x| (given unrounded, or found): the kernel (which reads x and rounds it as it loads) and the
+  reference (which casts first) both equal the reference of the cast, bit for bit."""
   x = _inputs(rng, (128, 192), jnp.float32)
   xb = x.astype(jnp.bfloat16)
-  amax = jnp.max(jnp.abs(xb))
-  fn = jax.jit(lambda a, m: kernels.quantize_per_tensor(a, "e4m3", amax=m, with_transpose=True,
-                                                        cast_dtype=jnp.bfloat16))
+  amax = jnp.max(jnp.abs(x))
+  assert amax != jnp.max(jnp.abs(xb)).astype(jnp.float32)   # the rounding is there to be seen
+  fn = jax.jit(lambda a, m: kernels.quantize_per_tensor(
+      a, "e4m3", amax=m if amax_given else None, with_transpose=True, cast_dtype=jnp.bfloat16))
   with kernels.backend(backend):
     assert _uses_kernel(fn, x, amax) == (backend != "reference")
     got = fn(x, amax)
-  want = jax.jit(lambda a, m: quantize.quantize_per_tensor(a, "e4m3", amax=m,
-                                                           with_transpose=True))(xb, amax)
+  want = jax.jit(lambda a: quantize.quantize_per_tensor(a, "e4m3", with_transpose=True))(xb)
   _assert_same(got, want)
   assert not np.array_equal(_bits(got.data), _bits(ref_per_tensor(x, "e4m3").data))
 

@@ -187,15 +187,16 @@ def test_quantize_per_tensor_matches_numpy(shape, transpose):
 @pytest.mark.parametrize("transpose,amax_given", [(True, True), (True, False), (False, True)])
 def test_float32_input_quantized_as_its_bfloat16_cast(transpose, amax_given):
   """cast_dtype: the codes of x.astype(bfloat16) from a float32 x (the cast never written; the
-  transposed copy read back from the cast staged in shared memory), equal to numpy's codes of the
-  cast, over blocks in both directions; without amax, stage 1's max of x rounded to the cast."""
+  transposed copy read back from the cast staged in shared memory, reused by each CTA's three
+  blocks), equal to numpy's codes of the cast, over blocks in both directions; the amax, max|x|
+  given or found by stage 1, rounded to the cast."""
   x = _inputs((192, 256), seed=22)
   xb = x.astype(ml_dtypes.bfloat16).astype(np.float32)
   assert not np.array_equal(x, xb)   # the rounding is there to be seen
-  amax = jnp.asarray(np.max(np.abs(xb)), jnp.bfloat16) if amax_given else None
+  amax = jnp.float32(np.max(np.abs(x))) if amax_given else None
   q, s, q_t = qm.quantize_per_tensor(jnp.asarray(x), out_dtype=E4M3[0], fmax=E4M3[1],
                                      floor=FLOOR, amax=amax, with_transpose=transpose,
-                                     cast_dtype=jnp.bfloat16, interpret=True)
+                                     cast_dtype=jnp.bfloat16, interpret=True, max_ctas=2)
   s_ref = _np_scale(np.max(np.abs(xb)), E4M3[1])
   assert np.asarray(s) == s_ref
   q_ref = _np_cast(xb / s_ref, *E4M3)
@@ -205,6 +206,16 @@ def test_float32_input_quantized_as_its_bfloat16_cast(transpose, amax_given):
     assert _same_codes(q_t, q_ref.T)
   else:
     assert q_t is None
+
+
+def test_float32_input_whose_cast_overflows_gets_a_nan_scale():
+  """A float32 value beyond bfloat16's range is inf in the cast: the amax found from x (finite)
+  is rounded to the cast's inf, so the scale is NaN, as the reference of the cast gives."""
+  x = _inputs((64, 128), seed=24)
+  x[5, 7] = 3.4e38
+  _, s, _ = qm.quantize_per_tensor(jnp.asarray(x), out_dtype=E4M3[0], fmax=E4M3[1], floor=FLOOR,
+                                   with_transpose=True, cast_dtype=jnp.bfloat16, interpret=True)
+  assert np.isnan(np.asarray(s))
 
 
 def test_float32_transposing_quantize_lowers_for_cuda_through_its_staged_cast():

@@ -71,6 +71,11 @@ def test_tiny_default_loss_falls_and_writes_outputs(cache, tmp_path):
   assert "train loss" in summary_line(s) and "tokens/s" in summary_line(s)
   # the first step (trace, compile, run) timed apart, and it is part of the run's wall time
   assert 0 < s["first_step_s"] < s["wall_s"] and "first step" in summary_line(s)
+  # a stop by a signal suggests --resume only with steps left and a checkpoint to resume from
+  hint = lambda **kw: "continue with --resume" in summary_line({**s, "interrupted": "SIGTERM",
+                                                               **kw})
+  assert hint(step=20) and not hint(step=40) and not hint(step=20, checkpoint_dir=None)
+  assert "stopped by SIGTERM" in summary_line({**s, "interrupted": "SIGTERM"})
   # the host memory the run held, for a save or compile that needs too much of it: more than
   # the training state this process holds on CPU
   assert s["host_max_rss_bytes"] > s["num_params"] * 4
@@ -83,6 +88,7 @@ def test_checkpoints_disabled_writes_none(cache, tmp_path):
   assert s["step"] == 4 and np.isfinite(s["train_loss_last"])
   assert ckpt_lib.Checkpointer(tmp_path / "checkpoints", 0, 3, False).all_steps() == []
   assert any("writes no checkpoint" in l for l in lines)
+  assert s["checkpoint_dir"] is None   # nothing to resume from (the summary suggests no --resume)
 
 
 @pytest.mark.parametrize("optimizer,precision", [  # CI time: bf16 runs with --slow

@@ -7,7 +7,7 @@ Kernels (`implementation("quantize")` / `("dequantize")` is "mosaic"; FP8 storag
   per group    G a multiple of 16 up to 256, N % G == 0 and size / G a multiple of 64
                (quantize_mgpu.py); the dequantize takes the same shapes.
   per tensor   size / 64 a multiple of 64 and N % 64 == 0; with the transposed copy ndim >= 2,
-               N and M multiples of 64 and a 16-bit input.
+               N and M multiples of 64 and a 16-bit input (or a 16-bit cast_dtype).
   swiglu       the per-group shapes (swiglu_mgpu.py), forward and backward.
 Other shapes: the reference (XLA). On a mesh each shard runs the kernel on its local block
 (`backends.rows`; a shard the kernel does not take runs the reference); in interpret mode (CPU)
@@ -57,13 +57,16 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
   here (`quantize.scale_from_amax`), then the quantize(+transpose) pass; else the reference.
   producer_fusion: always the reference (XLA's ops), which XLA fuses into the op producing x
   (a weight's cast and transpose: one pass, no kernel module to compile).
-  cast_dtype: quantize x.astype(cast_dtype), amax being max|x.astype(cast_dtype)|; on one device
-  the kernel rounds x as it reads it (a float32 weight's bfloat16 cast is never written), else
-  the cast is made first.
+  cast_dtype: quantize x.astype(cast_dtype); amax max|x| or max|x.astype(cast_dtype)|, rounded to
+  cast_dtype here (the same value: rounding is monotonic). On one device the kernel rounds x as
+  it reads it (a float32 weight's bfloat16 cast is never written); elsewhere the cast is made
+  first (an extension of the reference's semantics, which has no cast_dtype).
   """
   f = formats.get_format(fmt)
   if cast_dtype is not None and jnp.dtype(cast_dtype) == x.dtype:
     cast_dtype = None
+  if cast_dtype is not None and amax is not None:
+    amax = jnp.asarray(amax).astype(cast_dtype)
   if (not producer_fusion and backends.implementation("quantize") == "mosaic"
       and f.dtype in formats.fp8_dtypes()):
     from pallas_kernels.quantize import quantize_mgpu as qm  # local: no Pallas import

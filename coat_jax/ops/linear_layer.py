@@ -94,10 +94,11 @@ def _ablation(**switches: str):
   weight_quant: "per_use" (default) quantizes W in the forward (as W^T, (N, K)) and again in the
   backward ((K, N)); "once" makes both layouts in the forward's one quantize+transpose pass and
   keeps the (K, N) copy for the backward (1 byte per weight, named FP8_RESIDUALS): one amax and
-  one quantize pass per step instead of two of each. Under "once" the kernel reads the parameter
-  as it lies and rounds it to the compute dtype as it loads it (a float32 W: 4 bytes read and 2
-  written per weight, no bfloat16 cast written and read again); its amax is max|W| rounded to
-  the compute dtype (the same value: rounding is monotonic). Same values either way (one scale).
+  one quantize pass per step instead of two of each. Under "once", on one device, the kernel
+  reads the parameter as it lies and rounds it to the compute dtype as it loads it (a float32 W:
+  4 bytes read and 2 written per weight, no bfloat16 cast written and read again; on a mesh the
+  cast is made first); its amax is max|W| rounded to the compute dtype (the same value: rounding
+  is monotonic). Same values either way (one scale).
   amax: "fused" (default) computes the per-tensor amax of each activation or gradient (x, and dY
   in the backward) as an XLA reduction handed to the quantize, which XLA can fuse into the op
   producing the tensor (RMSNorm, SwiGLU, their backward); "kernel" lets each quantize find it in
@@ -155,15 +156,15 @@ def weight_amax(w):
   return jnp.max(jnp.abs(w))
 
 
-def _quantize_weight(wc, amax, *, with_transpose=False, backward=False,
+def _quantize_weight(w, amax, *, with_transpose=False, backward=False,
                      cast_dtype=None) -> QuantizedArray:
-  """Per-tensor E4M3 of a (cast) weight with the given amax (`weight_amax`): the dispatch's
-  kernel (`weight_quantize="kernel"`; "forward_kernel", default, in the forward only), else XLA's
-  ops, fused with the cast and any transpose of wc (see `_ablation`). cast_dtype: wc is the
-  parameter, quantized as wc.astype(cast_dtype) (`kernels.quantize_per_tensor`)."""
+  """Per-tensor E4M3 of a weight (its cast, or with cast_dtype the parameter, quantized as
+  w.astype(cast_dtype): `kernels.quantize_per_tensor`) with the given amax (`weight_amax`): the
+  dispatch's kernel (`weight_quantize="kernel"`; "forward_kernel", default, in the forward only),
+  else XLA's ops, fused with the cast and any transpose of w (see `_ablation`)."""
   choice = option("weight_quantize")
   by_xla = choice == "xla" or (choice == "forward_kernel" and backward)
-  return kernels.quantize_per_tensor(wc, "e4m3", amax=amax, with_transpose=with_transpose,
+  return kernels.quantize_per_tensor(w, "e4m3", amax=amax, with_transpose=with_transpose,
                                      producer_fusion=by_xla, cast_dtype=cast_dtype)
 
 
@@ -174,9 +175,9 @@ def _fwd_gemm(xq, w, out_dtype):
   scalar in out_dtype: the backward reuses it instead of reducing w again) and, under
   `_ablation(weight_quant="once")`, the FP8 (K, N) codes and their scale (else None, None).
   """
-  if option("weight_quant") == "once":   # the parameter read as it lies, rounded to out_dtype
-    amax = weight_amax(w).astype(out_dtype)   # as the kernel loads it; = max|W cast| (rounding
-    q = _quantize_weight(w, amax, with_transpose=True, cast_dtype=out_dtype)   # is monotonic)
+  if option("weight_quant") == "once":   # the parameter, rounded to out_dtype as it is read
+    amax = weight_amax(w)   # max|W|, rounded to out_dtype by the quantize: max|W cast|
+    q = _quantize_weight(w, amax, with_transpose=True, cast_dtype=out_dtype)
     wq, codes, scale = QuantizedArray(q.data_t, q.scale, "e4m3"), q.data, q.scale
   else:
     wc = w.astype(out_dtype)

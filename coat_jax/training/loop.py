@@ -297,7 +297,7 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
         "first_step_s": logger.first_step_s, "compile_s": planner.compile_s,
         "nonfinite_steps_skipped": guard.skipped,
         "losses": history, "eval_losses": eval_history, "out_dir": str(out_dir),
-        "checkpoint_dir": str(ckpt_dir),
+        "checkpoint_dir": str(ckpt_dir) if cfg.checkpoint.enabled else None,
     }
     if metrics:
       metrics.close()

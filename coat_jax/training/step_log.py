@@ -109,8 +109,9 @@ def summary_line(s: dict) -> str:
   fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
   mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
   head = f"[done] step {s['step']}/{s['total_steps']}"
-  if s["interrupted"]:
-    head += f" (stopped by {s['interrupted']}; continue with --resume)"
+  if s["interrupted"]:   # --resume only where there is something left to run and a checkpoint
+    resumable = s["step"] < s["total_steps"] and s.get("checkpoint_dir") is not None
+    head += f" (stopped by {s['interrupted']}{'; continue with --resume' if resumable else ''})"
   return (f"{head}: train loss (one batch) first {fmt(s['train_loss_first'])} -> last "
           f"{fmt(s['train_loss_last'])}, "
           f"eval loss {fmt(s['final_eval_loss'])}, {s['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "

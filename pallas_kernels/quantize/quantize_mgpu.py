@@ -88,7 +88,7 @@ def supported_per_tensor(shape, dtype, with_transpose: bool, cast_dtype=None) ->
     return False
   if with_transpose:
     return (len(shape) >= 2 and shape[-1] % 64 == 0 and shape[-2] % 64 == 0
-            and jnp.dtype(cast_dtype or dtype).itemsize == 2)
+            and jnp.dtype(dtype if cast_dtype is None else cast_dtype).itemsize == 2)
   return rows_problem(shape, dtype, 64) is None
 
 
@@ -309,9 +309,10 @@ def _tensor_kernel(s_ref, x_ref, *refs, fmax, interpret, transpose, cast_dtype, 
   transposed copy reads a shared-memory tile through a transposed view (Mosaic GPU has no
   register transpose; storing WGMMA-layout values through a transposed view of the output tile
   failed layout inference on the H100: "Failed to infer a possible set of layouts"): the input
-  block itself, or with `staged` (a float32 block, whose transposed view fails the same way) the
-  block's 16-bit cast, stored to the last ref (shared-memory scratch) first. The pipeline's
-  barrier after each block keeps the next block's store from overtaking this block's reads.
+  block itself, or with `staged` (with a cast_dtype: a float32 block's own transposed view fails
+  the same way) the block's cast, stored to the last ref (shared-memory scratch) first. The
+  pipeline's barrier after each block (`rows_mgpu.launch`) keeps the next block's store from
+  overtaking this block's reads.
   """
   out_refs, staging = (refs[:-1], refs[-1]) if staged else (refs, None)
   scale = s_ref[0]
@@ -335,12 +336,10 @@ def _tensor_kernel(s_ref, x_ref, *refs, fmax, interpret, transpose, cast_dtype, 
     out_refs[1][...] = qt.astype(out_refs[1].dtype)
 
 
-# The per-tensor quantize's CTA cap with the transposed copy (two per SM of an H100 or H200):
-# timed by the GPU's own clock (`benchmarks/kernels/bench_kernels_mgpu.py --sweep --device-time
-# --only per_tensor_t`, H200, 2026-12-04), 64 x 128 blocks at this cap moved 3,399 GB/s at
-# 16384 x 2048 bf16 (OLMo-1B's activations) against 2,816 for the earlier default (128 x 128 blocks,
-# MAX_CTAS CTAs), and 3,418 against 3,412 at 16384 x 8192; docs/kernels.md.
-TRANSPOSE_MAX_CTAS = 132 * 2
+# The per-tensor quantize's CTA cap (two per SM of an H100 or H200), with its 64 x 128 blocks: the
+# fastest setting at OLMo-1B's activation and weight shapes in sweeps timed by the GPU's own clock
+# (docs/kernels.md, "The quantize kernels").
+PER_TENSOR_MAX_CTAS = 132 * 2
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "fmax", "floor", "with_transpose",
@@ -356,11 +355,12 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
   `scale` given, float32 (), that scale is used as it is and `amax` is ignored).
 
   cast_dtype: quantize x.astype(cast_dtype) (e.g. a float32 weight's bfloat16 compute copy)
-  without writing that cast: the kernel reads x and rounds it as it loads; `amax` is then
-  max|x.astype(cast_dtype)| (the same as max|x| rounded to cast_dtype: rounding is monotonic).
+  without writing that cast: the kernel reads x and rounds it as it loads. The amax (given, or
+  found) is rounded to cast_dtype here: max|x| rounded is max|x.astype(cast_dtype)| (rounding is
+  monotonic), and either may be given.
 
-  Blocks (block_rows x block_cols) default to 64 x 128; max_ctas (the CTA cap) to MAX_CTAS
-  without the transposed copy and TRANSPOSE_MAX_CTAS with it (see TRANSPOSE_MAX_CTAS).
+  Blocks (block_rows x block_cols) default to 64 x 128, max_ctas (the CTA cap) to
+  PER_TENSOR_MAX_CTAS.
   Returns:
     (q: out_dtype x.shape, scale: float32 (), q_t: out_dtype with the last two axes swapped, or
     None without `with_transpose`).
@@ -378,8 +378,8 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
     if amax is None:
       amax = jnp.max(tile_amax(x, interpret=interpret, max_ctas=max_ctas or MAX_CTAS,  # + stage 2
                                stages=stages))                            # (jnp.max: NaN stays)
-      if cast_dtype is not None:
-        amax = amax.astype(cast_dtype)
+    if cast_dtype is not None:
+      amax = jnp.asarray(amax).astype(cast_dtype)
     scale = scale_from_amax(amax, fmax=fmax, floor=floor)
   scale = jnp.asarray(scale, jnp.float32).reshape(())
   if with_transpose:
@@ -391,7 +391,7 @@ def quantize_per_tensor(x: jax.Array, *, out_dtype, fmax: float, floor: float,
       scale.reshape(1), x3, out_dtype=jnp.dtype(out_dtype), fmax=float(fmax),
       with_transpose=with_transpose, cast_dtype=cast_dtype, interpret=interpret,
       block_rows=block_rows or 64, block_cols=block_cols or 128,
-      max_ctas=max_ctas or (TRANSPOSE_MAX_CTAS if with_transpose else MAX_CTAS), stages=stages)
+      max_ctas=max_ctas or PER_TENSOR_MAX_CTAS, stages=stages)
   q = outs[0].reshape(x.shape)
   q_t = (outs[1].reshape(*x.shape[:-2], x.shape[-1], x.shape[-2]) if with_transpose else None)
   return q, scale, q_t
