@@ -49,7 +49,9 @@ def launch(body, *, scalars: Sequence[jax.Array] = (), inputs: Sequence[jax.Arra
     shared-memory buffer (same block shape and dtype) and stored from there, saving its buffer.
     Those stores must then finish reading before the next block's loads reuse the slot.
   body_scratch: extra shared-memory buffers (plgpu.SMEM(...)) passed to `body` after the
-    outputs, allocated once per CTA.
+    outputs, allocated once per CTA. Each block's `body` is followed by `plgpu.commit_smem()` (a
+    fence and a barrier of the CTA's warpgroup), so a body may overwrite a scratch buffer that
+    the previous block's body read.
 
   Each CTA cycles through `stages` shared-memory slots (2: double buffering): blocks s+1 ..
   s+stages-1 are loaded while block s is computed, and up to stages-1 steps' stores drain while
