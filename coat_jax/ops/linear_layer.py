@@ -172,13 +172,14 @@ def _fwd_gemm(xq, w, out_dtype):
   """(..., K) FP8 x times w (K, N) in the TN layout: w (cast to out_dtype) quantized as (N, K).
 
   Returns (y, kept): kept = (amax, codes, scale) for the backward's quantize of w: max|w cast| (a
-  scalar in out_dtype: the backward reuses it instead of reducing w again) and, under
-  `_ablation(weight_quant="once")`, the FP8 (K, N) codes and their scale (else None, None).
+  scalar in out_dtype: the backward reuses it instead of reducing w again) and None, None; or,
+  under `_ablation(weight_quant="once")`, None and the FP8 (K, N) codes and their scale.
   """
   if option("weight_quant") == "once":   # the parameter, rounded to out_dtype as it is read
     amax = weight_amax(w)   # max|W|, rounded to out_dtype by the quantize: max|W cast|
     q = _quantize_weight(w, amax, with_transpose=True, cast_dtype=out_dtype)
     wq, codes, scale = QuantizedArray(q.data_t, q.scale, "e4m3"), q.data, q.scale
+    amax = None   # the backward takes the codes: no amax kept
   else:
     wc = w.astype(out_dtype)
     amax = weight_amax(wc)
