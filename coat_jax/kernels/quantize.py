@@ -23,21 +23,22 @@ from coat_jax.kernels import backends, sharded
 from coat_jax.quantize import QuantizedArray
 
 # The Mosaic GPU row kernels (quantize, tile maxima, dequantize) in interpret mode (CPU tests)
-# take the largest blocks (rows_mgpu: 1024 rows; the per-tensor quantize keeps its own, its
-# transposing blocks are sized for shared memory) and at most 2 CTAs, as the GEMM's interpret
+# take the largest blocks (rows_mgpu: 1024 rows) and at most 2 CTAs, as the GEMM's interpret
 # default: the interpreter simulates every CTA and block step with host callbacks, so the GPU's
 # tuning (128-row blocks, up to 528 CTAs) made a CPU call of a (128, 256) per-group quantize
-# many times slower. The kernels' own tests cover their other settings.
+# many times slower. The per-tensor quantize takes 128-row blocks there (its transposing blocks
+# are sized for shared memory; its GPU default, 64 rows, doubled an interpreted call's time).
+# The kernels' own tests cover their other settings.
 INTERPRET_ROW_KERNEL = dict(block=1024, max_ctas=2)
+INTERPRET_PER_TENSOR = dict(block_rows=128, max_ctas=2)
 
 
-def _row_kernel_kw(block: bool = True) -> dict:
-  """interpret (and in interpret mode INTERPRET_ROW_KERNEL) for the Mosaic GPU row kernels;
-  block=False: max_ctas only (the per-tensor quantize keeps its blocks)."""
+def _row_kernel_kw(per_tensor: bool = False) -> dict:
+  """interpret, and in interpret mode INTERPRET_ROW_KERNEL (per_tensor: INTERPRET_PER_TENSOR),
+  for the Mosaic GPU row kernels."""
   if not backends.interpret_mode():
     return dict(interpret=False)
-  return dict(interpret=True, **{k: v for k, v in INTERPRET_ROW_KERNEL.items()
-                                 if block or k != "block"})
+  return dict(interpret=True, **(INTERPRET_PER_TENSOR if per_tensor else INTERPRET_ROW_KERNEL))
 
 
 def _mosaic(kernel, args, kinds_in, kinds_out, group_size):
@@ -78,7 +79,7 @@ def quantize_per_tensor(x, fmt="e4m3", *, amax=None, with_transpose=False,
       x, cast_dtype = x.astype(cast_dtype), None
     if qm.supported_per_tensor(x.shape, x.dtype, with_transpose, cast_dtype):
       tile, kw = qm.STAGE1_TILE, dict(out_dtype=f.dtype, fmax=f.max,
-                                      **_row_kernel_kw(block=False))
+                                      **_row_kernel_kw(per_tensor=True))
 
       def stage1(a):   # per shard; a shard the kernel does not take: the reference's maxima
         if qm.supported_per_group(a.shape, a.dtype, tile):
