@@ -90,6 +90,21 @@ def test_e2e_compile_only_reports_the_prediction_and_runs_nothing(capsys):
     e2e.parse_args(["--compile-only", "--find-max-batch"])
 
 
+def test_e2e_state_over_the_device_is_compiled_only_under_compile_only(monkeypatch):
+  """A mode whose state exceeds the device's bytes_limit is "oom (state)" without compiling when
+  it would run, and still compiled under --compile-only (compiling allocates nothing)."""
+  monkeypatch.setattr(e2e, "device_bytes_limit", lambda dev: 1024)
+  base = ["--one", "bf16+adamw", "--preset", "tiny", "--set", "model.num_layers=1",
+          "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128",
+          "--seq-len", "16", "--batch", "8"]
+  ran = e2e.measure_one(e2e.parse_args(base))
+  assert ran["status"] == "oom (state)" and "cannot fit at any batch" in ran["error"]
+  assert "compile_s" not in ran
+  compiled = e2e.measure_one(e2e.parse_args(base + ["--compile-only"]))
+  assert compiled["status"] == "compiled", compiled.get("error")
+  assert compiled["compile_s"] > 0 and compiled["state_lower_bound_bytes"] > 1024
+
+
 def test_e2e_linear_switch_reaches_the_child_trace():
   """`--set linear.NAME=VALUE` is an FP8 linear switch set while the child traces, not a config
   key: a bad value is the switch's error, a good one compiles and is reported."""
