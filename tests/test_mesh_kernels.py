@@ -2,7 +2,6 @@
 the kernel on its local shard (coat_jax.kernels.sharded), and results equal the single-device run
 bit for bit (the per-group / per-row math does not depend on how the rows are split; the
 per-tensor amax is the global max either way)."""
-import functools
 
 import jax
 import jax.numpy as jnp

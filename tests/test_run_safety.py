@@ -2,7 +2,6 @@
 without checkpointing NaNs, a second run on one directory is locked out, resume never starts
 afresh over an earlier run or changes its schedule silently, a vanished or read-only output
 directory is status 5."""
-import json
 import os
 import subprocess
 import sys
@@ -18,11 +17,16 @@ from coat_jax.training.checkpoint import Checkpointer
 from coat_jax.errors import BadInputError, DivergedError, StorageError
 from coat_jax.training.loop import run
 from tests.test_training_reliability import MINI, mini
-from tests.test_training_reliability import cache  # noqa: F401 (the module's data cache fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = lambda _: None
 pytestmark = pytest.mark.usefixtures("compile_cache")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """The module's data cache directory (the tokenized corpus, shared by its runs)."""
+  return tmp_path_factory.mktemp("coat_cache")
 
 
 def train_py(*args, timeout=300):

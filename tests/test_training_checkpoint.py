@@ -66,7 +66,7 @@ def test_resume_from_a_step_sets_newer_ones_aside(tmp_path, rng):
   lines = []
   state, _, step = ck.restore_intact(template, 2, log=lines.append)  # --resume-from 2
   assert step == 2 and same(state, states[2])
-  assert lines == [f"[checkpoint] resuming from step 2: step 4 set aside as 4.superseded"]
+  assert lines == ["[checkpoint] resuming from step 2: step 4 set aside as 4.superseded"]
   assert ck.all_steps() == [2] and len(list(tmp_path.glob("4.superseded-*"))) == 1
   assert ck.save(4, state, {"step": 4})  # the run writes step 4 again
   ck.close()

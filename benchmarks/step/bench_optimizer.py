@@ -87,7 +87,6 @@ def stream_bandwidths(n: int, steps: int) -> dict[str, float]:
   add = jax.jit(lambda x: x + 1.0, donate_argnums=0)
   y = jnp.copy(x)
   out["x + 1"] = 8 * n / (time_calls(add, lambda r: (y,) if r is None else (r,), steps) * 1e-3)
-  del y
   stream = _adam_shaped_stream()
   if stream is not None:
     args = (jnp.copy(x), x, jnp.ones((n,), jnp.uint8), jnp.ones((n,), jnp.uint8))

@@ -23,3 +23,11 @@ from coat_jax.kernels.quantize import (dequantize, quantize_per_group, quantize_
 from coat_jax.kernels.gemm import GEMM_OUT_DTYPES, fp8_dot_general, gemm_swiglu_quantize
 from coat_jax.kernels.adam import (adam_kernel_limits, coat_adam_packed_step, coat_adam_step,
                                    coat_adam_tree_step)
+
+__all__ = ["AUTO_ON_HOPPER", "CHOICES", "ENV", "FAMILIES", "GEMM_OUT_DTYPES", "IMPLEMENTATIONS",
+           "INSTALL_HINT", "PARTITIONINGS", "adam_kernel_limits", "backend",
+           "coat_adam_packed_step", "coat_adam_step", "coat_adam_tree_step", "current_backend",
+           "current_partitioning", "dequantize", "fp8_dot_general", "gemm_swiglu_quantize",
+           "implementation", "interpret_mode", "KernelConfig", "parse_backend", "partitioning",
+           "per_shard", "prestart_compiles", "quantize_per_group", "quantize_per_tensor",
+           "swiglu_backward", "swiglu_quantize", "use", "use_pallas"]

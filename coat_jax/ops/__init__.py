@@ -9,3 +9,8 @@ from coat_jax.ops.norm import rmsnorm
 from coat_jax.ops.residual import residual_add
 from coat_jax.ops.rope import LLAMA3_ROPE_KEYS, apply_rope, rope_frequencies
 from coat_jax.ops.swiglu import swiglu, swiglu_linears
+
+__all__ = ["ATTENTION_RESIDUALS", "FP8_RESIDUALS", "LLAMA3_ROPE_KEYS", "apply_rope", "attention",
+           "attention_keeps_output", "check_attention_residuals", "linear", "linears", "lm_head",
+           "lm_head_loss", "masked_mean", "quantize_input", "residual_add", "rmsnorm",
+           "rope_frequencies", "segment_mask", "softmax_cross_entropy", "swiglu", "swiglu_linears"]
