@@ -81,6 +81,13 @@ def key(rng):
 
 
 @pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """A data cache directory shared by a module's training runs (its BPE and tokenized corpus
+  are made once per module)."""
+  return tmp_path_factory.mktemp("coat_cache")
+
+
+@pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory):
   """JAX's persistent compilation cache in a fresh directory while the module runs (then off)."""
   if os.environ.get("COAT_TEST_COMPILE_CACHE", "1") == "0":

@@ -23,12 +23,6 @@ QUIET = lambda _: None
 pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  """The module's data cache directory (the tokenized corpus, shared by its runs)."""
-  return tmp_path_factory.mktemp("coat_cache")
-
-
 def train_py(*args, timeout=300):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(REPO))
   return subprocess.run([sys.executable, str(REPO / "train.py"), "--no-progress", *args], cwd=REPO,

@@ -36,12 +36,6 @@ MINI = [
 QUIET = lambda _: None
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  """A shared data cache: the 512-token BPE is trained once for the module."""
-  return tmp_path_factory.mktemp("coat_cache")
-
-
 def mini(cache, out_dir, *extra):
   return config_lib.load(REPO / "configs" / "tiny.yaml",
                          MINI + [f"data.cache_dir={cache}", f"run.out_dir={out_dir}", *extra])

@@ -13,11 +13,6 @@ QUIET = lambda _: None
 pytestmark = pytest.mark.usefixtures("compile_cache")   # the same small steps, compiled once
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  return tmp_path_factory.mktemp("coat_cache")
-
-
 def test_two_device_fsdp_checkpoint_resumes_on_one_device(cache, tmp_path):
   def cfg(out, *mesh):
     return mini(cache, out, *COAT, *mesh)

@@ -22,11 +22,6 @@ QUIET = lambda _: None
 pytestmark = pytest.mark.usefixtures("compile_cache")   # the same small steps, compiled once
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  return tmp_path_factory.mktemp("coat_cache")
-
-
 def mini(cache, out_dir, *extra):
   return schema.load(None, MINI + [f"data.cache_dir={cache}", f"run.out_dir={out_dir}", *extra])
 
