@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels, ops
+from coat_jax.ops import linear_layer
 from coat_jax.quantize import QuantizedArray
-from pallas_kernels.quantize import swiglu_mgpu as sm
+from pallas_kernels.quantize import quantize_mgpu as qm, swiglu_mgpu as sm
 from tests.test_kernels_quantize_mgpu import E4M3, _np_per_group
 from tests.test_swiglu_epilogue import _op_reference64, _rel_cos
 from tests.test_swiglu_fused import INTERPRET, _gate_up
@@ -122,7 +123,10 @@ def test_op_gradients_with_the_kernel_against_float64_and_the_reference():
   for backend in ("gemm=pallas,quantize=pallas", "gemm=pallas"):
     with kernels.backend(backend):
       text = str(jax.make_jaxpr(grads)(x, *w))
-      assert ("coat_swiglu_backward_mgpu" in text) == ("quantize" in backend)
+      # the gradients' codes straight from the residuals (the two kernels), or no kernel
+      for name in ("coat_swiglu_backward_maxima_mgpu", "coat_swiglu_backward_quantize_mgpu"):
+        assert (name in text) == ("quantize" in backend), (name, backend)
+      assert "coat_swiglu_backward_mgpu" not in text
       fns[backend] = jax.jit(grads).lower(x, *w).compile()   # one compile, both weight pairs
   for gate_size, up_size in ((0.06, 1.2), (1.2, 0.06)):
     wg, wu = w[0] * gate_size, w[1] * up_size
@@ -150,3 +154,129 @@ def test_gpu_kernel_matches_float64_and_the_reference():
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                rtol=2.0 ** -7, atol=2.0 ** -20 * float(np.abs(np.asarray(
                                    b, np.float32)).max()))
+
+
+E5M2 = dict(out_dtype=jnp.float8_e5m2, fmax=57344.0, floor=2.0 ** -64)
+
+
+def _chain(ins, interpret):
+  """The kernels `swiglu_backward_quantize` replaces: the gradients, then each one's per-tensor
+  quantize with its transposed copy (amax from the kernel's maxima)."""
+  kw = INTERPRET if interpret else {}
+  dg, du, gmax, umax = sm.swiglu_backward(*ins, group_size=16, **kw)
+  out = []
+  for d, mx in ((dg, gmax), (du, umax)):
+    d2 = d.reshape(-1, d.shape[-1])
+    q, s, qt = qm.quantize_per_tensor(d2, amax=jnp.max(mx).astype(jnp.float32),
+                                      with_transpose=True, **E5M2,
+                                      **(dict(interpret=True, max_ctas=2) if interpret else {}))
+    out += [q.reshape(d.shape), s, qt]
+  return out, (dg, du)
+
+
+def _check_quantized(got, ins, interpret):
+  want, grads = _chain(ins, interpret)
+  for name, a, b in zip(("dg codes", "dg scale", "dg^T codes", "du codes", "du scale",
+                         "du^T codes"), got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
+  n = ins[0].shape[-1]
+  for (q, s, qt), d in zip((got[:3], got[3:]), grads):
+    d = np.asarray(d, np.float32).reshape(-1, n)
+    deq = np.asarray(q, np.float32).reshape(-1, n) * float(s)
+    assert np.abs(d).max() > 0 and float(np.abs(np.asarray(q, np.float32)).max()) == 57344.0
+    np.testing.assert_array_equal(np.asarray(qt, np.float32).T, np.asarray(q, np.float32)
+                                  .reshape(-1, n))
+    # E5M2 keeps 2 mantissa bits: each code within 2^-3 of its value (relative), bar the
+    # subnormal range near zero
+    err = np.abs(deq - d)
+    assert np.all(err <= 2.0 ** -3 * np.abs(d) + 2.0 ** -16 * float(s)), err.max()
+
+
+@pytest.mark.parametrize("shape,seed,scale_dtype", [((2, 64, 256), 5, jnp.bfloat16),
+                                                    ((128, 128), 6, jnp.float32)])
+def test_backward_quantize_kernel_matches_the_kernels_it_replaces(shape, seed, scale_dtype):
+  """swiglu_backward_quantize: the codes, scales and transposed codes of the two kernels it
+  replaces, bit for bit, and the codes within E5M2's step of the gradients."""
+  ins = _codes(shape, seed, scale_dtype)
+  got = sm.swiglu_backward_quantize(*ins, group_size=16, **E5M2, interpret=True, max_ctas=2)
+  _check_quantized(got, ins, interpret=True)
+
+
+def test_backward_quantize_nan_and_errors():
+  dh, gq, gs, uq, us = _codes((64, 128), seed=8)
+  dh = dh.at[3, 70].set(jnp.nan)
+  dgq, ds, dgt, duq, us_, dut = sm.swiglu_backward_quantize(
+      dh, gq, gs, uq, us, group_size=16, **E5M2, interpret=True, max_ctas=2, block=128)
+  assert np.isnan(float(ds)) and np.isnan(float(us_))   # a NaN gradient: NaN scales, no codes
+  assert np.isnan(np.asarray(dgq, np.float32)).all() and np.isnan(np.asarray(dut, np.float32)).all()
+  assert not sm.supported_quantize((64, 96), jnp.bfloat16, 16)          # N % 128
+  assert not sm.supported_quantize((32, 128), jnp.bfloat16, 16)         # M % 64
+  assert not sm.supported_quantize((64, 128), jnp.float32, 16)          # 16-bit dh only
+  with pytest.raises(ValueError, match="swiglu_backward_quantize: .*N % 128"):
+    sm.swiglu_backward_quantize(dh.astype(jnp.float32), gq, gs, uq, us, group_size=16, **E5M2,
+                                interpret=True)
+  with pytest.raises(ValueError, match="swiglu_backward_quantize: up codes .* do not match"):
+    sm.swiglu_backward_quantize(dh, gq, gs, uq[:, :64], us, group_size=16, **E5M2,
+                                interpret=True)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_quantize_matches_the_kernels_it_replaces():
+  ins = _codes((8, 512, 1024), seed=9)
+  _check_quantized(sm.swiglu_backward_quantize(*ins, group_size=16, **E5M2), ins,
+                   interpret=False)
+
+
+def test_dispatch_backward_quantize_kernel_matches_its_fallback():
+  """kernels.swiglu_backward_quantize with the kernels against its fallback on the references
+  (the gradients by XLA, then the per-tensor quantize of each): (M, N) codes, their transposed
+  copies and scales agree to a code step (the two sides round float32 gradients to bf16 apart)."""
+  ins = _codes((2, 64, 128), seed=10)
+  out, text = {}, {}
+  for backend in ("quantize=pallas", "reference"):
+    with kernels.backend(backend):
+      text[backend] = str(jax.make_jaxpr(kernels.swiglu_backward_quantize)(*_quantized(*ins)))
+      out[backend] = jax.jit(kernels.swiglu_backward_quantize)(*_quantized(*ins))
+  assert "coat_swiglu_backward_quantize_mgpu" in text["quantize=pallas"]
+  assert "mgpu" not in text["reference"]
+  for a, b in zip(out["quantize=pallas"], out["reference"]):
+    assert a.data.shape == b.data.shape == (128, 128) and a.data_t.shape == (128, 128)
+    assert a.fmt == b.fmt == "e5m2" and a.group_size == 0
+    np.testing.assert_allclose(float(a.scale), float(b.scale), rtol=2.0 ** -7)
+    for x, y in ((a.data, b.data), (a.data_t, b.data_t)):
+      x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+      assert np.all(np.isfinite(x)) and np.abs(x).max() > 0
+      np.testing.assert_allclose(x, y, rtol=2.0 ** -2, atol=2.0 ** -14)   # one E5M2 step
+    np.testing.assert_array_equal(np.asarray(a.data_t, np.float32),
+                                  np.asarray(a.data, np.float32).T)
+
+
+def test_op_gradients_codes_straight_from_the_residuals_equal_the_two_step_ones():
+  """ops.swiglu_linears' gradients (x and both weights), with the kernels in interpret mode: the
+  default backward (the GEMMs' E5M2 operands straight from the residuals) against the
+  `swiglu_backward="gradients"` ablation (SwiGLU's gradients written, then quantized), bit for
+  bit."""
+  rng = np.random.default_rng(11)
+  print("seed 11")
+  x = jnp.asarray(rng.standard_normal((2, 64, 128)), jnp.bfloat16)
+  wg, wu = (jnp.asarray(0.3 * rng.standard_normal((128, 128)), jnp.float32) for _ in range(2))
+  dh = jnp.asarray(rng.standard_normal((2, 64, 128)), jnp.bfloat16)
+
+  def grads(x, wg, wu):
+    xq = ops.quantize_input(x)
+    (h, hq), pull = jax.vjp(
+        lambda x, wg, wu: ops.swiglu_linears(x, wg, wu, mode="coat", x_q=xq), x, wg, wu)
+    return pull((dh, jax.tree.map(jnp.zeros_like, hq)))
+
+  out = {}
+  for choice in ("codes", "gradients"):
+    with linear_layer._ablation(swiglu_backward=choice), kernels.backend(
+        "gemm=pallas,quantize=pallas"):
+      text = str(jax.make_jaxpr(grads)(x, wg, wu))
+      assert ("coat_swiglu_backward_quantize_mgpu" in text) == (choice == "codes")
+      out[choice] = jax.jit(grads)(x, wg, wu)
+  for a, b in zip(out["codes"], out["gradients"]):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.all(np.isfinite(a)) and np.abs(a).max() > 0
+    np.testing.assert_array_equal(a, b)
