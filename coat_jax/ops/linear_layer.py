@@ -67,7 +67,7 @@ _ABLATIONS = {"weight_quant": ("per_use", "once"), "amax": ("fused", "kernel"),
               "weight_quantize": ("forward_kernel", "kernel", "xla"),
               "activation_quantize": ("kernel", "xla"), "gradient_quantize": ("kernel", "xla"),
               "swiglu_quantize": ("gemm_epilogue", "fused", "separate"),
-              "weight_transpose": ("codes", "cast"), "swiglu_backward": ("codes", "gradients")}
+              "weight_transpose": ("codes", "cast"), "swiglu_backward": ("gradients", "codes")}
 # The switches set away from the first choice, ((name, value), ...): a JAX user context, part of
 # jit's cache key (a trace made under other switches is never reused).
 _SWITCHES = jax.make_user_context(default_value=())
@@ -134,11 +134,12 @@ def _ablation(**switches: str):
   (N, L, K), 4.3 GB for OLMo-1B); "codes" with the kernel reads the parameter as it lies: no
   relayout (0 instead of 21 in OLMo-1B's step), at one more kernel module per weight shape to
   compile.
-  swiglu_backward: "codes" (default): `ops.swiglu_linears`' backward writes its GEMMs' E5M2
-  operands (the gradients' codes and their transposed copies) straight from gate's and up's
-  codes and dh (`kernels.swiglu_backward_quantize`, with gradient_quantize="kernel"): d_gate and
-  d_up are never written in dh's dtype. "gradients": SwiGLU's backward writes d_gate, d_up and
-  their maxima, then each is quantized (`kernels.swiglu_backward`). Same values either way.
+  swiglu_backward: "gradients" (default): `ops.swiglu_linears`' backward writes d_gate, d_up and
+  their maxima (`kernels.swiglu_backward`), then each is quantized. "codes" writes its GEMMs'
+  E5M2 operands (the gradients' codes and their transposed copies) straight from gate's and
+  up's codes and dh (`kernels.swiglu_backward_quantize`, with gradient_quantize="kernel"): d_gate
+  and d_up are never written in dh's dtype, at a second read of the inputs (docs/kernels.md:
+  slower so far). Same values either way.
   Switches not named keep their values. Read while a function is traced: trace (jit) it inside
   the `with`; the switches are part of jit's cache key.
   """

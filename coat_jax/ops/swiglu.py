@@ -11,11 +11,11 @@ up (`kernels.swiglu_quantize`); "separate" is the unfused ablation.
 Backward (both ops), with a = gate, u = up, s = sigmoid(a) from the dequantized residuals:
   d_gate = dh * u * s * (1 + a (1 - s)),   d_up = dh * a * s
 (`kernels.swiglu_backward`: one pass that also gives max|d_gate| and max|d_up|).
-`swiglu_linears`' backward (switches `linear_layer._ablation(swiglu_backward="codes")` and
-gradient_quantize="kernel", the defaults) takes its GEMMs' E5M2 operands (the gradients' codes
-and their transposed copies) straight from the residuals and dh
-(`kernels.swiglu_backward_quantize`: d_gate and d_up are never written in dh's dtype); else it
-hands the maxima to its GEMMs' backward quantize.
+`swiglu_linears`' backward hands the maxima to its GEMMs' backward quantize; under the ablation
+`linear_layer._ablation(swiglu_backward="codes")` (with gradient_quantize="kernel") it takes its
+GEMMs' E5M2 operands (the gradients' codes and their transposed copies) straight from the
+residuals and dh instead (`kernels.swiglu_backward_quantize`: d_gate and d_up are never written
+in dh's dtype).
 """
 from __future__ import annotations
 

@@ -114,15 +114,19 @@ def _launch(g2, u2, *, out_dtype, fmax, floor, interpret, block, max_ctas, stage
       name="coat_swiglu_quantize_mgpu")
 
 
-def _grads(dh_ref, gq_ref, gs_ref, uq_ref, us_ref):
-  """d_gate and d_up of an (r, G) block (float32 math, rounded to dh's dtype: what is stored)."""
-  d = load_f32(dh_ref)                                   # (r, G)
-  a = load_dequantized(gq_ref, gs_ref)
-  u = load_dequantized(uq_ref, us_ref)
+def _grads_of(d, a, u, dtype):
+  """d_gate and d_up from float32 dh, gate and up (float32 math, rounded to dtype: what is
+  stored)."""
   sig = 1.0 / (1.0 + jnp.exp(-a))
-  dg = (d * u * sig * (1.0 + a * (1.0 - sig))).astype(dh_ref.dtype)
-  du = (d * a * sig).astype(dh_ref.dtype)
+  dg = (d * u * sig * (1.0 + a * (1.0 - sig))).astype(dtype)
+  du = (d * a * sig).astype(dtype)
   return dg, du
+
+
+def _grads(dh_ref, gq_ref, gs_ref, uq_ref, us_ref):
+  """d_gate and d_up of an (r, G) block."""
+  return _grads_of(load_f32(dh_ref), load_dequantized(gq_ref, gs_ref),
+                   load_dequantized(uq_ref, us_ref), dh_ref.dtype)
 
 
 def _backward_kernel(dh_ref, gq_ref, gs_ref, uq_ref, us_ref, *out_refs):
@@ -204,25 +208,33 @@ def supported_quantize(shape, dtype, group_size: int) -> bool:
 
 def _backward_quantize_kernel(s_ref, dh_ref, gq_ref, gst_ref, uq_ref, ust_ref, dgq_ref, dgt_ref,
                               duq_ref, dut_ref, g_stage, u_stage, *, fmax, interpret):
-  """One (bm, bn) block of the (M, N) view, in column stripes of one group (bm, G): a stripe's
-  gradients (float32 registers in the WGMMA layout, the stripe's bm scales a contiguous row of
-  the transposed scales' (bn / G, bm) block), quantized with the scales s_ref[0] (d_gate) and
-  s_ref[1] (d_up) into the codes' blocks; their dh-dtype values staged in shared memory and read
-  back through a transposed view for the transposed codes (as the per-tensor quantize's
-  transposed copy)."""
+  """One (bm, bn) block of the (M, N) view: dh and the codes loaded whole in the WGMMA register
+  layout, each 1 x G column slice dequantized with its bm scales (a contiguous row of the
+  transposed scales' (bn / G, bm) block) and the slices' gradients put together again; quantized
+  with the scales s_ref[0] (d_gate) and s_ref[1] (d_up) into the codes' blocks, their dh-dtype
+  values staged in shared memory and read back through a transposed view for the transposed
+  codes (as the per-tensor quantize's transposed copy)."""
   group = dh_ref.shape[1] // gst_ref.shape[0]
   scales = (s_ref[0], s_ref[1])
+  d, gq, uq = (plgpu.load(r, layout=plgpu.Layout.WGMMA) for r in (dh_ref, gq_ref, uq_ref))
+  row = plgpu.Layout.WGMMA.reduce(1)
+  parts = []
+  for c in range(gst_ref.shape[0]):
+    cols = slice(c * group, (c + 1) * group)
+    scaled = lambda q, s_ref: q[:, cols].astype(jnp.float32) * jnp.broadcast_to(
+        plgpu.load(s_ref.at[c], layout=row).astype(jnp.float32)[:, None],
+        (q.shape[0], group))
+    parts.append(_grads_of(d[:, cols].astype(jnp.float32), scaled(gq, gst_ref),
+                           scaled(uq, ust_ref), dh_ref.dtype))
+  grads = [jnp.concatenate(p, axis=1) for p in zip(*parts)]
 
   def quantize(x, scale):
     return saturate(true_div(x.astype(jnp.float32), jnp.broadcast_to(scale, x.shape), interpret),
                     fmax)
 
-  for c in range(gst_ref.shape[0]):
-    stripe = lambda ref: ref.at[:, pl.ds(c * group, group)]
-    grads = _grads(stripe(dh_ref), stripe(gq_ref), gst_ref.at[c], stripe(uq_ref), ust_ref.at[c])
-    for x, scale, q_ref, stage in zip(grads, scales, (dgq_ref, duq_ref), (g_stage, u_stage)):
-      stripe(q_ref)[...] = quantize(x, scale).astype(q_ref.dtype)
-      stripe(stage)[...] = x
+  for x, scale, q_ref, stage in zip(grads, scales, (dgq_ref, duq_ref), (g_stage, u_stage)):
+    q_ref[...] = quantize(x, scale).astype(q_ref.dtype)
+    stage[...] = x
   plgpu.commit_smem()   # every thread's part of the staged tiles stored before reads across
   for scale, t_ref, stage in zip(scales, (dgt_ref, dut_ref), (g_stage, u_stage)):
     xt = plgpu.load(stage.transpose((1, 0)), layout=plgpu.Layout.WGMMA, optimized=False)
