@@ -262,7 +262,7 @@ def swiglu_backward_quantize(dh: jax.Array, gq: jax.Array, gs: jax.Array, uq: ja
 
   The same codes as `swiglu_backward` followed by the per-tensor quantize with the transposed
   copy of each gradient (quantize_mgpu.quantize_per_tensor), without writing d_gate and d_up:
-  per element pair ~12.5 bytes moved instead of ~16.75.
+  per element pair ~12.75 bytes moved instead of ~16.75.
 
   Args:
     dh: float16 / bfloat16 (..., N) (see `supported_quantize`); gq, uq, gs, us as
