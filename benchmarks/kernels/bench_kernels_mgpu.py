@@ -15,8 +15,6 @@ best per kernel.
   python3 -m benchmarks.kernels.bench_kernels_mgpu --only adam --adam-rows 4096 --check
   python3 -m benchmarks.kernels.bench_kernels_mgpu --sweep --only per_group,dequantize   # ~1 min
   python3 -m benchmarks.kernels.bench_kernels_mgpu --only swiglu_bwd --check   # SwiGLU's backward
-  python3 -m benchmarks.kernels.bench_kernels_mgpu --only swiglu_bwd_q --check --shape 16384x8192
-      # SwiGLU's backward to E5M2 codes + transposed copies, against the kernels it replaces
   python3 -m benchmarks.kernels.bench_kernels_mgpu --only per_tensor_t --shape 16384x2048  # OLMo-1B
   python3 -m benchmarks.kernels.bench_kernels_mgpu --sweep --device-time --only per_tensor_t \
       --shape 16384x2048      # a small shape's tunables by the GPU's own time
@@ -29,8 +27,8 @@ import sys
 
 from benchmarks._common import device_ms_per_call, median_ms_back_to_back, parse_shapes
 
-KERNELS = ("per_group", "tile_amax", "dequantize", "swiglu_bwd", "swiglu_bwd_q", "per_tensor",
-           "per_tensor_t", "adam")
+KERNELS = ("per_group", "tile_amax", "dequantize", "swiglu_bwd", "per_tensor", "per_tensor_t",
+           "adam")
 
 
 def timer(reps: int, device_time: bool):
@@ -85,39 +83,6 @@ def _swiglu_backward_call(x, gate_q):
           lambda: reference(gate_q, up_q, x))
 
 
-def _swiglu_backward_quantize_call(x, gate_q):
-  """SwiGLU's backward straight to the gradients' E5M2 codes and transposed copies
-  (swiglu_mgpu.swiglu_backward_quantize, two passes), inputs as `_swiglu_backward_call`: (bytes
-  its two passes move, its thunk taking tunables, the baseline thunk: the kernels it replaces,
-  swiglu_backward then the per-tensor quantize with the transposed copy of each gradient, as
-  the dispatch ran them before)."""
-  import jax
-  import jax.numpy as jnp
-  from coat_jax import formats, quantize as Q
-  from pallas_kernels.quantize import quantize_mgpu as qm, swiglu_mgpu as sm
-
-  up_q = Q.quantize_per_group(-x / 2, 16, "e4m3")
-  e5 = formats.get_format("e5m2")
-  qk = dict(out_dtype=e5.dtype, fmax=e5.max, floor=formats.ACTIVATION_SCALE_FLOOR)
-  n = x.size
-  meta = n // 16 * 2 * (gate_q.scale.dtype.itemsize + x.dtype.itemsize)   # scales in, maxima out
-  nbytes = n * (2 + 1 + 1) * 2 + n * 4 + meta + n // 16 * 2 * gate_q.scale.dtype.itemsize
-  ins = (x, gate_q.data, gate_q.scale, up_q.data, up_q.scale)
-
-  @jax.jit
-  def chain(*a):
-    dg, du, gmax, umax = sm.swiglu_backward(*a, group_size=16)
-    out = []
-    for d, mx in ((dg, gmax), (du, umax)):
-      q, s, qt = qm.quantize_per_tensor(d, amax=jnp.max(mx).astype(jnp.float32),
-                                        with_transpose=True, **qk)
-      out += [q, s, qt]
-    return out
-
-  return (nbytes, lambda **t: sm.swiglu_backward_quantize(*ins, group_size=16, **qk, **t),
-          lambda: chain(*ins))
-
-
 def _cases(shape: tuple[int, int], adam_rows: int, check: bool):
   """(name, bytes moved, new kernel thunk, baseline thunk or None, check thunk or None)."""
   import jax
@@ -160,11 +125,6 @@ def _cases(shape: tuple[int, int], adam_rows: int, check: bool):
   yield ("swiglu_bwd", swiglu_bytes, swiglu_bwd, swiglu_ref,
          (lambda: (lambda a, b: f"dgate diffs {ndiff(a[0], b[0])}, dup diffs {ndiff(a[1], b[1])} "
                    f"of {n2}")(swiglu_bwd(), swiglu_ref())) if check else None)
-  q_bytes, q_new, q_chain = _swiglu_backward_quantize_call(x, ref_g)
-  yield ("swiglu_bwd_q", q_bytes, q_new, q_chain,
-         (lambda: (lambda a, b: "code diffs " + ", ".join(
-             f"{ndiff(u, v)}" for u, v in zip(a, b)) + f" (dg, its scale, dg^T, du, ...) of {n2}")(
-                 q_new(), q_chain())) if check else None)
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   for name, tr in (("per_tensor", False), ("per_tensor_t", True)):
     ref_t = Q.quantize_per_tensor(x, "e4m3", amax=amax, with_transpose=tr)
@@ -222,7 +182,6 @@ SWEEP = {
     "dequantize": (("block", (64, 128, 256, 512)), ("max_ctas", (132, 264, 528)),
                    ("stages", (2, 3, 4))),
     "swiglu_bwd": (("block", (64, 128, 256)), ("max_ctas", (132, 264, 528)), ("stages", (2, 3))),
-    "swiglu_bwd_q": (("max_ctas", (66, 132, 264)), ("stages", (2, 3))),
     "per_tensor": (("block_rows", (64, 128)), ("block_cols", (128, 256)),
                    ("max_ctas", (132, 264, 528, 1056)), ("stages", (2, 3))),
     "per_tensor_t": (("block_rows", (64, 128)), ("block_cols", (64, 128)),
@@ -252,7 +211,6 @@ def _sweep(shape: tuple[int, int], names, seconds) -> None:
       "dequantize": (moved["dequantize"], lambda **t: q_mgpu.dequantize_per_group(
           ref_g.data, ref_g.scale, group_size=16, dtype=jnp.bfloat16, **t)),
       "swiglu_bwd": _swiglu_backward_call(x, ref_g)[:2],
-      "swiglu_bwd_q": _swiglu_backward_quantize_call(x, ref_g)[:2],
       "per_tensor": (moved["per_tensor"], lambda **t: q_mgpu.quantize_per_tensor(
           x, amax=amax, **qk, **t)),
       "per_tensor_t": (moved["per_tensor_t"], lambda **t: q_mgpu.quantize_per_tensor(

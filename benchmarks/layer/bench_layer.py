@@ -80,10 +80,7 @@ def parse_args(argv=None):
                          "epilogue (gemm_epilogue), from one read of gate and up (fused), or h "
                          "by XLA and two per-group quantizes (separate)",
       "weight_transpose": "FP8 modes: W^T for the forward GEMM by transposing W's FP8 codes "
-                          "(codes) or quantizing the transposed cast weight (cast)",
-      "swiglu_backward": "coat: SwiGLU's gradients written, then each quantized (gradients), "
-                         "or the gate/up GEMMs' E5M2 operands straight from gate's and up's "
-                         "codes and dh (codes)"}
+                          "(codes) or quantizing the transposed cast weight (cast)"}
   for name, choices in linear_layer._ABLATIONS.items():
     p.add_argument("--" + name.replace("_", "-"), default=choices[0], choices=choices,
                    help=helps[name])

@@ -8,9 +8,7 @@ Kernels (`implementation("quantize")` / `("dequantize")` is "mosaic"; FP8 storag
                (quantize_mgpu.py); the dequantize takes the same shapes.
   per tensor   size / 64 a multiple of 64 and N % 64 == 0; with the transposed copy ndim >= 2,
                N and M multiples of 64 and a 16-bit input (or a 16-bit cast_dtype).
-  swiglu       the per-group shapes (swiglu_mgpu.py), forward and backward; the backward
-               straight to the gradients' per-tensor codes with their transposed copies also
-               needs a 16-bit dh whose (M, N) view is 64 x 128 blocks (one device).
+  swiglu       the per-group shapes (swiglu_mgpu.py), forward and backward.
 Other shapes: the reference (XLA). On a mesh each shard runs the kernel on its local block
 (`backends.rows`; a shard the kernel does not take runs the reference); in interpret mode (CPU)
 the kernels are not wrapped (their ordered callbacks cannot pass custom_partitioning: XLA
@@ -209,38 +207,6 @@ def swiglu_backward(gate_q: QuantizedArray, up_q: QuantizedArray, dh):
   dg, du = _swiglu_backward_reference(gate_q, up_q, dh)
   return (dg, du, jnp.max(jnp.abs(dg)).astype(jnp.float32),
           jnp.max(jnp.abs(du)).astype(jnp.float32))
-
-
-def swiglu_backward_quantize(gate_q: QuantizedArray, up_q: QuantizedArray, dh, fmt="e5m2", *,
-                             floor=formats.ACTIVATION_SCALE_FLOOR):
-  """(d_gate, d_up) of `swiglu_backward`, each as its per-tensor `fmt` quantize with the
-  transposed copy (`quantize_per_tensor(d.reshape(-1, N), fmt, amax=..., with_transpose=True)`:
-  data (M, N), data_t (N, M), M the product of dh's leading axes): the gate and up GEMMs'
-  backward operands.
-
-  Kernel (the "quantize" family's mosaic, on one device: swiglu_mgpu.swiglu_backward_quantize,
-  shapes `supported_quantize`): the gradients' maxima in one pass, then their codes and
-  transposed copies in a second, d_gate and d_up never written in dh's dtype; the same codes as
-  the two steps. Else those two steps (`swiglu_backward`, then `quantize_per_tensor` of each).
-  """
-  f = formats.get_format(fmt)
-  g = gate_q.group_size
-  n = dh.shape[-1]
-  if (backends.implementation("quantize") == "mosaic" and f.dtype in formats.fp8_dtypes()
-      and (not backends.per_shard() or backends.interpret_mode())
-      and g > 0 and up_q.group_size == g and gate_q.data.shape == up_q.data.shape == dh.shape
-      and jnp.dtype(gate_q.data.dtype) in formats.fp8_dtypes()
-      and jnp.dtype(up_q.data.dtype) in formats.fp8_dtypes()):
-    from pallas_kernels.quantize import swiglu_mgpu as sm
-    if sm.supported_quantize(dh.shape, dh.dtype, g):
-      dgq, ds, dgt, duq, us, dut = backends.launch(
-          sm.swiglu_backward_quantize, dh, gate_q.data, gate_q.scale, up_q.data, up_q.scale,
-          group_size=g, out_dtype=f.dtype, fmax=f.max, floor=floor, **_row_kernel_kw())
-      return (QuantizedArray(dgq.reshape(-1, n), ds, f.name, 0, dgt),
-              QuantizedArray(duq.reshape(-1, n), us, f.name, 0, dut))
-  dg, du, amax_g, amax_u = swiglu_backward(gate_q, up_q, dh)
-  return tuple(quantize_per_tensor(d.reshape(-1, n), f, amax=a, with_transpose=True, floor=floor)
-               for d, a in ((dg, amax_g), (du, amax_u)))
 
 
 def _swiglu_backward_reference(gate_q, up_q, dh):

@@ -67,7 +67,7 @@ _ABLATIONS = {"weight_quant": ("per_use", "once"), "amax": ("fused", "kernel"),
               "weight_quantize": ("forward_kernel", "kernel", "xla"),
               "activation_quantize": ("kernel", "xla"), "gradient_quantize": ("kernel", "xla"),
               "swiglu_quantize": ("gemm_epilogue", "fused", "separate"),
-              "weight_transpose": ("codes", "cast"), "swiglu_backward": ("gradients", "codes")}
+              "weight_transpose": ("codes", "cast")}
 # The switches set away from the first choice, ((name, value), ...): a JAX user context, part of
 # jit's cache key (a trace made under other switches is never reused).
 _SWITCHES = jax.make_user_context(default_value=())
@@ -134,12 +134,6 @@ def _ablation(**switches: str):
   (N, L, K), 4.3 GB for OLMo-1B); "codes" with the kernel reads the parameter as it lies: no
   relayout (0 instead of 21 in OLMo-1B's step), at one more kernel module per weight shape to
   compile.
-  swiglu_backward: "gradients" (default): `ops.swiglu_linears`' backward writes d_gate, d_up and
-  their maxima (`kernels.swiglu_backward`), then each is quantized. "codes" writes its GEMMs'
-  E5M2 operands (the gradients' codes and their transposed copies) straight from gate's and
-  up's codes and dh (`kernels.swiglu_backward_quantize`, with gradient_quantize="kernel"): d_gate
-  and d_up are never written in dh's dtype, at a second read of the inputs (docs/kernels.md:
-  slower so far). Same values either way.
   Switches not named keep their values. Read while a function is traced: trace (jit) it inside
   the `with`; the switches are part of jit's cache key.
   """
@@ -198,20 +192,18 @@ def _fwd_gemm(xq, w, out_dtype):
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype), name_residuals((amax, codes, scale))
 
 
-def backward_gemms(x_t, x_scale, w, g, kept, g_amax=None, g_q=None):
+def backward_gemms(x_t, x_scale, w, g, kept, g_amax=None):
   """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N)
   and the forward's `kept` (w's amax; its (K, N) codes and scale under weight_quant="once");
-  g_amax: max|g| where g's producer made it (else reduced here); g_q: g's per-tensor E5M2
-  codes (M, N) with the transposed copy where its producer made them (then g only gives the
-  shape and dtype: a jax.ShapeDtypeStruct will do).
+  g_amax: max|g| where g's producer made it (else reduced here).
 
   Both GEMMs are TN: dX = gq (M, N) . wq (K, N)^T, and dW = x^T (K, M) . (g^T (N, M))^T, whose
   M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
   """
   k, n = w.shape
-  gq = g_q if g_q is not None else kernels.quantize_per_tensor(
-      g.reshape(-1, n), "e5m2", with_transpose=True, amax=_amax(g) if g_amax is None else g_amax,
-      producer_fusion=option("gradient_quantize") == "xla")
+  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True,
+                                  amax=_amax(g) if g_amax is None else g_amax,
+                                  producer_fusion=option("gradient_quantize") == "xla")
   # (K, N): contracts N (TN); the forward's codes when it kept them, else W quantized again
   # with the forward's amax (the same scale).
   amax, codes, scale = kept

@@ -10,12 +10,8 @@ up (`kernels.swiglu_quantize`); "separate" is the unfused ablation.
 
 Backward (both ops), with a = gate, u = up, s = sigmoid(a) from the dequantized residuals:
   d_gate = dh * u * s * (1 + a (1 - s)),   d_up = dh * a * s
-(`kernels.swiglu_backward`: one pass that also gives max|d_gate| and max|d_up|).
-`swiglu_linears`' backward hands the maxima to its GEMMs' backward quantize; under the ablation
-`linear_layer._ablation(swiglu_backward="codes")` (with gradient_quantize="kernel") it takes its
-GEMMs' E5M2 operands (the gradients' codes and their transposed copies) straight from the
-residuals and dh instead (`kernels.swiglu_backward_quantize`: d_gate and d_up are never written
-in dh's dtype).
+(`kernels.swiglu_backward`: one pass that also gives max|d_gate| and max|d_up|, which
+`swiglu_linears` hands to its GEMMs' backward quantize).
 """
 from __future__ import annotations
 
@@ -94,16 +90,9 @@ def _swiglu_linears_fwd(x, w_gate, w_up, x_q):
 
 def _swiglu_linears_bwd(res, cts):
   x_t, x_scale, gq, uq, ag, au, w_gate, w_up = res
-  dh = cts[0]
-  if option("gradient_quantize") == "kernel" and option("swiglu_backward") == "codes":
-    like = jax.ShapeDtypeStruct(dh.shape, dh.dtype)
-    dgate_q, dup_q = kernels.swiglu_backward_quantize(gq, uq, dh, "e5m2")
-    dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, like, (ag, None, None), g_q=dgate_q)
-    dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, like, (au, None, None), g_q=dup_q)
-  else:
-    dgate, dup, dgate_amax, dup_amax = kernels.swiglu_backward(gq, uq, dh)
-    dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, dgate, (ag, None, None), dgate_amax)
-    dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, dup, (au, None, None), dup_amax)
+  dgate, dup, dgate_amax, dup_amax = kernels.swiglu_backward(gq, uq, cts[0])
+  dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, dgate, (ag, None, None), dgate_amax)
+  dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, dup, (au, None, None), dup_amax)
   dx = dx_gate + dx_up
   return dx, dw_gate, dw_up, zero_input_cotangent(dx, x_t, x_scale)
 
