@@ -59,9 +59,11 @@ def available() -> bool:
 
 
 GROUP_AXES = (-1, -2)
-# Default tiles (read when adam_step is traced; benchmarks/step/bench_optimizer.py --cols-tiles sweeps
-# the column ones, calling jax.clear_caches() between settings).
-ROWS_BLOCK, ROWS_WARPS = 16, 4   # group_axis -1: rows of G per program, warps
+# Default tiles (read when adam_step is traced; benchmarks/step/bench_optimizer.py --rows-tiles and
+# --cols-tiles sweep them, calling jax.clear_caches() between settings). Rows: 8 x 4 measured as
+# fast as 16 x 4 per leaf and faster with the packed state, stacked leaves and one per matrix
+# (H200; docs/results.md, "The optimizer step as a scanned model holds its parameters").
+ROWS_BLOCK, ROWS_WARPS = 8, 4    # group_axis -1: rows of G per program, warps
 COLS_BLOCK, COLS_WARPS = 32, 8   # group_axis -2: columns per G-row tile, warps
 COLS_VEC = 4                     # group_axis -2: contiguity the accesses are told (`adam_cols`)
 # How the leaf size reaches the kernel (read when adam_step is traced; benchmarks A/B them):

@@ -19,13 +19,14 @@ OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name); the default second (t
 ]
 
 
-OPTIMIZER_STACKED_ROWS = [  # (label, bench_optimizer's row name)
+OPTIMIZER_STACKED_ROWS = [  # (label, bench_optimizer's row name); the default second (the headline's)
   ("optax.adamw (XLA)", "optax.adamw"),
-  ("coat_adamw_apply, per leaf, default tile (16 rows x 4 warps)",
-   "coat_adamw_apply, per leaf, tile 16 rows x 4 warps"),
-  ("same, tile 8 rows x 4 warps", "coat_adamw_apply, per leaf, tile 8 rows x 4 warps"),
-  ("coat_adamw_apply, packed state, default tile", "coat_adamw_apply, packed state, tile 16 rows x 4 warps"),
-  ("same, tile 8 rows x 4 warps", "coat_adamw_apply, packed state, tile 8 rows x 4 warps"),
+  ("coat_adamw_apply, per leaf, default tile (8 rows x 4 warps)",
+   "coat_adamw_apply, per leaf, tile 8 rows x 4 warps"),
+  ("same, tile 16 rows x 4 warps", "coat_adamw_apply, per leaf, tile 16 rows x 4 warps"),
+  ("coat_adamw_apply, packed state, default tile",
+   "coat_adamw_apply, packed state, tile 8 rows x 4 warps"),
+  ("same, tile 16 rows x 4 warps", "coat_adamw_apply, packed state, tile 16 rows x 4 warps"),
 ]
 
 
