@@ -4,12 +4,12 @@
 #   bash benchmarks/run_gpu.sh tests kernels layer optimizer     # one call
 #   bash benchmarks/run_gpu.sh train1b e2e
 # Sections: tests (GPU-marked tests), tests_all (kernel/ops/quantize test files compiled for the
-# GPU), adam (the optimizer kernel's tests: carry .whl; tests/test_optim_group_axis.py stays out: its
-# CPU tests compare with the reference to the ulp on an 8-device mesh, its GPU test runs in tests), kernels (quantize bandwidth, fused Adam
-# step, FP8 GEMM), quant_sweep (the Mosaic GPU quantize kernels' tunables), ops (per-op fwd+bwd
-# times), layer (7B decoder layer, 3 modes), optimizer (1.21e9 params), train1b (train.py,
-# olmo-1b shape, 3 modes, short), train_sharded (same, FSDP over all GPUs), e2e
-# (benchmarks/step/bench_e2e.py),
+# GPU), adam (the optimizer kernel's tests: carry .whl; tests/test_optim_group_axis.py stays out:
+# its CPU tests compare with the reference to the ulp on an 8-device mesh, its GPU test runs in
+# tests), kernels (quantize bandwidth, fused Adam step, FP8 GEMM), quant_sweep (the Mosaic GPU
+# quantize kernels' tunables), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes),
+# optimizer (1.21e9 params), train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded
+# (same, FSDP over all GPUs), e2e (benchmarks/step/bench_e2e.py),
 # peak (what the coat step holds at its memory peak, lax.scan vs vjp_loop), floor (the olmo-1b
 # step of both modes per kernel category, against benchmarks/step/step_floor.py's floors),
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU),
