@@ -30,10 +30,10 @@ def compile_7b(src: Sources) -> list[str]:
 COMPILE_OLMO_RUNS = (
     ("olmo1b_compile_quantize_blocks_h200", "the per-tensor quantize's new blocks"),
     ("olmo1b_compile_traced_once_h200", "layers and optimizer leaves traced once"),
-    ("olmo1b_compile_traced_once_rerun_h200", "same, a later lease"),
-    ("olmo1b_compile_third_lease_h200", "same, a third lease"),
+    ("olmo1b_compile_traced_once_rerun_h200", "same, another machine"),
+    ("olmo1b_compile_third_machine_h200", "same, a third machine"),
     ("olmo1b_compile_prestart_h200", "before: each layer and leaf traced apart"),
-    ("olmo1b_compile_prestart_rerun_h200", "same, a later lease"),
+    ("olmo1b_compile_prestart_rerun_h200", "same, another machine"),
     ("olmo1b_compile_h200", "before that: workers started at the first kernel, 2 threads"))
 
 

@@ -99,7 +99,7 @@ def largest_batch_7b(src: Sources) -> list[str]:
 
 
 def sft_now(src: Sources) -> list[str]:
-  """configs/llama2-7b-sft.yaml, coat and bf16 + optax.adamw at the recipe's batch, one lease,
+  """configs/llama2-7b-sft.yaml, coat and bf16 + optax.adamw at the recipe's batch, one machine,
   from each run's logged steps (steps 3-4)."""
   sid = "sft_llama2_7b_pingpong_h200"
   text = src.raw(sid)
@@ -119,7 +119,7 @@ def sft_now(src: Sources) -> list[str]:
 
 def sft_b4_now(src: Sources) -> list[str]:
   """configs/llama2-7b-sft.yaml at batch 4 without microbatches, coat and bf16 + optax.adamw,
-  one lease, from each run's summary line."""
+  one machine, from each run's summary line."""
   sid = "sft_b4_llama2_7b_pingpong_h200"
   text = src.raw(sid)
   rows = []
