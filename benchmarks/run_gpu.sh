@@ -20,7 +20,8 @@
 # fit the machine's disk), remat_sweep (one
 # config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), equal7b
 # (configs/llama2-7b.yaml, bf16 + optax.adamw against coat at one batch and remat, no microbatches:
-# EQUAL_BATCHES, the first that every mode fits), batch7b (configs/llama2-7b.yaml, each mode at its
+# EQUAL_BATCHES, the first that every mode fits), batch1b (OLMo-1B's shape through bench_e2e,
+# each mode at its largest batch: BATCH1B), batch7b (configs/llama2-7b.yaml, each mode at its
 # largest batch without microbatches, remat full: BATCH7B), largest (the largest Llama each optimizer fits at
 # seq 2048, global batch 64: `--plan` per shape, largest first, LARGEST_PLANS, LARGEST_LIMIT),
 # largest_run (train.py on one such shape: LARGEST_RUN, or the last that `largest` found fitting),
@@ -162,6 +163,16 @@ for s in "$@"; do
                done
                [ $ok = 1 ] && break
              done ;;
+    batch1b)  # OLMo-1B's shape (bench_e2e, layers unrolled, remat none), each mode at its largest
+             # batch: BATCH1B="MODE:B1:B2..." entries, each batch tried largest first until one
+             # runs (a batch that does not fit reports "oom" and the next is tried)
+             for plan in ${BATCH1B:-bf16+adamw:24:22 coat+coat_adamw:40:38:36}; do
+               IFS=: read -r mode rest <<< "$plan"; IFS=: read -ra sizes <<< "$rest"
+               for b in "${sizes[@]}"; do
+                 section batch1b ${CONFIG_LIMIT:-200} $PY -m benchmarks.step.bench_e2e --modes $mode \
+                   --layers unrolled --batch $b --steps 6 --warmup 2
+                 grep -qF "$mode (unrolled) batch $b: ok in" "$OUT/batch1b.log" && break
+               done; done ;;
     batch7b)  # configs/llama2-7b.yaml, each mode at its largest batch without microbatches, remat
              # full: BATCH7B="PRECISION:OPTIMIZER:B1:B2..." entries, each batch tried largest first
              # until one runs (an out-of-memory run exits non-zero and the next batch is tried)
