@@ -178,17 +178,23 @@ def remat_sweep(src: Sources) -> list[str]:
 
 
 def largest_batch(src: Sources) -> list[str]:
-  """OLMo-1B on an 80 GB H100, each mode's batches largest first (run_gpu.sh batch1b)."""
+  """OLMo-1B on an 80 GB H100, each mode's batches largest first (run_gpu.sh batch1b), in the
+  raw's order: a run's row has its tokens/s and peak, or "out of memory" where the raw says so."""
   sid = "olmo1b_batch1b_h100"
-  pat = r"re:{} \(unrolled\) batch {}: ok in \d+ s, ([\d,]+) tokens/s, peak ([\d.]+) GB"
+  run = r"{} \(unrolled\) batch {}: "
+  tokens = "re:" + run + r"ok in \d+ s, ([\d,]+) tokens/s"
+  peak = "re:" + run + r"ok in \d+ s, [\d,]+ tokens/s, peak ([\d.]+) GB"
   rows = []
   for mode, batch in (("bf16+adamw", 24), ("bf16+adamw", 26), ("bf16+adamw", 32),
-                      ("coat+coat_adamw", 38)):
-    p = pat.format(re.escape(mode), batch)
-    peak = p.replace(r"([\d,]+) tokens/s", r"[\d,]+ tokens/s")
-    rows.append((f"{mode}, batch {batch}", [(p, ",.0f"), (peak, ".2f")]))
-  rows.insert(3, ("coat+coat_adamw, batch 40", ["out of memory", ""]))
-  b, c = (src.value(sid, r[1][0][0]) for r in (rows[0], rows[4]))
+                      ("coat+coat_adamw", 40), ("coat+coat_adamw", 38)):
+    m = re.escape(mode)
+    if re.search(run.format(m, batch) + "oom in", src.raw(sid)):
+      rows.append((f"{mode}, batch {batch}", ["out of memory", ""]))
+    else:
+      rows.append((f"{mode}, batch {batch}", [(tokens.format(m, batch), ",.0f"),
+                                              (peak.format(m, batch), ".2f")]))
+  b = src.value(sid, tokens.format(re.escape("bf16+adamw"), 24))
+  c = src.value(sid, tokens.format(re.escape("coat+coat_adamw"), 38))
   rows.append(("coat (38) vs bf16's fastest (24)", [ratio("faster", b, c), ""]))
   return rows_table(src, sid, ["", "tokens/s", "peak GB"], rows)
 
