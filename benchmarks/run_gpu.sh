@@ -169,9 +169,10 @@ for s in "$@"; do
              for plan in ${BATCH1B:-bf16+adamw:24:22 coat+coat_adamw:40:38:36}; do
                IFS=: read -r mode rest <<< "$plan"; IFS=: read -ra sizes <<< "$rest"
                for b in "${sizes[@]}"; do
+                 n=$( (wc -l < "$OUT/batch1b.log") 2>/dev/null || echo 0)
                  section batch1b ${CONFIG_LIMIT:-200} $PY -m benchmarks.step.bench_e2e --modes $mode \
                    --layers unrolled --batch $b --steps 6 --warmup 2
-                 grep -qF "$mode (unrolled) batch $b: ok in" "$OUT/batch1b.log" && break
+                 tail -n +$((n + 1)) "$OUT/batch1b.log" | grep -qF "$mode (unrolled) batch $b: ok in" && break
                done; done ;;
     batch7b)  # configs/llama2-7b.yaml, each mode at its largest batch without microbatches, remat
              # full: BATCH7B="PRECISION:OPTIMIZER:B1:B2..." entries, each batch tried largest first
