@@ -72,8 +72,12 @@ summary() {  # summary DIR: the numbers of a run's summary.json on one line
 print(sys.argv[1], {k: s.get(k) for k in ('step', 'compile_s', 'first_step_s', 'tokens_per_s', \
 'mfu', 'peak_memory_bytes', 'peak_memory_kind', 'host_max_rss_bytes', 'wall_s', 'train_loss_last')})" "$1"
 }
+section_lines() {  # section_lines NAME: what the last `section` call appended to $OUT/NAME.log
+  tail -n +"$SECTION_FROM" "$OUT/$1.log"
+}
 section() {  # section NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
+  SECTION_FROM=$(( $( (wc -l < "$OUT/$name.log") 2>/dev/null || echo 0) + 1 ))
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/$name.log"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" | grep -v "^\s*$" | tail -n 60
   local rc=${PIPESTATUS[0]}
@@ -169,10 +173,9 @@ for s in "$@"; do
              for plan in ${BATCH1B:-bf16+adamw:24:22 coat+coat_adamw:40:38:36}; do
                IFS=: read -r mode rest <<< "$plan"; IFS=: read -ra sizes <<< "$rest"
                for b in "${sizes[@]}"; do
-                 n=$( (wc -l < "$OUT/batch1b.log") 2>/dev/null || echo 0)
                  section batch1b ${CONFIG_LIMIT:-200} $PY -m benchmarks.step.bench_e2e --modes $mode \
                    --layers unrolled --batch $b --steps 6 --warmup 2
-                 tail -n +$((n + 1)) "$OUT/batch1b.log" | grep -qF "$mode (unrolled) batch $b: ok in" && break
+                 section_lines batch1b | grep -qF "$mode (unrolled) batch $b: ok in" && break
                done; done ;;
     batch7b)  # configs/llama2-7b.yaml, each mode at its largest batch without microbatches, remat
              # full: BATCH7B="PRECISION:OPTIMIZER:B1:B2..." entries, each batch tried largest first
@@ -195,10 +198,9 @@ for s in "$@"; do
                prec=${mode%+*} opt=${mode#*+}
                for ((i = 0; i < ${#dims[@]}; i += 3)); do
                  h=${dims[i]} l=${dims[i+1]} f=${dims[i+2]}
-                 n=$( (wc -l < "$OUT/largest.log") 2>/dev/null || echo 0)
                  section largest ${LARGEST_TIMEOUT:-240} $PY train.py $(largest_args $opt $h $l $f) \
                    --set precision=$prec --set run.device_memory_limit=${LARGEST_LIMIT:-0} --plan
-                 if tail -n +$((n + 1)) "$OUT/largest.log" | grep -q "^  chosen"; then
+                 if section_lines largest | grep -q "^  chosen"; then
                    echo "$mode $h $l $f ${LARGEST_LIMIT:-0}" >> "$OUT/largest_fits.txt"; break
                  fi
                done; done ;;
