@@ -2,6 +2,7 @@
 config's YAML 1.2 reading and typed `--set` values, text/jsonl data streamed in bounded memory
 with errors that name file and line, Hugging Face directories, a damaged checkpoint's reason."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -218,3 +219,30 @@ def test_damaged_checkpoint_reason_is_the_cause_in_one_line_and_no_tracebacks(tm
   lines = [l for l in out.splitlines() if "unreadable" in l]
   assert len(lines) == 1 and "is not valid for value of size" in lines[0], out[-3000:]
   assert "tensorstore_spec" not in lines[0] and "object at 0x" not in lines[0]
+
+
+def test_unretrieved_tensorstore_read_failures_are_not_logged_and_other_failures_are(caplog):
+  import asyncio
+  import gc
+  from coat_jax.training.checkpoint import _quiet_orbax
+  _quiet_orbax()
+
+  async def fail(message):
+    raise ValueError(message)
+
+  def leave_unretrieved(message):
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(fail(message))
+    loop.run_until_complete(asyncio.sleep(0))
+    assert task.done()
+    loop.close()
+    del task
+    gc.collect()
+
+  with caplog.at_level(logging.ERROR, logger="asyncio"):
+    leave_unretrieved('OUT_OF_RANGE: Error reading "m/.zarray" [tensorstore_spec=\'{}\']')
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+    leave_unretrieved("a failure of the user's own task")
+  reports = [r for r in caplog.records if r.name == "asyncio"]
+  assert len(reports) == 1 and "never retrieved" in reports[0].getMessage(), caplog.text
+  assert "user's own task" in str(reports[0].exc_info[1])

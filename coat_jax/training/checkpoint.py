@@ -51,12 +51,26 @@ def _drop_closed_loop_reports(previous):
   return hook
 
 
+class _DropUnretrievedReads(logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" reports of tensorstore reads: when one
+  array of a damaged checkpoint fails, orbax's gather raises that failure (reported in one line)
+  and its sibling reads fail unawaited, each logged with a traceback when collected."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    unretrieved = str(record.msg).split("\n", 1)[0].endswith("exception was never retrieved")
+    return not (unretrieved and "tensorstore_spec" in str(exc))
+
+
 def _quiet_orbax() -> None:
   for name in ("orbax", "orbax.checkpoint"):
     logging.getLogger(name).setLevel(logging.WARNING)
   # Orbax logs a failed background write's traceback through absl from each thread it passes;
   # the failure reaches the run as an exception (one line, storage.py), so those stay quiet.
   logging.getLogger("absl").setLevel(logging.CRITICAL)
+  asyncio_log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _DropUnretrievedReads) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_DropUnretrievedReads())
   if not getattr(sys.unraisablehook, "drops_closed_loop_reports", False):
     sys.unraisablehook = _drop_closed_loop_reports(sys.unraisablehook)
 
