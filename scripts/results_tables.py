@@ -37,7 +37,7 @@ MARKER = re.compile(r"<!-- results:([a-z0-9_]+):begin -->\n.*?<!-- results:\1:en
 TABLE_NAMES = (
   (headline, ("headline",)),
   (training, ("e2e", "train_py", "plan_candidates", "remat_sweep", "equal_batch_7b",
-              "largest_batch_7b", "largest_batch", "sft_now", "sft_b4_now", "sft")),
+              "largest_batch_7b", "largest_batch", "sft_now", "sft_b4_now")),
   (kernels, ("layer", "layer_fp8_attention", "optimizer", "optimizer_stacked", "two_pass",
              "swiglu_weight_codes")),
   (accuracy, ("accuracy", "stability", "formats", "master_weights", "group_axis")),

@@ -62,4 +62,4 @@ def test_unknown_table_and_missing_pattern_fail_loudly(tmp_path):
   with pytest.raises(ValueError, match="unknown results table"):
     rt.render("<!-- results:nope:begin -->\n<!-- results:nope:end -->", src, "")
   with pytest.raises(ValueError, match="not found"):
-    src.value("olmo1b_largest_batch_h100", r"re:no such line ([\d,]+)")
+    src.value("olmo1b_batch1b_h100", r"re:no such line ([\d,]+)")

@@ -7,11 +7,16 @@ import re
 from .common import Sources, optimizer_row, ratio, rows_table, source_line
 
 
-OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name); the default second (the headline's)
+OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name): the default layout, both tiles
   ("optax.adamw (XLA)", "optax.adamw"),
-  ("coat_adamw_apply, default (`group_axis=\"last\"`, row kernel), per leaf",
-   "coat_adamw_apply, per leaf"),
-  ("same, `state_layout=\"packed\"`", "coat_adamw_apply, packed state"),
+  ("coat_adamw_apply, default (`group_axis=\"last\"`, row kernel, 8 rows x 4 warps), per leaf",
+   "coat_adamw_apply, per leaf, tile 8 rows x 4 warps"),
+  ("same, `state_layout=\"packed\"`", "coat_adamw_apply, packed state, tile 8 rows x 4 warps"),
+  ("same, tile 16 rows x 4 warps, per leaf", "coat_adamw_apply, per leaf, tile 16 rows x 4 warps"),
+  ("same, tile 16 rows x 4 warps, packed", "coat_adamw_apply, packed state, tile 16 rows x 4 warps"),
+]
+OPTIMIZER_COLUMN_ROWS = [  # COAT's layout, measured in a run of its own
+  ("optax.adamw (XLA)", "optax.adamw"),
   ("coat_adamw_apply, `group_axis=\"coat\"` (COAT's layout, column kernel), per leaf",
    "coat_adamw_apply, per leaf, groups along axis -2 (column kernel), tile 32 cols x 8 warps"),
   ("same, `state_layout=\"packed\"`",
@@ -66,22 +71,26 @@ def layer_fp8_attention(src: Sources) -> list[str]:
 
 
 def optimizer(src: Sources) -> list[str]:
-  sid = "optimizer_step_h200"
+  """The optimizer step of 62 leaves: the default layout at both row tiles (one run), COAT's layout
+  (column kernel, a run of its own, with that run's optax.adamw), the PyTorch optimizers."""
   # bench_optimizer's columns: wall 1, pipelined 2, kernel 3, ..., state B/param 6, wall/floor 9,
   # kernel/floor 10
   cells = [(1, ".2f"), (3, ".2f"), (6, ".2f"), (9, ".2f"), (10, ".2f")]
-  rows = [(label, [(optimizer_row(name, c), f) for c, f in cells])
-          for label, name in OPTIMIZER_ROWS]
-  out = rows_table(src, sid, ["optimizer", "wall ms", "GPU kernel ms", "state B/param",
-                              "wall / floor", "kernel / floor"], rows)
-  floor = src.value(sid, r"re:floor at ([\d.]+) TB/s")
-  out += ["", f"Floor: {floor:.3f} TB/s read + write, measured in the same run."]
+  header = ["optimizer", "wall ms", "GPU kernel ms", "state B/param", "wall / floor",
+            "kernel / floor"]
+  out = []
+  for sid, names in (("optimizer_step_tiles_h200", OPTIMIZER_ROWS),
+                     ("optimizer_step_h200", OPTIMIZER_COLUMN_ROWS)):
+    rows = [(label, [(optimizer_row(name, c), f) for c, f in cells]) for label, name in names]
+    floor = src.value(sid, r"re:floor at ([\d.]+) TB/s")
+    out += rows_table(src, sid, header, rows)
+    out += ["", f"Floor: {floor:.3f} TB/s read + write, measured in the same run.", ""]
   anchors = [("torch.optim.AdamW, fused", "torch_fused_ms", "torch_bytes"),
              ("torchao AdamW8bit", "torchao_8bit_ms", "torchao_8bit_bytes"),
              ("torchao AdamWFp8", "torchao_fp8_ms", "torchao_fp8_bytes"),
              ("bitsandbytes AdamW8bit", "bnb_8bit_ms", "bnb_8bit_bytes"),
              ("COAT's FP8 AdamW (its CUDA kernel)", "COAT_ms", "COAT_bytes")]
-  out += [""] + rows_table(src, "optimizer_anchors_h200", ["PyTorch optimizer", "ms",
+  out += rows_table(src, "optimizer_anchors_h200", ["PyTorch optimizer", "ms",
                                                            "state B/param"],
                            [(label, [(t, ".2f"), (b, ".2f")]) for label, t, b in anchors])
   return out

@@ -65,12 +65,15 @@ def largest_plans(text: str) -> list[dict]:
   return plans
 
 
-LARGEST_SOURCES = (("largest_plans_h200", "one H200 (141 GB)"), ("largest_coat_h200", "one H200 (141 GB)"),
-                   ("largest_20b_h200", "one H200 (141 GB)"), ("largest_80gb_h200", "one 80 GB GPU"),
-                   ("largest_80gb_summed_h200", "one 80 GB GPU"))
+LARGEST_SOURCES = (("largest_plans_h200", "one H200 (141 GB)"), ("largest_20b_h200", "one H200 (141 GB)"),
+                   ("largest_80gb_h200", "one 80 GB GPU"), ("largest_80gb_summed_h200", "one 80 GB GPU"))
+# Logs whose coat plans another log planned again with the current memory layout: their bf16 and
+# fp8_linear rows only.
+BASELINE_ONLY = ("largest_plans_h200", "largest_80gb_h200")
 
 
-LARGEST_RUN = ("largest_20b_h200", "/tmp/cfg_llama-20b")   # train.py on the largest coat model
+LARGEST_RUN = ("configs_llama_20b_h200", "/tmp/cfg_llama-20b")   # train.py on the largest coat model
+LARGEST_RUN_AFTER = "largest_20b_h200"   # its row follows this log's plans
 
 
 def run_params(src: Sources, sid: str) -> float:
@@ -94,16 +97,16 @@ def config_run_plan(src: Sources, sid: str) -> dict:
 
 
 def _largest_rows(src: Sources):
-  """(GPU label, plan) for every plan; the coat rows of the first H200 log (before the in-place
-  rounding step) are left out where the second measured coat again."""
+  """(GPU label, plan, source) for every plan shown: the baseline logs' bf16 and fp8_linear rows,
+  the coat logs' rows, and the shipped largest config's train.py run."""
   rows = []
   for sid, gpu in LARGEST_SOURCES:
     for plan in largest_plans(src.raw(sid)):
-      if sid == "largest_plans_h200" and plan["mode"].startswith("coat"):
+      if sid in BASELINE_ONLY and plan["mode"].startswith("coat"):
         continue
       rows.append((gpu, plan, sid))
-    if sid == LARGEST_RUN[0]:
-      rows.append((gpu, config_run_plan(src, sid), sid))
+    if sid == LARGEST_RUN_AFTER:
+      rows.append((gpu, config_run_plan(src, LARGEST_RUN[0]), LARGEST_RUN[0]))
   return rows
 
 
@@ -133,13 +136,12 @@ def largest_models(src: Sources) -> list[str]:
     out.append(f"| {gpu} | {p['mode']} | {h} x {layers} | {p['params'] / 1e9:.2f}e9 | "
                f"{'yes' if p['fits'] else 'no'} | {p['micro'] if p['fits'] else ''} | "
                f"{p.get('at_least', '')}{p['predicted']:.2f} of {p['device_gib']:.2f} | {ran} |")
-  return out + ["", "Before the in-place rounding step (bf16 and fp8_linear rows): " +
-                source_line(src, "largest_plans_h200"),
-                "coat on the H200, before the layers' gradients were summed in place: " +
-                source_line(src, "largest_coat_h200"),
-                "coat on the H200, now: " + source_line(src, "largest_20b_h200"),
-                "80 GB: " + source_line(src, "largest_80gb_h200"),
-                "80 GB, coat now: " + source_line(src, "largest_80gb_summed_h200")]
+  return out + ["", "bf16 and fp8_linear on the H200: " + source_line(src, "largest_plans_h200"),
+                "coat on the H200: " + source_line(src, "largest_20b_h200"),
+                "coat on the H200, `configs/llama-20b.yaml` through train.py: " +
+                source_line(src, LARGEST_RUN[0]),
+                "bf16 and fp8_linear on 80 GB: " + source_line(src, "largest_80gb_h200"),
+                "coat on 80 GB: " + source_line(src, "largest_80gb_summed_h200")]
 
 
 def summed_in_place(src: Sources) -> list[str]:
@@ -184,13 +186,14 @@ def largest_summary(src: Sources) -> list[str]:
     out.append(f"| {gpu} | " + " | ".join(cells) + " |")
   tokens, mfu, peak = _largest_run(src)
   run = best[("one H200 (141 GB)", "coat + coat_adamw")][0]
-  meta = src.meta[LARGEST_RUN[0]]
+  plans, meta = src.meta[LARGEST_SOURCES[0][0]], src.meta[LARGEST_RUN[0]]
   return out + ["", f"Llama shapes (heads of 128, vocabulary 32000), seq 2048, global batch 64 "
                 f"through microbatches, remat full, planned by `train.py --plan` "
-                f"({meta['gpu']}, {meta['date']}; the 80 GB GPU is the H200 held to an H100's "
+                f"({plans['gpu']}, {plans['date']}; the 80 GB GPU is the H200 held to an H100's "
                 f"75.22 GiB by `run.device_memory_limit`); the {run['params'] / 1e9:.1f}e9 coat "
                 f"model (`configs/llama-20b.yaml`) ran through train.py at {tokens:,.0f} tokens/s "
-                f"({mfu:.1%} MFU, {peak:.2f} GiB). Each plan with its command "
+                f"({mfu:.1%} MFU, {peak:.2f} GiB; {meta['gpu']}, {meta['date']}). Each plan with "
+                f"its command "
                 f"and raw log is in docs/results.md, \"The largest model one GPU trains\"."]
 
 
@@ -216,13 +219,13 @@ CHECKPOINT_MEMORY = (("checkpoint_memory_whole_h200", "28 GiB in 64 arrays", ("w
 
 
 def _save_label(mode: str) -> str | None:
-  """checkpoint_memory's mode in words ('streamed' in these logs: batches of 1/8, the rule then);
+  """checkpoint_memory's mode in words ('streamed' without a count in these logs: batches of 1/8);
   None for a cell that is no mode."""
   head, _, host = mode.partition(":")
   kind, _, n = head.partition("/")
   if kind != "streamed":
     return "whole" if kind == "whole" else None
-  text = f"streamed, batches of 1/{n or 8}" + (" (the rule then)" if not n else "")
+  text = f"streamed, batches of 1/{n or 8}"
   return text + (", into ordinary host memory" if host == "unpinned" else "")
 
 

@@ -28,17 +28,15 @@ def compile_7b(src: Sources) -> list[str]:
 
 
 COMPILE_OLMO_RUNS = (
-    ("olmo1b_compile_quantize_blocks_h200", "the per-tensor quantize's new blocks"),
-    ("olmo1b_compile_traced_once_h200", "layers and optimizer leaves traced once"),
-    ("olmo1b_compile_traced_once_rerun_h200", "same, another machine"),
-    ("olmo1b_compile_third_machine_h200", "same, a third machine"),
-    ("olmo1b_compile_prestart_h200", "before: each layer and leaf traced apart"),
-    ("olmo1b_compile_prestart_rerun_h200", "same, another machine"),
-    ("olmo1b_compile_h200", "before that: workers started at the first kernel, 2 threads"))
+    ("olmo1b_compile_quantize_blocks_h200", "2026-12-04"),
+    ("olmo1b_compile_traced_once_h200", "2026-11-29, machine A"),
+    ("olmo1b_compile_traced_once_rerun_h200", "2026-11-29, machine B"),
+    ("olmo1b_compile_third_machine_h200", "2026-11-29, machine C"))
 
 
 def compile_olmo(src: Sources) -> list[str]:
-  """OLMo-1B's step compile time in each bench_e2e --compile-only run, both modes and layouts."""
+  """OLMo-1B's step compile time in each bench_e2e --compile-only run, both modes and layouts,
+  one row per run (each on a machine of its own) and one footnote naming every run's raw."""
   out = ["| run | bf16 s, scanned | coat s, scanned | coat vs bf16 | bf16 s, unrolled | "
          "coat s, unrolled | coat vs bf16 |", "|---|---|---|---|---|---|---|"]
   for sid, label in COMPILE_OLMO_RUNS:
@@ -48,8 +46,11 @@ def compile_olmo(src: Sources) -> list[str]:
                                                                             "coat+coat_adamw"))
       cells += [fmt(b, ".1f"), fmt(c, ".1f"), f"{c / b:.2f}x"]
     out.append(f"| {label} | " + " | ".join(cells) + " |")
-  for sid, _ in COMPILE_OLMO_RUNS:
-    out += ["", source_line(src, sid)]
+  first = COMPILE_OLMO_RUNS[0][0]
+  gpu, _, cmd, _ = src.where(first)
+  raws = ", ".join(f"{label}: {src.where(sid)[3]}" for sid, label in COMPILE_OLMO_RUNS)
+  out += ["", f"{gpu}, each run on a machine of its own; {src.meta[first]['setting']}. "
+          f"Command: `{cmd}`. Raws: {raws}."]
   return out
 
 

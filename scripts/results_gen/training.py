@@ -133,23 +133,6 @@ def sft_b4_now(src: Sources) -> list[str]:
                                "device peak GiB", "compile s", "first step s"], rows)
 
 
-def sft(src: Sources) -> list[str]:
-  """configs/llama2-7b-sft.yaml through train.py, coat and bf16 + optax.adamw."""
-  sid = "sft_llama2_7b_h200"
-  text = src.raw(sid)
-  rows = []
-  for run, recipe, batch in SFT_RUNS:
-    d = f"/tmp/sft_{run}"
-    rows.append((recipe, [f"{batch} x 2048", plan_choice(text, d)] + summary_cells(src, sid, d)))
-  tok = lambda run: src.value(sid, summary_field(f"/tmp/sft_{run}", "tokens_per_s"))
-  rows.append(("coat vs bf16", ["64 x 2048", "", ratio("faster", tok("bf16"), tok("coat")),
-                                "", "", "", ""]))
-  rows.append(("coat vs bf16", ["4 x 2048", "", ratio("faster", tok("bf16_b4"), tok("coat_b4")),
-                                "", "", "", ""]))
-  return rows_table(src, sid, ["", "global batch", "remat / microbatches (plan)", "tokens/s",
-                               "MFU", "device peak GiB", "compile s", "first step s"], rows)
-
-
 def remat_sweep(src: Sources) -> list[str]:
   """Each config at `remat: auto` and at each policy by hand (microbatches auto)."""
   out = ["| config | remat | microbatches | tokens/s | device peak GiB | vs the best by hand |",
@@ -170,9 +153,6 @@ def remat_sweep(src: Sources) -> list[str]:
     for remat, (tok, peak, micro) in runs.items():
       out.append(f"| `{name}` | {remat} | {micro} | {tok:,.0f} | {peak:.2f} | "
                  f"{100 * (tok / best - 1):+.1f} % |")
-    if "auto" not in runs:
-      out.append(f"| `{name}` | auto | | not measured in this run (stopped by its time limit "
-                 f"while the data cache was built) | | |")
   return out + ["", source_line(src, "remat_sweep_olmo1b_h200"),
                 "Llama-2-7B: " + source_line(src, "remat_sweep_llama2_7b_h200")]
 
