@@ -137,6 +137,20 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
     dirs.release()
 
 
+
+def _model_name(cfg, llama_cfg) -> str:
+  """The model as the run log names it: the checkpoint it starts from, else its preset, with the
+  shape where the config resized the preset (e.g. "llama2-13b resized to 6144 x 48 layers")."""
+  if cfg.model.init_from:
+    return cfg.model.init_from
+  from coat_jax.models.llama import LlamaConfig
+  preset = LlamaConfig.from_name(cfg.model.preset)
+  shape = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+  if all(getattr(preset, k) == getattr(llama_cfg, k) for k in shape):
+    return cfg.model.preset
+  return (f"{cfg.model.preset} resized to {llama_cfg.hidden_size} x {llama_cfg.num_layers} layers "
+          f"(MLP {llama_cfg.intermediate_size}, {llama_cfg.num_heads} heads)")
+
 def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int | None,
          devices: list[jax.Device] | None, log: Callable[[str], None],
          on_step: Callable[[int, "StopRequest"], None] | None, stop: StopRequest | None,
@@ -170,7 +184,7 @@ def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   say(f"[run] {dataset.description}: {dataset.num_tokens:,} tokens, {dataset.n_train:,} train / "
       f"{dataset.n_eval:,} eval windows of {cfg.data.seq_len}")
-  say(f"[run] model {cfg.model.init_from or cfg.model.preset} ({n_params / 1e6:.2f}M params, "
+  say(f"[run] model {_model_name(cfg, llama_cfg)} ({n_params / 1e6:.2f}M params, "
       f"precision {cfg.precision}), "
       f"optimizer {cfg.optimizer.name}, mesh {dict(mesh.shape)} on {mesh.devices.size} "
       f"{mesh.devices.flat[0].platform} device(s)")
