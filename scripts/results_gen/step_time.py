@@ -146,9 +146,18 @@ def step_profile_7b(src: Sources) -> list[str]:
 
 
 def step_profile_olmo(src: Sources) -> list[str]:
+  """OLMo-1B's unrolled step without command buffers on the H200: `_step_profile_table`."""
+  return _step_profile_table(src, "step_profile_olmo1b_nocb_h200")
+
+
+def step_profile_olmo_h100(src: Sources) -> list[str]:
+  """The same profile on the H100 with the current kernels: `_step_profile_table`."""
+  return _step_profile_table(src, "step_profile_olmo1b_nocb_h100")
+
+
+def _step_profile_table(src: Sources, sid: str) -> list[str]:
   """OLMo-1B's unrolled step without command buffers: ms and launches per kernel category, and the
   kernels shorter than profile_step's SMALL_KERNEL_US (launch-bound), bf16 and coat."""
-  sid = "step_profile_olmo1b_nocb_h200"
   runs = {r["variant"].split(":")[0]: r for r in src.raw(sid)}
   bf16, coat = runs["bf16"], runs["coat"]
   out = ["| per step | bf16 ms | bf16 launches | bf16 small kernels: launches, ms | coat ms | "
