@@ -77,9 +77,13 @@ def test_tiny_default_loss_falls_and_writes_outputs(cache, tmp_path):
 
 def test_checkpoints_disabled_writes_none(cache, tmp_path):
   lines = []
-  s = run(mini(cache, tmp_path, "run.steps=4", "checkpoint.every=2", "checkpoint.enabled=false"),
-          log=lines.append)
+  s = run(mini(cache, tmp_path, "run.steps=4", "checkpoint.every=2", "checkpoint.enabled=false",
+               "run.log_every=1"), log=lines.append)
   assert s["step"] == 4 and np.isfinite(s["train_loss_last"])
+  # the step log (progress bar off): no rate before one is timed, then a positive one
+  steps = [l for l in lines if l.startswith("[step ")]
+  assert len(steps) == 4 and "tok/s n/a" in steps[0], steps
+  assert all(float(l.split("tok/s ")[1].split()[0].replace(",", "")) > 0 for l in steps[1:]), steps
   assert ckpt_lib.Checkpointer(tmp_path / "checkpoints", 0, 3, False).all_steps() == []
   assert any("writes no checkpoint" in l for l in lines)
   assert s["checkpoint_dir"] is None   # nothing to resume from (the summary suggests no --resume)
@@ -283,4 +287,4 @@ def test_run_log_names_a_resized_preset():
     cfg = config_lib.load(REPO / "configs" / f"{name}.yaml", ["data.kind=stdlib", "model.remat=full"])
     named[name] = _model_name(cfg, build_lib.model_config(cfg, 32000))
   assert named["llama2-13b"] == "llama2-13b"
-  assert named["llama-20b"] == "llama2-13b resized to 6144 x 48 layers (MLP 16384, 48 heads)"
+  assert named["llama-20b"] == "llama2-13b resized to 6144 x 48 layers, MLP 16384, 48 heads"

@@ -91,7 +91,8 @@ class StepLogger:
           "peak_memory_bytes": mem, "tokens_seen": step * self.tokens_per_step,
           "epoch": self.epoch_of(step)})
       self.metrics.flush()  # a killed run keeps its logs up to here (TensorBoard included)
-    postfix = {f"loss_mean{len(fetched)}": f"{loss:.4f}", "tok/s": f"{tps:,.0f}",
+    postfix = {f"loss_mean{len(fetched)}": f"{loss:.4f}",
+               "tok/s": f"{tps:,.0f}" if tps > 0 else "n/a",   # none timed yet: the first step
                "mfu": f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
                "mem": metrics_lib.format_bytes(mem)}
     self.bar.set_postfix(postfix, refresh=False)
