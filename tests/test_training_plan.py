@@ -213,3 +213,19 @@ def test_schema_takes_auto_and_byte_sizes():
                    ("run.device_memory_limit=5XB", "run.device_memory_limit")):
     with pytest.raises(ValueError, match=key):
       schema.load(None, [bad])
+
+
+def test_plan_of_pretokenized_data_needs_no_files(cache, tmp_path):
+  """`--plan` of a `data.kind: tokens` run whose files are not there yet: planned from the
+  config's shapes, the same table as the same shapes from a dataset; the run still refuses."""
+  from_data, lines = plan_lib.show(mini(cache), log=QUIET), []
+  data = ["data.kind=tokens", f"data.paths=[{tmp_path}/tok/*.bin]", "data.dtype=uint16",
+          "model.vocab_size=512"]   # the stdlib run's BPE vocabulary, which tokens do not bring
+  tokens = mini(cache, *data)
+  no_files = plan_lib.show(tokens, log=lines.append)
+  rows = lambda table: [l for l in table.splitlines() if l.startswith("  ")]
+  assert rows(no_files) and rows(no_files) == rows(from_data), (no_files, from_data)
+  assert any("matches no files: planning from the config's shapes" in l for l in lines), lines
+  with pytest.raises(ValueError, match="matches no files"):
+    run(mini(cache, *data, f"run.out_dir={tmp_path / 'run'}"), log=QUIET)
+

@@ -448,11 +448,34 @@ def runtime_oom_message(planner: Planner, pred: Prediction, error: BaseException
 
 def show(cfg: RunConfig, log: Callable = print) -> str:
   """`train.py --plan`: the table for `cfg` on this machine's devices (no state allocated)."""
-  from coat_jax.training.build import dataset_from_config
   from coat_jax.training.compile_cache import use_compile_cache
 
   use_compile_cache(cfg.run.compile_cache, log)
   mesh = mesh_lib.make_mesh(cfg.mesh)
+  vocab, batch_like = _plan_data(cfg, log)
+  return Planner(cfg, mesh, vocab, log, batch_like=batch_like).table()
+
+
+def _plan_data(cfg: RunConfig, log: Callable) -> tuple[int | None, Any]:
+  """The vocabulary (None: the config's) and a batch of the run's data for the plan's shapes.
+
+  Pre-tokenized data (`data.kind: tokens`) brings no vocabulary of its own, so the plan needs
+  none of its files: where they are not there yet it plans with zeros of the batch's structure
+  (the run itself still needs them)."""
+  from coat_jax.training.build import dataset_from_config
+  from coat_jax.training.dataset import document_batch
+  from coat_jax.training.token_files import expand_paths
+
+  if cfg.data.kind == "tokens":
+    try:
+      found = expand_paths(cfg.data.paths)
+    except ValueError as e:
+      found, missing = [], str(e)
+    else:
+      missing = "data.paths names no files"
+    if not found:
+      log(f"[plan] {missing}: planning from the config's shapes (training needs the files)")
+      tokens = np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)
+      return None, document_batch(tokens, 0) if cfg.data.document_mask else tokens
   dataset = dataset_from_config(cfg.data, cfg.run.seed, log, init_from=cfg.model.init_from)
-  vocab = None if cfg.data.kind == "tokens" else dataset.vocab_size
-  return Planner(cfg, mesh, vocab, log, batch_like=dataset.train_batch(0)).table()
+  return (None if cfg.data.kind == "tokens" else dataset.vocab_size), dataset.train_batch(0)
