@@ -144,6 +144,7 @@ def test_a_step_that_does_not_fit_is_one_line_and_exit_4_and_plan_lists_what_fit
   assert configured[2:4] == ["none", "1"] and "no" in configured, rows
   fitting = [r for r in rows if r[0] == "fits"]
   assert fitting and all("yes" in r for r in fitting), rows
+  assert "reports no memory limit" not in proc.stdout
   assert any("model.remat=" in " ".join(r) for r in fitting), rows
   assert not out.exists()
 
@@ -226,6 +227,7 @@ def test_plan_of_pretokenized_data_needs_no_files(cache, tmp_path):
   rows = lambda table: [l for l in table.splitlines() if l.startswith("  ")]
   assert rows(no_files) and rows(no_files) == rows(from_data), (no_files, from_data)
   assert any("matches no files: planning from the config's shapes" in l for l in lines), lines
+  assert "reports no memory limit" in no_files   # a CPU: how to plan for a GPU from here
   with pytest.raises(ValueError, match="matches no files"):
     run(mini(cache, *data, f"run.out_dir={tmp_path / 'run'}"), log=QUIET)
 

@@ -417,6 +417,10 @@ class Planner:
                    f"{s.batch_size:>5} {peak:>12} {_size(p.state):>11} {fit:4}  {change}")
     lines.append(f"{self.compiles} compile(s) on abstract shapes; predicted = XLA's arguments + "
                  f"outputs - aliased + temporaries per device; state = params + optimizer state")
+    if self.limit is None:
+      lines.append("this device reports no memory limit, so every setting fits here; to plan for "
+                   "a GPU from here, give what JAX may take of it, e.g. of an 80 GB GPU: "
+                   "--set run.device_memory_limit=75GiB")
     return "\n".join(lines)
 
 
