@@ -418,9 +418,9 @@ class Planner:
     lines.append(f"{self.compiles} compile(s) on abstract shapes; predicted = XLA's arguments + "
                  f"outputs - aliased + temporaries per device; state = params + optimizer state")
     if self.limit is None:
-      lines.append("this device reports no memory limit, so every setting fits here; to plan for "
-                   "a GPU from here, give what JAX may take of it, e.g. of an 80 GB GPU: "
-                   "--set run.device_memory_limit=75GiB")
+      lines.append("this device reports no memory limit, so every setting fits here; the "
+                   "predictions are this device's compiled step (a CPU's differs from a GPU's): "
+                   "plan on the GPU you will train on")
     return "\n".join(lines)
 
 
