@@ -227,7 +227,6 @@ def test_plan_of_pretokenized_data_needs_no_files(cache, tmp_path):
   rows = lambda table: [l for l in table.splitlines() if l.startswith("  ")]
   assert rows(no_files) and rows(no_files) == rows(from_data), (no_files, from_data)
   assert any("matches no files: planning from the config's shapes" in l for l in lines), lines
-  assert "reports no memory limit" in no_files   # a CPU: how to plan for a GPU from here
+  assert "reports no memory limit" in no_files   # a CPU: the table says to plan on the GPU
   with pytest.raises(ValueError, match="matches no files"):
     run(mini(cache, *data, f"run.out_dir={tmp_path / 'run'}"), log=QUIET)
-

@@ -137,7 +137,6 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_after: int | None = None,
     dirs.release()
 
 
-
 def _model_name(cfg, llama_cfg) -> str:
   """The model as the run log names it: the checkpoint it starts from, else its preset, with the
   shape where the config resized the preset (e.g. "llama2-13b resized to 6144 x 48 layers, ...")."""
@@ -150,6 +149,7 @@ def _model_name(cfg, llama_cfg) -> str:
     return cfg.model.preset
   return (f"{cfg.model.preset} resized to {llama_cfg.hidden_size} x {llama_cfg.num_layers} layers, "
           f"MLP {llama_cfg.intermediate_size}, {llama_cfg.num_heads} heads")
+
 
 def _run(cfg: RunConfig, dirs: run_dir.RunDirs, *, resume: bool, stop_after: int | None,
          devices: list[jax.Device] | None, log: Callable[[str], None],

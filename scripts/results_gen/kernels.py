@@ -90,9 +90,8 @@ def optimizer(src: Sources) -> list[str]:
              ("torchao AdamWFp8", "torchao_fp8_ms", "torchao_fp8_bytes"),
              ("bitsandbytes AdamW8bit", "bnb_8bit_ms", "bnb_8bit_bytes"),
              ("COAT's FP8 AdamW (its CUDA kernel)", "COAT_ms", "COAT_bytes")]
-  out += rows_table(src, "optimizer_anchors_h200", ["PyTorch optimizer", "ms",
-                                                           "state B/param"],
-                           [(label, [(t, ".2f"), (b, ".2f")]) for label, t, b in anchors])
+  out += rows_table(src, "optimizer_anchors_h200", ["PyTorch optimizer", "ms", "state B/param"],
+                    [(label, [(t, ".2f"), (b, ".2f")]) for label, t, b in anchors])
   return out
 
 

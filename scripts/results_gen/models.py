@@ -193,8 +193,8 @@ def largest_summary(src: Sources) -> list[str]:
                 f"75.22 GiB by `run.device_memory_limit`); the {run['params'] / 1e9:.1f}e9 coat "
                 f"model (`configs/llama-20b.yaml`) ran through train.py at {tokens:,.0f} tokens/s "
                 f"({mfu:.1%} MFU, {peak:.2f} GiB; {meta['gpu']}, {meta['date']}). Each plan with "
-                f"its command "
-                f"and raw log is in docs/results.md, \"The largest model one GPU trains\"."]
+                f"its command and raw log is in docs/results.md, \"The largest model one GPU "
+                f"trains\"."]
 
 
 def step_memory_sr(src: Sources) -> list[str]:
