@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call, many checks: runs the named sections on the GPU machine and writes each
-# section's log to $OUT/<section>.log (the device tool brings $OUT back).
-#   bash benchmarks/run_gpu.sh tests kernels layer optimizer     # one call
+# One command, many checks: runs the named sections on a GPU machine and writes each
+# section's log to $OUT/<section>.log ($OUT: default /tmp/coat_gpu_out).
+#   bash benchmarks/run_gpu.sh tests kernels layer optimizer     # one run, four sections
 #   bash benchmarks/run_gpu.sh train1b e2e
 # Sections: tests (GPU-marked tests), tests_all (kernel/ops/quantize test files compiled for the
 # GPU), adam (the optimizer kernel's tests: carry .whl; tests/test_optim_group_axis.py stays out:
@@ -15,7 +15,7 @@
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU),
 # configs (each shipped config through train.py as a user runs it, offline corpus: `--plan`, then a
 # few steps; first step, compile, tokens/s, MFU, device peak, host max RSS with the final save;
-# CONFIGS="..." picks configs, one call each for llama2-7b, llama2-13b and llama-20b; CONFIG_EXTRA:
+# CONFIGS="..." picks configs, one run each for llama2-7b, llama2-13b and llama-20b; CONFIG_EXTRA:
 # more train.py arguments, e.g. "--set checkpoint.enabled=false" where the final checkpoint cannot
 # fit the machine's disk), remat_sweep (one
 # config at each remat policy, microbatches auto, against remat auto: REMAT_CONFIG), equal7b
@@ -35,7 +35,7 @@ OUT=${OUT:-/tmp/coat_gpu_out}; mkdir -p "$OUT"
 PY=${PY:-python3}
 # Wheels carried to the GPU machine (.whl/, git-ignored; the `gpu` extra: jax-triton), e.g. here:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl jax-triton==0.3.1
-# and the device call names .whl in carry. Installed into /tmp/site, ahead on PYTHONPATH.
+# and .whl is copied to the GPU machine with the tree. Installed into /tmp/site, ahead on PYTHONPATH.
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -19,6 +19,7 @@ from tests.benchmark_scripts import REPO, load as _load
 common = _load("_common")
 e2e = _load("bench_e2e")
 accuracy = _load("accuracy")
+seeds = _load("seeds")
 stability = _load("stability")
 master = _load("master_weights")
 resume = _load("resume_across_meshes")
@@ -164,6 +165,32 @@ def test_accuracy_report_from_metrics(tmp_path):
   gap = out["comparison"]["final_gap"]["coat+coat_adamw"]
   assert gap == pytest.approx(0.05 / 4.7)
   assert json.loads((tmp_path / "accuracy.json").read_text())["comparison"]["final_step"] == 30
+
+
+def test_accuracy_seeds_table_and_plot(tmp_path, capsys):
+  # Two seeds' accuracy.json (as accuracy.py writes them), bf16 and coat curves made by hand.
+  files = []
+  for seed, bf16, coat in ((0, [5.0, 4.0, 4.2], [5.1, 3.9, 4.3]), (1, [5.2, 4.4, 4.6], [5.2, 4.3, 4.6])):
+    gap = [(c - b) / b for b, c in zip(bf16, coat)]
+    result = {"args": {"seed": seed}, "comparison": {
+        "steps": [100, 200, 300], "eval": {"bf16+adamw": bf16, "coat+coat_adamw": coat},
+        "rel_gap": {"coat+coat_adamw": gap}}}
+    files.append(tmp_path / f"s{seed}.json")
+    files[-1].write_text(json.dumps(result))
+  png = tmp_path / "gap.png"
+  s = seeds.main([str(f) for f in files] + ["--plot", str(png)])
+  assert png.stat().st_size > 1000
+  assert [r["seed"] for r in s["seeds"]] == [0, 1]
+  assert s["seeds"][0]["final_gap"] == pytest.approx(0.1 / 4.2)    # the last eval, not the lowest
+  assert s["seeds"][1]["lowest_gap"] == pytest.approx(-0.1 / 4.4)  # each mode's own lowest
+  assert s["mean"]["final"] == pytest.approx(4.45)
+  assert s["mean"]["final_gap"] == pytest.approx((4.45 - 4.4) / 4.4)
+  assert s["bf16_seed_spread"] == pytest.approx(np.std([4.2, 4.6], ddof=1) / 4.4)
+  assert (s["evals"], s["evals_above"]) == (6, 2)                    # a zero gap is not above
+  assert s["gap_range"] == pytest.approx((-0.1 / 4.0, 0.1 / 4.2))
+  assert "mean" in capsys.readouterr().out
+  with pytest.raises(SystemExit):   # a run without the compared mode: one line, exit status 2
+    seeds.main([str(files[0]), "--mode", "fp8_linear+adamw"])
 
 
 def test_stability_sweep_and_formats(tmp_path):

@@ -6,19 +6,54 @@ from __future__ import annotations
 from .common import Sources, fmt, ratio, source_line
 
 
-def accuracy(src: Sources) -> list[str]:
-  sid = "accuracy_llama125m_h100"
-  runs = src.value(sid, "runs")
-  b, c = runs["bf16+adamw"]["final_eval_loss"], runs["coat+coat_adamw"]["final_eval_loss"]
-  fp8 = src.value("accuracy_llama125m_fp8_attention_residuals_h100", r"re:\n\s+2000\s+([\d.]+)\n")
-  out = ["| run | final eval loss (step 2000) | vs bf16 |", "|---|---|---|",
-         f"| bf16 + adamw | {b:.4f} | |",
-         f"| coat + coat_adamw | {c:.4f} | {ratio('pct', b, c)} |",
-         f"| coat + coat_adamw, `attention_residuals: fp8` | {fp8:.4f} | {ratio('pct', b, fp8)} |",
-         "", source_line(src, sid),
-         "The FP8 attention residuals run: " + source_line(
-             src, "accuracy_llama125m_fp8_attention_residuals_h100")]
+# The accuracy runs at the current defaults: (seed, source), same command but --seed.
+ACCURACY_SEEDS = ((0, "accuracy_llama125m_h100"), (1, "accuracy_llama125m_seed1_h100"),
+                  (2, "accuracy_llama125m_seed2_h100"))
+MODES = ("bf16+adamw", "coat+coat_adamw")
+
+
+def accuracy_losses(src: Sources) -> dict[int, dict[str, tuple[float, float]]]:
+  """Per seed and mode: (final eval loss, lowest eval loss along the run)."""
+  out = {}
+  for seed, sid in ACCURACY_SEEDS:
+    runs, curves = src.value(sid, "runs"), src.value(sid, "comparison.eval")
+    out[seed] = {m: (runs[m]["final_eval_loss"], min(curves[m])) for m in MODES}
   return out
+
+
+def accuracy_mean(src: Sources) -> tuple[float, float]:
+  """The final eval loss of each mode, mean over the seeds (bf16, coat)."""
+  losses = accuracy_losses(src)
+  return tuple(sum(losses[s][m][0] for s in losses) / len(losses) for m in MODES)
+
+
+def accuracy(src: Sources) -> list[str]:
+  losses = accuracy_losses(src)
+  out = ["| seed | final eval loss, bf16 + adamw | final, coat + coat_adamw | coat vs bf16 "
+         "| lowest eval loss, bf16 | lowest, coat | coat vs bf16 |", "|---|---|---|---|---|---|---|"]
+  rows = [(str(s), losses[s]) for s in losses]
+  n = len(losses)
+  rows.append(("mean", {m: tuple(sum(losses[s][m][i] for s in losses) / n for i in (0, 1))
+                        for m in MODES}))
+  for name, l in rows:
+    (bf, bl), (cf, cl) = l[MODES[0]], l[MODES[1]]
+    out.append(f"| {name} | {bf:.4f} | {cf:.4f} | {ratio('pct', bf, cf)} | {bl:.4f} | {cl:.4f} "
+               f"| {ratio('pct', bl, cl)} |")
+  out += ["", source_line(src, ACCURACY_SEEDS[0][1])]
+  out += [f"Seed {seed}: " + source_line(src, sid) for seed, sid in ACCURACY_SEEDS[1:]]
+  return out
+
+
+def accuracy_fp8_attention(src: Sources) -> list[str]:
+  sid, base = "accuracy_llama125m_fp8_attention_residuals_h100", "accuracy_llama125m_fp8_base_h100"
+  fp8 = src.value(sid, r"re:\n\s+2000\s+([\d.]+)\n")
+  runs = src.value(base, "runs")
+  b, c = runs["bf16+adamw"]["final_eval_loss"], runs["coat+coat_adamw"]["final_eval_loss"]
+  return ["| run, seed 0 | final eval loss (step 2000) | vs bf16 |", "|---|---|---|",
+          f"| bf16 + adamw | {b:.4f} | |",
+          f"| coat + coat_adamw | {c:.4f} | {ratio('pct', b, c)} |",
+          f"| coat + coat_adamw, `attention_residuals: fp8` | {fp8:.4f} | {ratio('pct', b, fp8)} |",
+          "", source_line(src, sid), "bf16 and coat: " + source_line(src, base)]
 
 
 def stability(src: Sources) -> list[str]:
