@@ -1,4 +1,4 @@
-"""Write the results tables of docs/results.md (and the README's table) from the raw files.
+"""Write the results tables of docs/results.md, the README and docs/accuracy.md from the raw files.
 
 Every number in a results table is read at generation time (by the table's generator in
 `scripts/results_gen/`, one module per topic) from the file that recorded it
@@ -29,7 +29,7 @@ from results_gen import accuracy, headline, kernels, models, step_time, training
 from results_gen.common import RAW_DIR, REPO, SOURCES, Sources  # noqa: E402,F401
 
 # Files whose tables are generated; a file missing or without markers is skipped.
-TARGETS = ("docs/results.md", "docs/results_table.md", "README.md")
+TARGETS = ("docs/results.md", "docs/results_table.md", "docs/accuracy.md", "README.md")
 MARKER = re.compile(r"<!-- results:([a-z0-9_]+):begin -->\n.*?<!-- results:\1:end -->", re.S)
 
 
