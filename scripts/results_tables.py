@@ -44,9 +44,9 @@ TABLE_NAMES = (
               "group_axis")),
   (models, ("big_models", "largest_models", "largest_summary", "summed_in_place",
             "step_memory_sr", "checkpoint_memory")),
-  (step_time, ("compile_7b", "compile_breakdown_7b", "compile_olmo", "compile_warm", "compile_traced_once", "step_floor",
-               "step_floor_h200", "step_profile_7b", "step_profile_olmo", "step_profile_olmo_h100",
-               "step_gemms_olmo")),
+  (step_time, ("compile_7b", "compile_breakdown_7b", "compile_olmo", "compile_warm",
+               "compile_traced_once", "step_floor", "step_floor_h200", "step_profile_7b",
+               "step_profile_olmo", "step_profile_olmo_h100", "step_gemms_olmo")),
 )
 TABLES = {name: getattr(module, name) for module, names in TABLE_NAMES for name in names}
 

@@ -21,20 +21,23 @@ def accuracy_losses(src: Sources) -> dict[int, dict[str, tuple[float, float]]]:
   return out
 
 
+def mean_losses(losses: dict[int, dict]) -> dict[str, tuple[float, float]]:
+  """Per mode: (final, lowest) eval loss, each the mean over the seeds of `accuracy_losses`."""
+  return {m: tuple(sum(losses[s][m][i] for s in losses) / len(losses) for i in (0, 1))
+          for m in MODES}
+
+
 def accuracy_mean(src: Sources) -> tuple[float, float]:
   """The final eval loss of each mode, mean over the seeds (bf16, coat)."""
-  losses = accuracy_losses(src)
-  return tuple(sum(losses[s][m][0] for s in losses) / len(losses) for m in MODES)
+  means = mean_losses(accuracy_losses(src))
+  return tuple(means[m][0] for m in MODES)
 
 
 def accuracy(src: Sources) -> list[str]:
   losses = accuracy_losses(src)
   out = ["| seed | final eval loss, bf16 + adamw | final, coat + coat_adamw | coat vs bf16 "
          "| lowest eval loss, bf16 | lowest, coat | coat vs bf16 |", "|---|---|---|---|---|---|---|"]
-  rows = [(str(s), losses[s]) for s in losses]
-  n = len(losses)
-  rows.append(("mean", {m: tuple(sum(losses[s][m][i] for s in losses) / n for i in (0, 1))
-                        for m in MODES}))
+  rows = [(str(s), losses[s]) for s in losses] + [("mean", mean_losses(losses))]
   for name, l in rows:
     (bf, bl), (cf, cl) = l[MODES[0]], l[MODES[1]]
     out.append(f"| {name} | {bf:.4f} | {cf:.4f} | {ratio('pct', bf, cf)} | {bl:.4f} | {cl:.4f} "
