@@ -8,17 +8,18 @@ run's metrics.jsonl. Writes `<out>/accuracy.json` and `<out>/accuracy.png` (both
 one plot, train curves faint) and prints the eval losses side by side with the relative gap
 (coat - bf16) / bf16; the "final gap" is taken at the last eval step both modes reached.
 
-The stdlib corpus is ~7.6M tokens (Python 3.12), so batch 8 x 1024 for 2000 steps is ~2.2 epochs
-(batch 32 would be ~9 epochs and the held-out loss would turn up from overfitting).
+The corpus is the running Python's standard library, so its size depends on the installation: on
+the GPU image it is 452 files, 2.14M tokens under the 32k BPE, and batch 8 x 1024 for 2000 steps
+is 7.7 epochs (the held-out loss is lowest near step 1500 and turns up after it, in every mode).
 
 --seconds-budget splits the remaining time evenly over the modes still to run; a mode that hits
 its share stops (the loop's StopRequest: final eval, end-of-run checkpoint) and the later modes
 then stop at the same step, so the curves stay comparable. Peak memory is process-wide here (the
 modes share a process): use bench_e2e.py for memory.
 
-GPU (H100; ~35 ms/step at batch 8 => ~1.5 min of steps per mode + ~1 min BPE training on a fresh
-machine + compiles; ~5-6 min in all):
-  python -m benchmarks.accuracy.accuracy --out $OUT/accuracy --seconds-budget 460
+GPU (H100, 2026-12-06: 2000 steps at batch 8 took bf16 91 s and coat 61 s with their compiles,
+after ~1 min of BPE training on a fresh machine; ~4 min in all):
+  python -m benchmarks.accuracy.accuracy --out $OUT/accuracy --seconds-budget 330
 One mode per command (then merge without training):
   python -m benchmarks.accuracy.accuracy --out $OUT/accuracy --modes bf16+adamw --seconds-budget 460
   python -m benchmarks.accuracy.accuracy --out $OUT/accuracy --plot-only
