@@ -298,6 +298,25 @@ def test_compile_breakdown_child():
   assert r["hlo"]["instructions"] > r["hlo"]["kernels"] > 0
 
 
+def test_compile_breakdown_hlo_stats():
+  """compile_breakdown.hlo_stats on optimized HLO text in XLA's format: top-level fusions and
+  custom calls are kernels (a fused computation's body is not), custom calls by target, XLA's
+  Triton fusions by kind."""
+  cb = _load("compile_breakdown")
+  fusion = ('  %{} = f32[4]{{0}} fusion(%{}), kind=kCustom, calls=%body, '
+            'backend_config={{"fusion_backend_config":{{"kind":"{}"}}}}')
+  text = "\n".join([
+      "HloModule m", "", "%body (p: f32[4]) -> f32[4] {", "  %p = f32[4]{0} parameter(0)",
+      "  ROOT %n = f32[4]{0} negate(%p)", "}", "", "ENTRY %main (x: f32[4]) -> f32[4] {",
+      "  %x = f32[4]{0} parameter(0)", fusion.format("a", "x", "__triton_gemm"),
+      fusion.format("b", "a", "__triton"), fusion.format("c", "b", "__triton"),
+      '  ROOT %d = f32[4]{0} custom-call(%c), custom_call_target="mosaic_gpu_v2"', "}"])
+  h = cb.hlo_stats(text)
+  assert (h["kernels"], h["fusions"], h["instructions"]) == (4, 3, 7)
+  assert h["xla_triton_kinds"] == {"__triton_gemm": 1, "__triton": 2}
+  assert h["custom_calls"] == {"mosaic": 1, "xla-triton fusions": 3}
+
+
 def test_compile_breakdown_kernel_counts_and_pass_log():
   """benchmarks/step/compile_breakdown.py: the Pallas lowering counter on an interpreted Mosaic GPU
   kernel (same shape twice: one signature; another shape: a second one), XLA pass-log parsing

@@ -311,11 +311,13 @@ def hlo_stats(text: str) -> dict:
         targets[col] += 1
         if col == "other":
           targets[f"other:{name}"] += 1
-  targets["xla-triton fusions"] = len(re.findall(r'"kind":"__triton', text))
+  triton_kinds = collections.Counter(re.findall(r'"kind":"(__triton\w*)"', text))
+  targets["xla-triton fusions"] = sum(triton_kinds.values())
   ops = collections.Counter(op for body in comps.values() for _, op, _, _ in body)
   return dict(instructions=sum(len(b) for b in comps.values()), computations=len(comps),
               kernels=kernels, custom_calls=dict(targets), opt_barriers=ops["opt-barrier"],
-              while_loops=ops["while"], fusions=ops["fusion"])
+              while_loops=ops["while"], fusions=ops["fusion"],
+              xla_triton_kinds=dict(triton_kinds))
 
 
 def phase(name: str) -> None:
@@ -606,7 +608,8 @@ def print_table(rows: list[dict], top: int) -> None:
       h = r["hlo"]
       say(f"\n{r['variant']}: optimized HLO: {h.get('instructions')} instructions in "
           f"{h.get('computations')} computations, {h.get('fusions')} fusions, "
-          f"{h.get('while_loops')} while loops; before optimization (StableHLO): "
+          f"{h.get('while_loops')} while loops, XLA's Triton fusions by kind "
+          f"{h.get('xla_triton_kinds')}; before optimization (StableHLO): "
           f"{(r.get('stablehlo') or {}).get('opt_barriers')} optimization barriers, custom calls "
           f"{(r.get('stablehlo') or {}).get('custom_calls')}")
     if r.get("pallas_by_name"):
