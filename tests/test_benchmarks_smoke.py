@@ -7,6 +7,7 @@ import math
 import re
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ common = _load("_common")
 e2e = _load("bench_e2e")
 accuracy = _load("accuracy")
 seeds = _load("seeds")
+loss_curves = _load("_loss_curves")
 stability = _load("stability")
 master = _load("master_weights")
 resume = _load("resume_across_meshes")
@@ -191,6 +193,35 @@ def test_accuracy_seeds_table_and_plot(tmp_path, capsys):
   assert "mean" in capsys.readouterr().out
   with pytest.raises(SystemExit):   # a run without the compared mode: one line, exit status 2
     seeds.main([str(files[0]), "--mode", "fp8_linear+adamw"])
+
+
+def test_accuracy_seeds_baseline(tmp_path):
+  # A run of coat alone takes bf16's curve from the baseline run of its own seed.
+  def run(seed, curves, steps=2000):
+    return {"args": {"seed": seed, "config": "/x/configs/llama-125m.yaml", "steps": steps,
+                     "seq_len": 64, "batch": 4, "eval_every": 100, "eval_batches": 1},
+            "curves": {m: {"eval": [[100, a], [200, b]]} for m, (a, b) in curves.items()},
+            "comparison": {}}
+  base = [run(0, {"bf16+adamw": (5.0, 4.0), "coat+coat_adamw": (9.0, 9.0)}),
+          run(1, {"bf16+adamw": (6.0, 5.0)})]
+  for r in base:
+    r["comparison"] = loss_curves.compare(r["curves"])
+  coat = run(1, {"coat+coat_adamw": (6.3, 5.1)})
+  coat["comparison"] = loss_curves.compare(coat["curves"])
+  files = {}
+  for name, r in (("b0", base[0]), ("b1", base[1]), ("c1", coat),
+                  ("c1_steps", dict(coat, args=dict(coat["args"], steps=1000))),
+                  ("c2", dict(coat, args=dict(coat["args"], seed=2)))):
+    files[name] = str(tmp_path / f"{name}.json")
+    Path(files[name]).write_text(json.dumps(r))
+  s = seeds.main([files["c1"], "--baseline", files["b0"], files["b1"]])
+  assert s["seeds"][0]["bf16_final"] == 5.0 and s["seeds"][0]["final"] == 5.1  # seed 1's bf16
+  assert s["seeds"][0]["final_gap"] == pytest.approx(0.02)
+  assert s["gap_range"] == pytest.approx((0.02, 0.05))
+  for bad in ("c1_steps", "c2"):   # another run length; a seed no baseline ran: exit status 2
+    with pytest.raises(SystemExit) as e:
+      seeds.main([files[bad], "--baseline", files["b0"], files["b1"]])
+    assert e.value.code == 2
 
 
 def test_stability_sweep_and_formats(tmp_path):

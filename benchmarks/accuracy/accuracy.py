@@ -41,6 +41,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 from benchmarks._common import MODE_COLORS, config_parser, parse_modes, pyplot, save_figure
+from benchmarks._loss_curves import compare
 
 MODES = ("bf16+adamw", "fp8_linear+adamw", "coat+coat_adamw")
 DEFAULT_MODES = ("bf16+adamw", "coat+coat_adamw")
@@ -126,25 +127,6 @@ def read_curves(run_dir: Path) -> dict:
   if summary_path.is_file():
     curves["summary"] = json.loads(summary_path.read_text())
   return curves
-
-
-def compare(curves: dict[str, dict]) -> dict:
-  """Eval losses at the steps all modes share, and the relative gap of each mode vs bf16+adamw."""
-  modes = [m for m in curves if curves[m].get("eval")]
-  if not modes:
-    return {"steps": [], "modes": [], "final_step": None, "final_gap": {}}
-  evals = {m: dict((int(s), v) for s, v in curves[m]["eval"]) for m in modes}
-  steps = sorted(set.intersection(*(set(e) for e in evals.values())))
-  table = {m: [evals[m][s] for s in steps] for m in modes}
-  base = "bf16+adamw" if "bf16+adamw" in modes else None
-  gaps = {}
-  if base:
-    for m in modes:
-      if m != base:
-        gaps[m] = [(a - b) / b if b else None for a, b in zip(table[m], table[base])]
-  final = steps[-1] if steps else None
-  return {"steps": steps, "modes": modes, "eval": table, "rel_gap": gaps, "final_step": final,
-          "final_gap": {m: g[-1] for m, g in gaps.items() if g}}
 
 
 def plot(curves: dict[str, dict], cmp: dict, path: Path, title: str) -> bool:

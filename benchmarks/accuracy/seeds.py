@@ -8,6 +8,14 @@ with the mean gap (`--plot`):
 
   python -m benchmarks.accuracy.seeds docs/gpu_results/accuracy_llama125m_h100_2026-12-06.json \\
       docs/gpu_results/accuracy_llama125m_seed{1,2}_h100_2026-12-06.json --plot seeds.png
+
+Runs of one mode alone (`accuracy.py --modes coat+coat_adamw --set ...`, e.g. an option tried at
+the defaults' seeds) take bf16's curve from `--baseline` runs: each seed's from the baseline run of
+the same seed, which must match it in config, steps, sequence length, batch and eval cadence:
+
+  python -m benchmarks.accuracy.seeds fp8_s0/accuracy.json fp8_s1/accuracy.json \\
+      --baseline docs/gpu_results/accuracy_llama125m_h100_2026-12-06.json \\
+      docs/gpu_results/accuracy_llama125m_seed{1,2}_h100_2026-12-06.json
 """
 from __future__ import annotations
 
@@ -17,8 +25,30 @@ import statistics
 from pathlib import Path
 
 from benchmarks._common import pyplot, save_figure
+from benchmarks._loss_curves import BASE, compare
 
-BASE = "bf16+adamw"
+# What a baseline run must share with the run it stands beside (accuracy.py's arguments).
+SAME_RUN = ("steps", "seq_len", "batch", "eval_every", "eval_batches")
+
+
+def with_baseline(result: dict, baselines: list[dict], where: str) -> dict:
+  """`result` with bf16's eval curve from the baseline run of its seed and its comparison made
+  again; unchanged where it ran bf16 itself. ValueError (one line) where no baseline ran bf16 at
+  that seed, or that run differs from it in config or one of SAME_RUN."""
+  if not baselines or BASE in result["comparison"].get("eval", {}):
+    return result
+  seed = result["args"]["seed"]
+  match = [b for b in baselines if b["args"]["seed"] == seed and BASE in b.get("curves", {})]
+  if not match:
+    raise ValueError(f"{where}: no {BASE} run of seed {seed} among the baselines")
+  base_args, args = match[0]["args"], result["args"]
+  differ = [k for k in SAME_RUN if base_args.get(k) != args.get(k)]
+  if Path(base_args.get("config", "")).name != Path(args.get("config", "")).name:
+    differ.insert(0, "config")
+  if differ:
+    raise ValueError(f"{where}: its seed {seed} baseline ran with another {', '.join(differ)}")
+  curves = {BASE: match[0]["curves"][BASE], **result["curves"]}
+  return dict(result, curves=curves, comparison=compare(curves))
 
 
 def seed_losses(result: dict, mode: str) -> tuple[float, float]:
@@ -87,8 +117,15 @@ def main(argv=None) -> dict:
   p.add_argument("results", nargs="+", help="accuracy.json of each seed's run")
   p.add_argument("--mode", default="coat+coat_adamw", help="the mode compared with bf16+adamw")
   p.add_argument("--plot", default=None, help="write the gap plot to this PNG")
+  p.add_argument("--baseline", nargs="+", default=[],
+                 help="accuracy.json of runs with bf16+adamw, for results that ran without it")
   args = p.parse_args(argv)
   results = [json.loads(Path(f).read_text()) for f in args.results]
+  baselines = [json.loads(Path(f).read_text()) for f in args.baseline]
+  try:
+    results = [with_baseline(r, baselines, f) for f, r in zip(args.results, results)]
+  except ValueError as e:
+    p.error(str(e))
   for f, r in zip(args.results, results):
     if args.mode not in r["comparison"].get("rel_gap", {}):
       p.error(f"{f}: no {args.mode} against {BASE} in this run")
