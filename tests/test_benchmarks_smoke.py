@@ -363,7 +363,7 @@ def test_compile_breakdown_kernel_counts_and_pass_log():
 
   tid = "I1123 18:32:33.769186   28367 hlo_pass_pipeline.cc:{}] {}"
   lines = [cb.PHASE_TAG + "lower", tid.format(206, "HLO pass: dce time: 9 s (9 s)"),
-           cb.PHASE_TAG + "compile",
+           tid.format(1, "a line of XLA's thread, cut by the tag: ") + cb.PHASE_TAG + "compile",
            tid.format(302, "Running HLO pass pipeline on module jit_train_step: simplification"),
            tid.format(206, "HLO pass: algsimp time: 1.5 ms (1.5 ms) (cumulative: 2 ms)"),
            tid.format(206, "HLO pass: algsimp time: 2.5 s (2.5 s)"),

@@ -321,8 +321,11 @@ def hlo_stats(text: str) -> dict:
 
 
 def phase(name: str) -> None:
-  """Marks a phase in stderr, where XLA logs: the parent attributes log lines to phases."""
-  print(PHASE_TAG + name, file=sys.stderr, flush=True)
+  """Marks a phase in stderr, where XLA logs: the parent attributes log lines to phases. One write
+  (print's text and newline are two), though XLA's threads may still put it inside a line of
+  theirs: parse_log finds the tag anywhere in a line."""
+  sys.stderr.write(f"{PHASE_TAG}{name}\n")
+  sys.stderr.flush()
 
 
 def measure_one(args: argparse.Namespace) -> dict:
@@ -463,6 +466,7 @@ def signatures_main(args) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Parent: XLA's log -> pass times; one child per variant; the table.
 
+_PHASE = re.compile(re.escape(PHASE_TAG) + r"(\w+)")
 _LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+(\d+) ([\w.\-]+):\d+\] (.*)$")
 _TIME = re.compile(r"^(.*?) time: ([0-9.e+\-]+) (us|ms|s|min|h)\b")
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
@@ -481,8 +485,9 @@ def parse_log(lines, module_prefix: str = "jit_train_step", phases=("compile",))
   timers, slow = collections.Counter(), []
   cur_phase = None
   for line in lines:
-    if line.startswith(PHASE_TAG):
-      cur_phase = line[len(PHASE_TAG):].strip()
+    tagged = _PHASE.search(line)
+    if tagged:
+      cur_phase = tagged.group(1)
       continue
     if "slow compile" in line.lower() or "taking >" in line:
       slow.append(line.strip()[:300])
