@@ -63,3 +63,22 @@ def test_unknown_table_and_missing_pattern_fail_loudly(tmp_path):
     rt.render("<!-- results:nope:begin -->\n<!-- results:nope:end -->", src, "")
   with pytest.raises(ValueError, match="not found"):
     src.value("olmo1b_batch1b_h100", r"re:no such line ([\d,]+)")
+
+
+def test_fp8_attention_table_reads_the_printed_eval_losses(tmp_path):
+  """Seed 2's FP8-attention run is a printed log: its step-2000 eval loss is the table's, and a
+  log whose table is not of that mode alone fails with one line."""
+  meta = json.loads(rt.SOURCES.read_text())
+  sid = "accuracy_llama125m_fp8_attention_seed2_h100"
+  raw = (REPO / meta[sid]["raw"]).read_text()
+  assert "\n  2000            3.7065\n" in raw
+  copy = tmp_path / "seed2.log"
+  copy.write_text(raw.replace("\n  2000            3.7065\n", "\n  2000            3.9999\n"))
+  meta[sid]["raw"] = str(copy)
+  sources = tmp_path / "sources.json"
+  sources.write_text(json.dumps(meta))
+  table = rt.TABLES["accuracy_fp8_attention"](rt.Sources(sources))
+  assert "| 2 | 3.6512 | 3.6793 | +0.77 % | 3.9999 | +9.55 % |" in table
+  copy.write_text(raw.replace("  step   coat+coat_adamw", "  step   bf16+adamw   coat+coat_adamw"))
+  with pytest.raises(ValueError, match="no eval-loss table"):
+    rt.TABLES["accuracy_fp8_attention"](rt.Sources(sources))
