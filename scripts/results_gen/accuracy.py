@@ -23,9 +23,11 @@ def accuracy_losses(src: Sources) -> dict[int, dict[str, tuple[float, float]]]:
 
 
 def mean_losses(losses: dict[int, dict]) -> dict[str, tuple[float, float]]:
-  """Per mode: (final, lowest) eval loss, each the mean over the seeds of `accuracy_losses`."""
+  """Per run kind (the keys of each seed's entry, as `accuracy_losses`): (final, lowest) eval
+  loss, each the mean over the seeds."""
+  kinds = next(iter(losses.values()))
   return {m: tuple(sum(losses[s][m][i] for s in losses) / len(losses) for i in (0, 1))
-          for m in MODES}
+          for m in kinds}
 
 
 def accuracy_mean(src: Sources) -> tuple[float, float]:
@@ -68,22 +70,20 @@ def eval_curve(src: Sources, sid: str, mode: str) -> list[float]:
 
 
 def accuracy_fp8_attention(src: Sources) -> list[str]:
-  base = accuracy_losses(src)
-  fp8 = {}
+  losses = accuracy_losses(src)
+  assert [s for s, _ in FP8_ATTENTION_SEEDS] == list(losses), "the accuracy runs' seeds"
   for seed, sid in FP8_ATTENTION_SEEDS:
     curve = eval_curve(src, sid, MODES[1])
-    fp8[seed] = (curve[-1], min(curve))
-  assert fp8.keys() == base.keys(), "the FP8 attention runs' seeds are the accuracy runs'"
+    losses[seed]["fp8"] = (curve[-1], min(curve))
   out = ["| seed | final eval loss, bf16 + adamw | coat + coat_adamw | vs bf16 "
          "| coat, `attention_residuals: fp8` | vs bf16 |", "|---|---|---|---|---|---|"]
-  means = mean_losses(base)
-  fp8_mean = tuple(sum(fp8[s][i] for s in fp8) / len(fp8) for i in (0, 1))
-  rows = [(str(s), base[s], fp8[s], 0) for s in base] + [("mean", means, fp8_mean, 0),
-                                                        ("mean, lowest eval loss", means, fp8_mean, 1)]
-  for name, losses, f, i in rows:   # i: 0 the final eval loss, 1 the lowest along the run
-    b, c = losses[MODES[0]][i], losses[MODES[1]][i]
-    out.append(f"| {name} | {b:.4f} | {c:.4f} | {ratio('pct', b, c)} | {f[i]:.4f} "
-               f"| {ratio('pct', b, f[i])} |")
+  means = mean_losses(losses)
+  rows = [(str(s), losses[s], 0) for s in losses] + [("mean", means, 0),
+                                                     ("mean, lowest eval loss", means, 1)]
+  for name, l, i in rows:   # i: 0 the final eval loss, 1 the lowest along the run
+    b, c, f = l[MODES[0]][i], l[MODES[1]][i], l["fp8"][i]
+    out.append(f"| {name} | {b:.4f} | {c:.4f} | {ratio('pct', b, c)} | {f:.4f} "
+               f"| {ratio('pct', b, f)} |")
   out += ["", source_line(src, FP8_ATTENTION_SEEDS[0][1])]
   out += [f"Seed {seed}: " + source_line(src, sid) for seed, sid in FP8_ATTENTION_SEEDS[1:]]
   return out

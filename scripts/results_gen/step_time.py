@@ -60,16 +60,20 @@ WARM_VARIANTS = (("bf16 + optax.adamw, unrolled", 0), ("coat, unrolled, 8 thread
                  ("coat, scanned, none ahead", 5))
 
 
+def _step_s(row: dict) -> float:
+  """A compile_breakdown JSON row's wait for the step: trace + lower + compile seconds."""
+  return row["trace_s"] + row["lower_s"] + row["compile_s"]
+
+
 def _breakdown_rows(src: Sources, sid: str, variants, instructions: bool = False) -> list:
   """compile_breakdown's JSON rows as (label, [trace s, lower s, compile s, total s (, HLO
   instructions)]) for (label, row index) pairs."""
   rows = []
   for label, i in variants:
-    r = lambda k: src.value(sid, f"rows.{i}.{k}")
-    total = r("trace_s") + r("lower_s") + r("compile_s")
-    cells = [fmt(r("trace_s"), ".1f"), fmt(r("lower_s"), ".1f"), fmt(r("compile_s"), ".1f"),
-             fmt(total, ".1f")]
-    rows.append((label, cells + ([f"{r('hlo.instructions'):,}"] if instructions else [])))
+    r = src.value(sid, f"rows.{i}")
+    cells = [fmt(r[k], ".1f") for k in ("trace_s", "lower_s", "compile_s")]
+    cells.append(fmt(_step_s(r), ".1f"))
+    rows.append((label, cells + ([f"{r['hlo']['instructions']:,}"] if instructions else [])))
   return rows
 
 
@@ -106,7 +110,7 @@ def compile_breakdown_7b(src: Sources) -> list[str]:
          "bf16 / coat | HLO instructions, bf16 / coat |", "|---|---|---|---|---|---|"]
   for sid, label in BREAKDOWN_7B_RUNS:
     rows = {r["variant"].split(":")[0]: r for r in src.value(sid, "rows")}
-    total = {m: rows[m]["trace_s"] + rows[m]["lower_s"] + rows[m]["compile_s"] for m in rows}
+    total = {m: _step_s(rows[m]) for m in rows}
     cell = lambda m: f"{total[m]:.1f} ({rows[m]['compile_s']:.1f})"
     wall = {m: rows[m]["wall_s"] for m in rows}
     out.append(f"| {label} | {cell('bf16')} | {cell('coat')} | "
