@@ -2,6 +2,7 @@
 RoPE scaling, saved-activation bytes of "coat" vs "bf16", and a short training run on real text
 (Python stdlib sources, byte-level). Backward and compilation tests: test_llama_compile.py."""
 import dataclasses
+import functools
 import sysconfig
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from coat_jax import formats, memory, ops
 from coat_jax.models import PRESETS, Llama, LlamaConfig, flops_per_token, num_params
 from coat_jax.nn import DecoderBlock
 from coat_jax.precision import PRECISIONS as MODES
+
+from tests.conftest import RUNTIME_BOUND
 
 
 def tiny(**overrides) -> LlamaConfig:
@@ -255,17 +258,21 @@ def train_losses(mode, data, steps, batch, seq, seed=0, attention_residuals="bf1
   schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, steps, 3e-4)
   opt = nnx.Optimizer(model, optax.adamw(schedule, b2=0.95, weight_decay=0.1), wrt=nnx.Param)
 
-  @nnx.jit
-  def step(model, opt, tokens):
+  graphdef, state = nnx.split((model, opt))
+
+  @functools.partial(jax.jit, donate_argnums=0, compiler_options=RUNTIME_BOUND)
+  def step(state, tokens):
+    model, opt = nnx.merge(graphdef, state)
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
     opt.update(model, grads)
-    return loss
+    return nnx.state((model, opt)), loss
 
   starts = np.random.default_rng(seed).integers(0, len(data) - seq - 1, (steps, batch))
   losses = []
   for i in range(steps):
     tokens = jnp.asarray(np.stack([data[s:s + seq + 1] for s in starts[i]]))
-    losses.append(float(step(model, opt, tokens)))
+    state, loss = step(state, tokens)
+    losses.append(float(loss))
   return np.array(losses)
 
 
@@ -274,12 +281,15 @@ def test_training_coat_matches_bf16_on_stdlib_text():
   steps = 160  # at 80 steps the loss still falls fast and run-to-run trajectories differ by ~2%
   losses = {mode: train_losses(mode, data, steps, batch=16, seq=64) for mode in ("bf16", "coat")}
   final = {m: float(l[-10:].mean()) for m, l in losses.items()}
-  gap = abs(final["coat"] - final["bf16"]) / final["bf16"]
+  gap = (final["coat"] - final["bf16"]) / final["bf16"]
   print(f"final loss (mean of last 10 of {steps} steps): bf16 {final['bf16']:.4f}, "
-        f"coat {final['coat']:.4f}, gap {100 * gap:.2f}%")
+        f"coat {final['coat']:.4f}, coat vs bf16 {100 * gap:+.2f}%")
   assert np.all(np.isfinite(losses["coat"]))
   assert final["bf16"] < 0.75 * losses["bf16"][0]  # it learned something (ln 256 = 5.55 at start)
-  assert gap < 0.02, final
+  # coat ends below bf16 here, by 1.4-2.1 % over compilations of the same step that differ only in
+  # float summation order (2026-12-07); worse by 2 % fails, and so does a loss far below bf16's
+  # (a causal mask that leaks the next token would take it there).
+  assert -0.04 < gap < 0.02, final
 
 
 @pytest.mark.slow   # CI time; the FP8-residual attention's gradients: tests/test_llama_compile.py

@@ -100,7 +100,8 @@ def compile_traced_once(src: Sources) -> list[str]:
 
 BREAKDOWN_7B_RUNS = (("compile_breakdown_7b_unrolled_h200", "H200, bf16 first"),
                      ("compile_breakdown_7b_unrolled_rerun_h200", "H200, coat first"),
-                     ("compile_breakdown_7b_unrolled_h100", "H100, phases back to back"))
+                     ("compile_breakdown_7b_unrolled_h100", "H100, phases back to back"),
+                     ("compile_breakdown_7b_unrolled_passes_h100", "H100, pass logging on"))
 
 
 def compile_breakdown_7b(src: Sources) -> list[str]:
