@@ -1,4 +1,5 @@
 """Dynamic range expansion: compact form == COAT's form, edge cases, error on real Adam moments."""
+import functools
 import os
 import sysconfig
 
@@ -9,7 +10,7 @@ import optax
 import pytest
 
 from coat_jax import expansion as ex
-from tests.conftest import base_seed
+from tests.conftest import RUNTIME_BOUND, base_seed
 
 FORMATS = ("e4m3", "e5m2", "int8")
 
@@ -65,7 +66,7 @@ def train(opt, params, xs, ys):
     updates, state = opt.update(grads, state, params)
     return (optax.apply_updates(params, updates), state), loss
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=RUNTIME_BOUND)   # hundreds of steps in one call
   def run(params, xs, ys):
     (params, state), losses = jax.lax.scan(step, (params, opt.init(params)), (xs, ys))
     return params, state, losses

@@ -1,4 +1,5 @@
 """Stochastic rounding to bfloat16 (coat_jax/rounding.py) against float64 expectations."""
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -22,8 +23,9 @@ def test_results_are_neighbours_and_unbiased():
   print(f"seed {SEED}")
   x = rng.normal(size=64).astype(np.float32) * np.float32(3.0)
   n = 4000
-  draws = np.stack([np.asarray(round_to(jnp.asarray(x), jnp.bfloat16, "stochastic", step=s,
-                                        seed=7), np.float64) for s in range(n)])
+  xj = jnp.asarray(x)
+  draw = jax.jit(jax.vmap(lambda s: round_to(xj, jnp.bfloat16, "stochastic", step=s, seed=7)))
+  draws = np.asarray(draw(jnp.arange(n, dtype=jnp.uint32)), np.float64)   # steps 0 .. n-1
   lo, hi = _neighbours(x)
   assert np.all((draws == lo) | (draws == hi))
   p_up = (x.astype(np.float64) - lo) / (hi - lo)
