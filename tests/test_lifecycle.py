@@ -29,7 +29,6 @@ from tests.test_training_cli import MINI as CLI_MINI
 REPO = Path(__file__).resolve().parents[1]
 MINI = CLI_MINI + ["run.progress=false", "run.tensorboard=false"]
 QUIET = lambda _: None
-pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 @pytest.fixture(scope="module")

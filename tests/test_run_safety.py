@@ -20,7 +20,6 @@ from tests.test_training_reliability import MINI, mini
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = lambda _: None
-pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def train_py(*args, timeout=300):

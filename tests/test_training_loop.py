@@ -22,7 +22,6 @@ from coat_jax.training.loop import run
 from coat_jax.training.step_log import summary_line
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.usefixtures("compile_cache")   # the same small steps, compiled once
 
 # A minuscule Llama on a 150 kB slice of the stdlib with a 512-token BPE: seconds per run.
 MINI = [

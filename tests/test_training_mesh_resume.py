@@ -1,7 +1,6 @@
 """A checkpoint written on a 2-device FSDP mesh resumes on 1 device and continues the same run."""
 import jax
 import numpy as np
-import pytest
 
 from coat_jax.training.loop import run
 from tests.test_training_loop import mini
@@ -10,7 +9,6 @@ from tests.test_training_loop import mini
 COAT = ["run.log_every=1", "data.eval_batches=1", "run.steps=6", "precision=coat",
         "optimizer.name=coat_adamw", "optimizer.min_quantized_size=256", "optimizer.group_size=32"]
 QUIET = lambda _: None
-pytestmark = pytest.mark.usefixtures("compile_cache")   # the same small steps, compiled once
 
 
 def test_two_device_fsdp_checkpoint_resumes_on_one_device(cache, tmp_path):

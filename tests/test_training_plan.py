@@ -27,7 +27,6 @@ from tests.test_training_cli import MINI
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = lambda _: None
-pytestmark = pytest.mark.usefixtures("compile_cache")   # the same small steps, compiled once
 
 
 def mini(cache, *extra):

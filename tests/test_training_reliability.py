@@ -19,7 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 # test_training_cli's minuscule run, without the progress bar and TensorBoard.
 MINI = CLI_MINI + ["run.progress=false", "run.tensorboard=false"]
 QUIET = lambda _: None
-pytestmark = pytest.mark.usefixtures("compile_cache")   # the same small steps, compiled once
 
 
 def mini(cache, out_dir, *extra):
