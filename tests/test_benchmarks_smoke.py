@@ -330,10 +330,10 @@ def test_compile_breakdown_child():
 
 
 def test_compile_breakdown_hlo_stats():
-  """compile_breakdown.hlo_stats on optimized HLO text in XLA's format: top-level fusions and
+  """compile_breakdown's hlo_stats on optimized HLO text in XLA's format: top-level fusions and
   custom calls are kernels (a fused computation's body is not), custom calls by target, XLA's
   Triton fusions by kind."""
-  cb = _load("compile_breakdown")
+  from benchmarks.step._compile_log import hlo_stats
   fusion = ('  %{} = f32[4]{{0}} fusion(%{}), kind=kCustom, calls=%body, '
             'backend_config={{"fusion_backend_config":{{"kind":"{}"}}}}')
   text = "\n".join([
@@ -342,7 +342,7 @@ def test_compile_breakdown_hlo_stats():
       "  %x = f32[4]{0} parameter(0)", fusion.format("a", "x", "__triton_gemm"),
       fusion.format("b", "a", "__triton"), fusion.format("c", "b", "__triton"),
       '  ROOT %d = f32[4]{0} custom-call(%c), custom_call_target="mosaic_gpu_v2"', "}"])
-  h = cb.hlo_stats(text)
+  h = hlo_stats(text)
   assert (h["kernels"], h["fusions"], h["instructions"]) == (4, 3, 7)
   assert h["xla_triton_kinds"] == {"__triton_gemm": 1, "__triton": 2}
   assert h["custom_calls"] == {"mosaic": 1, "xla-triton fusions": 3}
@@ -361,9 +361,10 @@ def test_compile_breakdown_kernel_counts_and_pass_log():
                      jax.ShapeDtypeStruct((128, 16), jnp.float32))
   assert st["pallas_lowerings"] >= 2 and len(st["kernels"]) == 2 and st["pallas_lower_s"] > 0
 
+  from benchmarks.step._compile_log import PHASE_TAG, parse_log
   tid = "I1123 18:32:33.769186   28367 hlo_pass_pipeline.cc:{}] {}"
-  lines = [cb.PHASE_TAG + "lower", tid.format(206, "HLO pass: dce time: 9 s (9 s)"),
-           tid.format(1, "a line of XLA's thread, cut by the tag: ") + cb.PHASE_TAG + "compile",
+  lines = [PHASE_TAG + "lower", tid.format(206, "HLO pass: dce time: 9 s (9 s)"),
+           tid.format(1, "a line of XLA's thread, cut by the tag: ") + PHASE_TAG + "compile",
            tid.format(302, "Running HLO pass pipeline on module jit_train_step: simplification"),
            tid.format(206, "HLO pass: algsimp time: 1.5 ms (1.5 ms) (cumulative: 2 ms)"),
            tid.format(206, "HLO pass: algsimp time: 2.5 s (2.5 s)"),
@@ -372,7 +373,7 @@ def test_compile_breakdown_kernel_counts_and_pass_log():
            tid.format(206, "HLO pass: fusion time: 1.2 min (1.2 min)"),
            "I1123 18:32:34.000000   28367 gpu_compiler.cc:1] GpuCompiler::RunHloPasses for "
            "jit_train_step time: 40 s (cumulative: 40 s)"]
-  log = cb.parse_log(lines)
+  log = parse_log(lines)
   assert log["passes"] == {"algsimp": pytest.approx(2.5015)}   # the lower phase's dce left out
   assert log["pipelines"] == {"simplification": 3.0}
   assert log["other_modules"] == {"gemm_fusion_autotuning": pytest.approx(72.0)}
