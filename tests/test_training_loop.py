@@ -167,16 +167,19 @@ def test_build_apply_equals_update_then_apply_updates(rng, name, clip):
 
 
 def test_compile_cache_setting(tmp_path):
-  """run.compile_cache points JAX's persistent cache at the directory (made if missing); "" is off."""
+  """run.compile_cache points JAX's persistent cache at the directory (made if missing), caching
+  programs of any compile time; "" is off. A second process finds a small program there."""
   code = ("import sys, jax; from coat_jax.training.compile_cache import use_compile_cache; "
           "use_compile_cache(sys.argv[1], print); "
-          "print('DIR', jax.config.jax_compilation_cache_dir)")
+          "print('DIR', jax.config.jax_compilation_cache_dir); "
+          "print('MIN', jax.config.jax_persistent_cache_min_compile_time_secs); "
+          "jax.jit(lambda x: x * 3 + 1)(jax.numpy.ones(5)).block_until_ready()")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  for arg, want in ((str(tmp_path / "xla"), str(tmp_path / "xla")), ("", "None")):
+  for arg, want, min_s in ((str(tmp_path / "xla"), str(tmp_path / "xla"), "0"), ("", "None", "1")):
     out = subprocess.run([sys.executable, "-c", code, arg], cwd=REPO, env=env, check=True,
                          capture_output=True, text=True).stdout
-    assert f"DIR {want}" in out, out
-  assert (tmp_path / "xla").is_dir()
+    assert f"DIR {want}" in out and f"MIN {min_s}" in out, out
+  assert [p for p in (tmp_path / "xla").iterdir() if "jit__lambda" in p.name], "not cached"
 
 
 def test_param_sharding_rules():

@@ -9,7 +9,9 @@ import jax
 
 
 def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
-  """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set)."""
+  """Points JAX's persistent compilation cache at `directory` (unless "" or one is already set),
+  caching every program however fast it compiled (JAX's default leaves out those under 1 s, such
+  as a run's initialisation and small helper programs, compiled again at every restart)."""
   if not directory or jax.config.jax_compilation_cache_dir:
     return
   path = Path(os.path.expanduser(directory))
@@ -19,3 +21,4 @@ def use_compile_cache(directory: str, say: Callable[[str], None]) -> None:
     say(f"[run] compilation cache off: cannot create {path} ({e})")
     return
   jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
