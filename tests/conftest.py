@@ -106,12 +106,15 @@ def compile_cache(tmp_path_factory):
     yield None
     return
   from jax.experimental.compilation_cache import compilation_cache
+
+  from coat_jax.training.compile_cache import use_compile_cache
   before = jax.config.jax_compilation_cache_dir
   min_s = jax.config.jax_persistent_cache_min_compile_time_secs
   directory = tmp_path_factory.mktemp("xla_cache")
   compilation_cache.reset_cache()
-  jax.config.update("jax_compilation_cache_dir", str(directory))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_compilation_cache_dir", None)   # else use_compile_cache keeps `before`
+  use_compile_cache(str(directory), print)   # as run.compile_cache: every program cached
+  assert jax.config.jax_compilation_cache_dir == str(directory)
   try:
     yield directory
   finally:

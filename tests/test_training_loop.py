@@ -168,7 +168,7 @@ def test_build_apply_equals_update_then_apply_updates(rng, name, clip):
 
 def test_compile_cache_setting(tmp_path):
   """run.compile_cache points JAX's persistent cache at the directory (made if missing), caching
-  programs of any compile time; "" is off. A second process finds a small program there."""
+  programs of any compile time; "" is off. A small program (under a second) lands there."""
   code = ("import sys, jax; from coat_jax.training.compile_cache import use_compile_cache; "
           "use_compile_cache(sys.argv[1], print); "
           "print('DIR', jax.config.jax_compilation_cache_dir); "
