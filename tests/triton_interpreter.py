@@ -112,10 +112,6 @@ class _Libdevice:
   def log2(x):
     return tl.math.log2(x)
 
-  @staticmethod
-  def exp(x):
-    return tl.math.exp(x)
-
 
 _FLOATS = None
 
@@ -174,13 +170,12 @@ def _lang_anchor():
 
 
 @contextlib.contextmanager
-def _interpreting(tile_module, kernel_module=None):
+def _interpreting(tile_module):
   """While inside: triton.language (and its core) patched for the interpreter once, restored at
   the end; @triton.jit functions called from a kernel run as interpreted functions without
   patching it again (InterpretedFunction.__call__ patches the language each call and never
   restores it, which would leave it patched for the GPU compiles of the same process); the
-  kernel module's libdevice and `_approx` as numpy math (and the libdevice of `kernel_module`,
-  the launched kernel's own module, where it has one)."""
+  kernel module's libdevice and `_approx` as numpy math."""
   from triton.runtime.jit import JITFunction
   cache = {}
 
@@ -190,17 +185,12 @@ def _interpreting(tile_module, kernel_module=None):
     return cache[self.fn](*args, **kwargs)
 
   old = JITFunction.__call__, tile_module.libdevice, tile_module._approx
-  kernel_libdevice = getattr(kernel_module, "libdevice", None)
   scope = _interp._patch_lang(_lang_anchor)
   JITFunction.__call__, tile_module.libdevice, tile_module._approx = call, _Libdevice, _approx
-  if kernel_libdevice is not None:
-    kernel_module.libdevice = _Libdevice
   try:
     yield
   finally:
     JITFunction.__call__, tile_module.libdevice, tile_module._approx = old
-    if kernel_libdevice is not None:
-      kernel_module.libdevice = kernel_libdevice
     scope.restore()
 
 
@@ -227,8 +217,7 @@ def launch(kernel, grid: int, *args, **constexprs):
     if isinstance(a, np.ndarray) and id(a) not in copies:
       copies[id(a)] = (a, *_guarded(np.ascontiguousarray(a)))
   wrapped = [HostTensor(copies[id(a)][1]) if isinstance(a, np.ndarray) else a for a in args]
-  own = importlib.import_module(kernel.fn.__module__)
-  with _interpreting(tile, own), gpu_float_casts(), np.errstate(all="ignore"):  # log2(0) = -inf
+  with _interpreting(tile), gpu_float_casts(), np.errstate(all="ignore"):  # log2(0) = -inf
     _interp.InterpretedFunction(kernel.fn)[(grid,)](*wrapped, **constexprs)
   for a, inner, raw in copies.values():
     outside = np.concatenate([raw[:GUARD], raw[GUARD + a.nbytes:]])

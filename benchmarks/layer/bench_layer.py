@@ -19,7 +19,6 @@ with ratios against "bf16", next to COAT's PyTorch numbers measured on the same 
   python -m benchmarks.layer.bench_layer --modes coat --attention-residuals fp8  # FP8 q, k, v kept
   python -m benchmarks.layer.bench_layer --modes coat --activation-quantize xla --gradient-quantize xla
   python -m benchmarks.layer.bench_layer --modes coat --swiglu-quantize separate  # SwiGLU unfused
-  python -m benchmarks.layer.bench_layer --modes coat --swiglu-grad-quantize separate
 """
 from __future__ import annotations
 
@@ -80,9 +79,6 @@ def parse_args(argv=None):
       "swiglu_quantize": "coat: SwiGLU's h and gate/up's 1 x 16 codes in the gate/up GEMM's "
                          "epilogue (gemm_epilogue), from one read of gate and up (fused), or h "
                          "by XLA and two per-group quantizes (separate)",
-      "swiglu_grad_quantize": "coat: SwiGLU's backward straight to the gate/up GEMMs' E5M2 "
-                              "gradients in two passes (fused) or its bf16 gradients, then "
-                              "their quantize (separate)",
       "weight_transpose": "FP8 modes: W^T for the forward GEMM by transposing W's FP8 codes "
                           "(codes) or quantizing the transposed cast weight (cast)"}
   for name, choices in linear_layer._ABLATIONS.items():

@@ -19,8 +19,7 @@ from coat_jax.kernels.backends import (AUTO_ON_HOPPER, CHOICES, ENV, FAMILIES, I
                                        interpret_mode, parse_backend, partitioning, per_shard,
                                        prestart_compiles, use, use_pallas)
 from coat_jax.kernels.quantize import (dequantize, quantize_per_group, quantize_per_tensor,
-                                       swiglu_backward, swiglu_backward_quantize,
-                                       swiglu_quantize)
+                                       swiglu_backward, swiglu_quantize)
 from coat_jax.kernels.gemm import GEMM_OUT_DTYPES, fp8_dot_general, gemm_swiglu_quantize
 from coat_jax.kernels.adam import (adam_kernel_limits, coat_adam_packed_step, coat_adam_step,
                                    coat_adam_tree_step)
@@ -31,4 +30,4 @@ __all__ = ["AUTO_ON_HOPPER", "CHOICES", "ENV", "FAMILIES", "GEMM_OUT_DTYPES", "I
            "current_partitioning", "dequantize", "fp8_dot_general", "gemm_swiglu_quantize",
            "implementation", "interpret_mode", "KernelConfig", "parse_backend", "partitioning",
            "per_shard", "prestart_compiles", "quantize_per_group", "quantize_per_tensor",
-           "swiglu_backward", "swiglu_backward_quantize", "swiglu_quantize", "use", "use_pallas"]
+           "swiglu_backward", "swiglu_quantize", "use", "use_pallas"]

@@ -8,9 +8,7 @@ Kernels (`implementation("quantize")` / `("dequantize")` is "mosaic"; FP8 storag
                (quantize_mgpu.py); the dequantize takes the same shapes.
   per tensor   size / 64 a multiple of 64 and N % 64 == 0; with the transposed copy ndim >= 2,
                N and M multiples of 64 and a 16-bit input (or a 16-bit cast_dtype).
-  swiglu       the per-group shapes (swiglu_mgpu.py), forward and backward; the backward to
-               the gate/up GEMMs' FP8 gradients (`swiglu_backward_quantize`) on one GPU by two
-               Triton passes (swiglu_grad_quantize_triton.py, through jax-triton).
+  swiglu       the per-group shapes (swiglu_mgpu.py), forward and backward.
 Other shapes: the reference (XLA). On a mesh each shard runs the kernel on its local block
 (`backends.rows`; a shard the kernel does not take runs the reference); in interpret mode (CPU)
 the kernels are not wrapped (their ordered callbacks cannot pass custom_partitioning: XLA
@@ -209,37 +207,6 @@ def swiglu_backward(gate_q: QuantizedArray, up_q: QuantizedArray, dh):
   dg, du = _swiglu_backward_reference(gate_q, up_q, dh)
   return (dg, du, jnp.max(jnp.abs(dg)).astype(jnp.float32),
           jnp.max(jnp.abs(du)).astype(jnp.float32))
-
-
-def swiglu_backward_quantize(gate_q: QuantizedArray, up_q: QuantizedArray, dh, fmt="e5m2", *,
-                             floor=formats.ACTIVATION_SCALE_FLOOR):
-  """(d_gate, d_up) as the gate and up GEMMs' backward reads them: each the per-tensor `fmt`
-  quantize of `swiglu_backward`'s gradient (its amax the tensor's), with its transposed copy,
-  as QuantizedArrays of dh's shape viewed (M, N) (data_t (N, M)).
-
-  Kernel (on one Hopper GPU with jax-triton, where the "quantize" family runs its kernels:
-  pallas_kernels/quantize/swiglu_grad_quantize_triton.py, dh (..., N) 16-bit, M and N multiples
-  of its tile): two passes over dh and the codes, the first finding both maxima, the second
-  writing both gradients' codes and transposes; the bfloat16 gradients are never written. The
-  same codes and scales as the unfused calls, which run everywhere else: `swiglu_backward`, then
-  `quantize_per_tensor` of each gradient with its amax.
-  """
-  f = formats.get_format(fmt)
-  n = dh.shape[-1]
-  g = gate_q.group_size
-  if (backends.implementation("quantize") == "mosaic" and not backends.per_shard()
-      and not backends.interpret_mode() and f.dtype in formats.fp8_dtypes() and g > 0
-      and up_q.group_size == g and gate_q.data.shape == up_q.data.shape == dh.shape
-      and gate_q.data.dtype == up_q.data.dtype):
-    from pallas_kernels.quantize import swiglu_grad_quantize_triton as sq
-    if sq.available() and sq.problem(dh.shape, dh.dtype, gate_q.data.dtype, g) is None:
-      (qg, qg_t, sg), (qu, qu_t, su), _ = sq.swiglu_grad_quantize(
-          dh, gate_q.data, gate_q.scale, up_q.data, up_q.scale, group_size=g, out_dtype=f.dtype,
-          fmax=f.max, floor=floor)
-      return (QuantizedArray(qg, sg, f.name, 0, qg_t), QuantizedArray(qu, su, f.name, 0, qu_t))
-  dg, du, dg_amax, du_amax = swiglu_backward(gate_q, up_q, dh)
-  return tuple(quantize_per_tensor(d.reshape(-1, n), fmt, amax=a, with_transpose=True,
-                                   floor=floor) for d, a in ((dg, dg_amax), (du, du_amax)))
 
 
 def _swiglu_backward_reference(gate_q, up_q, dh):

@@ -67,7 +67,6 @@ _ABLATIONS = {"weight_quant": ("per_use", "once"), "amax": ("fused", "kernel"),
               "weight_quantize": ("forward_kernel", "kernel", "xla"),
               "activation_quantize": ("kernel", "xla"), "gradient_quantize": ("kernel", "xla"),
               "swiglu_quantize": ("gemm_epilogue", "fused", "separate"),
-              "swiglu_grad_quantize": ("fused", "separate"),
               "weight_transpose": ("codes", "cast")}
 # The switches set away from the first choice, ((name, value), ...): a JAX user context, part of
 # jit's cache key (a trace made under other switches is never reused).
@@ -127,11 +126,6 @@ def _ablation(**switches: str):
   its amax and the codes from one read of gate and up written by two GEMMs
   (`kernels.swiglu_quantize`; one kernel on Hopper); "separate": h and its amax by XLA, then a
   per-group quantize of each of gate and up (two more reads); these two give the same values.
-  swiglu_grad_quantize: under swiglu_quantize="gemm_epilogue", the backward's SwiGLU gradients
-  d_gate and d_up as the gate and up GEMMs read them, per-tensor E5M2 with transposed copies:
-  "fused" (default) by `kernels.swiglu_backward_quantize` (on one Hopper GPU two Triton passes
-  over dh and the codes, the bfloat16 gradients never written), "separate" by SwiGLU's backward
-  kernel writing them, then the quantize of each. Same codes and scales either way.
   weight_transpose: how the forward gets W^T (N, K) for the TN GEMM under weight_quant=
   "per_use". "codes" (default) quantizes W as it lies and transposes its FP8 codes (the kernel's
   transposed copy under weight_quantize="kernel", XLA's swapaxes of the codes under "xla");
@@ -198,23 +192,18 @@ def _fwd_gemm(xq, w, out_dtype):
   return kernels.fp8_dot_general(xq, wq, dn, out_dtype), name_residuals((amax, codes, scale))
 
 
-def backward_gemms(x_t, x_scale, w, g, kept, g_amax=None, like=None):
+def backward_gemms(x_t, x_scale, w, g, kept, g_amax=None):
   """dX (..., K) and dW (K, N, w.dtype) from the saved FP8 x^T (K, M), param w, cotangent g (..., N)
   and the forward's `kept` (w's amax; its (K, N) codes and scale under weight_quant="once");
-  g_amax: max|g| where g's producer made it (else reduced here). g may also come quantized, as
-  its per-tensor E5M2 QuantizedArray (M, N) with the transposed copy; `like` is then an array of
-  g's shape and dtype (what dX takes).
+  g_amax: max|g| where g's producer made it (else reduced here).
 
   Both GEMMs are TN: dX = gq (M, N) . wq (K, N)^T, and dW = x^T (K, M) . (g^T (N, M))^T, whose
   M-major operands are the saved x^T and g's transposed copy from the fused quantize+transpose.
   """
   k, n = w.shape
-  if isinstance(g, QuantizedArray):
-    gq, g = g, like
-  else:
-    gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True,
-                                    amax=_amax(g) if g_amax is None else g_amax,
-                                    producer_fusion=option("gradient_quantize") == "xla")
+  gq = kernels.quantize_per_tensor(g.reshape(-1, n), "e5m2", with_transpose=True,
+                                  amax=_amax(g) if g_amax is None else g_amax,
+                                  producer_fusion=option("gradient_quantize") == "xla")
   # (K, N): contracts N (TN); the forward's codes when it kept them, else W quantized again
   # with the forward's amax (the same scale).
   amax, codes, scale = kept

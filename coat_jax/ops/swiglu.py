@@ -11,10 +11,7 @@ up (`kernels.swiglu_quantize`); "separate" is the unfused ablation.
 Backward (both ops), with a = gate, u = up, s = sigmoid(a) from the dequantized residuals:
   d_gate = dh * u * s * (1 + a (1 - s)),   d_up = dh * a * s
 (`kernels.swiglu_backward`: one pass that also gives max|d_gate| and max|d_up|, which
-`swiglu_linears` under the ablation switch swiglu_grad_quantize="separate" hands to its GEMMs'
-backward quantize). By default `swiglu_linears` takes d_gate and d_up straight to the E5M2 codes
-and transposes its GEMMs read (`kernels.swiglu_backward_quantize`: on one Hopper GPU two passes
-over dh and the codes, no bfloat16 gradient written; the same codes).
+`swiglu_linears` hands to its GEMMs' backward quantize).
 """
 from __future__ import annotations
 
@@ -93,15 +90,9 @@ def _swiglu_linears_fwd(x, w_gate, w_up, x_q):
 
 def _swiglu_linears_bwd(res, cts):
   x_t, x_scale, gq, uq, ag, au, w_gate, w_up = res
-  dh = cts[0]
-  if option("swiglu_grad_quantize") == "fused":   # d_gate, d_up straight to E5M2 + transposes
-    dgate, dup = kernels.swiglu_backward_quantize(gq, uq, dh)
-    dgate_amax = dup_amax = None
-  else:
-    dgate, dup, dgate_amax, dup_amax = kernels.swiglu_backward(gq, uq, dh)
-  dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, dgate, (ag, None, None), dgate_amax,
-                                    like=dh)
-  dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, dup, (au, None, None), dup_amax, like=dh)
+  dgate, dup, dgate_amax, dup_amax = kernels.swiglu_backward(gq, uq, cts[0])
+  dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, dgate, (ag, None, None), dgate_amax)
+  dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, dup, (au, None, None), dup_amax)
   dx = dx_gate + dx_up
   return dx, dw_gate, dw_up, zero_input_cotangent(dx, x_t, x_scale)
 
