@@ -176,7 +176,7 @@ def build_step(preset, precision, layout, seq_len, batch, sets):
   return built.train_step.lower(*args).compile(), built.train_step, args, built
 
 
-def _top_level(text: str):
+def top_level(text: str):
   """(comps, [(name, opcode, shape, line)]) of the top-level instructions of every non-fusion
   computation (those XLA launches), FREE opcodes left out."""
   comps, _ = parse_hlo(text)
@@ -197,7 +197,7 @@ def _by_kernel_name(pairs) -> dict:
 def instruction_shapes(text: str) -> dict:
   """{instruction name: 'shape opcode [file:line] [<- (operand shapes)] | op_name tail'} of the
   launched instructions (operand shapes for custom calls), to tell kernels apart in a profile."""
-  comps, instructions = _top_level(text)
+  comps, instructions = top_level(text)
   shape_of = {name: re.sub(r"\{[^{}]*\}", "", shape)   # every instruction's shape, no layouts
               for body in comps.values() for name, _, shape, _ in body}
 
@@ -219,7 +219,7 @@ def instruction_shapes(text: str) -> dict:
 def instruction_index(text: str) -> dict:
   """{instruction name: (class, op_name metadata, custom_call_target)} of the launched
   instructions (top level of every non-fusion computation), also under each kernel spelling."""
-  comps, instructions = _top_level(text)
+  comps, instructions = top_level(text)
 
   def info(opcode, shape, line):
     op_name = re.search(r'op_name="([^"]*)"', line)

@@ -6,7 +6,7 @@ import collections
 import re
 import sys
 
-from benchmarks._hlo import FREE, parse_hlo
+from benchmarks._hlo import top_level
 
 PHASE_TAG = "COMPILE_BREAKDOWN_PHASE "
 # custom_call_target -> column; XLA's own Triton fusions are counted from fusion backend configs.
@@ -17,23 +17,19 @@ TARGETS = (("mosaic", ("mosaic_gpu",)), ("jax-triton", ("triton_kernel_call",)),
 
 def hlo_stats(text: str) -> dict:
   """Instruction and kernel counts of optimized HLO text, custom calls by target."""
-  comps, entry = parse_hlo(text)
-  fused = set(re.findall(r"calls=%?([\w.\-]+)", text))
+  comps, launched = top_level(text)
   kernels, targets = 0, collections.Counter()
-  for comp, body in comps.items():
-    if comp in fused:
+  for _, opcode, _, line in launched:
+    if opcode in ("while", "call", "conditional"):
       continue
-    for _, opcode, _, line in body:
-      if opcode in FREE or opcode in ("while", "call", "conditional"):
-        continue
-      kernels += 1
-      if opcode == "custom-call":
-        m = re.search(r'custom_call_target="([^"]*)"', line)
-        name = m.group(1) if m else "?"
-        col = next((c for c, prefixes in TARGETS if name.startswith(prefixes)), "other")
-        targets[col] += 1
-        if col == "other":
-          targets[f"other:{name}"] += 1
+    kernels += 1
+    if opcode == "custom-call":
+      m = re.search(r'custom_call_target="([^"]*)"', line)
+      name = m.group(1) if m else "?"
+      col = next((c for c, prefixes in TARGETS if name.startswith(prefixes)), "other")
+      targets[col] += 1
+      if col == "other":
+        targets[f"other:{name}"] += 1
   triton_kinds = collections.Counter(re.findall(r'"kind":"(__triton\w*)"', text))
   targets["xla-triton fusions"] = sum(triton_kinds.values())
   ops = collections.Counter(op for body in comps.values() for _, op, _, _ in body)
