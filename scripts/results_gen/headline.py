@@ -71,9 +71,11 @@ def headline(src: Sources) -> list[str]:
                f"{date} | `{cmd}` | {raw} |")
   # The models that only coat fits on one GPU.
   for claim, sid, bf16_text, tok_sel, peak_sel in [
-      ("Llama-2-7B on one 80 GB GPU, batch 8 x 2048, remat full: tokens/s (peak)",
-       "llama2_7b_b8_h100", "does not fit (107.8 GB of weights, gradients and Adam state)",
-       "equal_batch.0.tokens_per_s", "equal_batch.0.peak_bytes"),
+      ("Llama-2-7B on one 80 GB GPU, `configs/llama2-7b.yaml` through train.py, batch 16 x "
+       "4096: tokens/s (peak)", "train_py_llama2_7b_h100_2026_12_07",
+       "does not fit (107.8 GB of weights, gradients and Adam state)",
+       summary_field("/tmp/cfg_llama2-7b", "tokens_per_s"),
+       summary_field("/tmp/cfg_llama2-7b", "peak_memory_bytes")),
       ("Llama-2-13B on one 141 GB GPU, `configs/llama2-13b.yaml` through train.py, batch 32 x "
        "4096: tokens/s (peak)", "configs_llama2_13b_h200",
        "does not fit (208 GB of weights, gradients and Adam state)",
