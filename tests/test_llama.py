@@ -83,6 +83,7 @@ def test_unknown_preset_lists_names():
     (dict(dtype="float16"), "dtype"),
     (dict(remat="sometimes"), "remat"),
     (dict(attention_residuals="fp16"), "attention_residuals"),
+    (dict(linear_residuals="recomputed"), "linear_residuals"),
     (dict(vocab_size=0), "vocab_size"),
     (dict(head_dim=15), "head_dim"),
     (dict(rope_scaling=dict(factor=8.0)), "rope_scaling"),

@@ -50,6 +50,9 @@ def test_file_and_override_agree_on_floats(tmp_path):
     ("precision=fp4", r"^--set precision=fp4: config key 'precision' must be one of"),
     ("model.attention_residuals=fp16",
      r"^--set model.attention_residuals=fp16: config key 'model.attention_residuals' must be one of"),
+    ("model.linear_residuals=recomputed",
+     r"^--set model.linear_residuals=recomputed: config key 'model.linear_residuals' must be one "
+     r"of"),
     ("optimizer.lr=-1", r"^--set optimizer.lr=-1: config key 'optimizer.lr' must be > 0"),
     ("optimizer", r"^--set optimizer: expected key=value"),
     ("optimizer=1", r"^--set optimizer=1: 'optimizer' names a section"),
@@ -95,13 +98,16 @@ def test_shipped_configs_load_and_round_trip(name):
   assert schema.from_dict(config_io.parse_yaml(cfg.to_yaml())) == cfg
 
 
-def test_attention_residuals_reach_the_model_config():
-  """model.attention_residuals (None: the preset's "bf16") becomes LlamaConfig's."""
+@pytest.mark.parametrize("key,default,other", [("attention_residuals", "bf16", "fp8"),
+                                                ("linear_residuals", "kept", "remade")])
+def test_residual_choices_reach_the_model_config(key, default, other):
+  """model.attention_residuals / model.linear_residuals (None: the preset's) become
+  LlamaConfig's."""
   from coat_jax.training.build import model_config
-  for value, want in ((None, "bf16"), ("fp8", "fp8")):
-    sets = [] if value is None else [f"model.attention_residuals={value}"]
+  for value, want in ((None, default), (other, other)):
+    sets = [] if value is None else [f"model.{key}={value}"]
     cfg = schema.load(None, sets)
-    assert model_config(cfg, None).attention_residuals == want
+    assert getattr(model_config(cfg, None), key) == want
 
 
 def test_set_mesh_axis_to_fill_moves_the_fill_from_the_file():

@@ -17,6 +17,7 @@ with ratios against "bf16", next to COAT's PyTorch numbers measured on the same 
   python -m benchmarks.layer.bench_layer --modes coat --amax kernel         # ablation: amax kernel pass
   python -m benchmarks.layer.bench_layer --modes coat --weight-quantize kernel  # ablation: W by Mosaic
   python -m benchmarks.layer.bench_layer --modes coat --attention-residuals fp8  # FP8 q, k, v kept
+  python -m benchmarks.layer.bench_layer --modes coat --linear-residuals remade  # x^T, h^T remade
   python -m benchmarks.layer.bench_layer --modes coat --activation-quantize xla --gradient-quantize xla
   python -m benchmarks.layer.bench_layer --modes coat --swiglu-quantize separate  # SwiGLU unfused
 """
@@ -63,6 +64,10 @@ def parse_args(argv=None):
   p.add_argument("--attention-residuals", default="bf16", choices=ops.ATTENTION_RESIDUALS,
                  help="what the attention keeps of q, k, v for its backward: bf16 (default) or "
                       "fp8 (1 x 16 E4M3 copies, the attention recomputed in the backward)")
+  p.add_argument("--linear-residuals", default="kept", choices=ops.LINEAR_RESIDUALS,
+                 help="what Q/K/V, gate/up and down keep of their FP8 inputs for dW: kept "
+                      "(default, their transposed codes) or remade (from the norms' and "
+                      "SwiGLU's 1 x 16 codes in the backward)")
   # the FP8 linears' ablation switches (coat_jax.ops.linear_layer._ablation), a flag each; the
   # default is the library's choice (the first)
   helps = {
@@ -127,7 +132,7 @@ def bench_mode(mode: str, args) -> dict:
   block = DecoderBlock(args.hidden, args.ffn, args.heads, args.kv_heads or args.heads, head_dim,
                        mode=mode, dtype=jnp.bfloat16, param_dtype=jnp.dtype(args.param_dtype),
                        attention_impl=impl, attention_residuals=args.attention_residuals,
-                       rngs=nnx.Rngs(0))
+                       linear_residuals=args.linear_residuals, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(block)
   del block
   cos, sin = ops.rope_frequencies(head_dim, args.seq)
@@ -189,7 +194,8 @@ def print_table(results: list[dict], args) -> None:
         f"{dev.device_kind} ({dev.platform}); median of {args.iters}; FP8 weights quantized "
         f"{args.weight_quant.replace('_', ' ')} by {args.weight_quantize}, activation amax "
         f"{args.amax}; x quantized by {args.activation_quantize}, dY by "
-        f"{args.gradient_quantize}; attention residuals {args.attention_residuals}")
+        f"{args.gradient_quantize}; attention residuals {args.attention_residuals}; linear "
+        f"residuals {args.linear_residuals}")
   ref = next((r for r in results if r["mode"] == "bf16"), None)
   head = f"{'mode':<24}{'fwd ms':>16}{'fwd+bwd ms':>18}{'saved MB':>18}{'held MB':>18}{'peak MB':>12}"
   print(head)

@@ -57,6 +57,10 @@ class LlamaConfig:
   `attention_residuals` ("bf16" | "fp8", ops.ATTENTION_RESIDUALS) is what each attention keeps of
   q, k, v for its backward, in any precision mode: "fp8" keeps per-1x16-group E4M3 copies
   (1.125 instead of 2 bytes a value) and recomputes the attention from them in the backward.
+  `linear_residuals` ("kept" | "remade", ops.LINEAR_RESIDUALS; "coat" only) is what Q/K/V,
+  gate/up and down keep of their FP8 inputs for dW: "kept" their transposed codes; "remade"
+  nothing: the backward remakes them from the norms' and SwiGLU's 1 x 16 codes (1 byte a value
+  of the norms' outputs and of h less, `ops.linear_layer`).
   `loss_impl` (LOSS_IMPLS) is how `Llama.loss` computes the training loss: "fused" is
   `ops.lm_head_loss` (the LM head and cross-entropy over chunks of `loss_chunk_tokens` tokens,
   no full logits held); "logits" writes all logits, then `ops.softmax_cross_entropy`; "auto"
@@ -81,6 +85,7 @@ class LlamaConfig:
   remat: str | bool = "none"
   attention_impl: str | None = None
   attention_residuals: str = "bf16"
+  linear_residuals: str = "kept"
   init_std: float = 0.02
   scan_layers: bool = True
   scan_unroll: int = 1
@@ -120,6 +125,7 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig.remat must be one of {tuple(REMAT_POLICIES)} or a bool, "
                        f"got {self.remat!r}")
     ops.check_attention_residuals(self.attention_residuals, "LlamaConfig.attention_residuals")
+    ops.check_linear_residuals(self.linear_residuals, "LlamaConfig.linear_residuals")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"LlamaConfig.scan_layers must be a bool, got {self.scan_layers!r}")
     if self.scan_impl not in SCAN_IMPLS:
@@ -296,7 +302,8 @@ class Llama(nnx.Module):
                                   cfg.num_kv_heads, cfg.head_dim, eps=cfg.rms_eps,
                                   mode=cfg.precision, dtype=dtype, param_dtype=param_dtype,
                                   attention_impl=cfg.attention_impl,
-                                  attention_residuals=cfg.attention_residuals, rngs=rngs)
+                                  attention_residuals=cfg.attention_residuals,
+                                  linear_residuals=cfg.linear_residuals, rngs=rngs)
               for _ in range(cfg.num_layers)]
     self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
     # Final norm and LM head stay in the compute dtype ("bf16" ops) in every mode.

@@ -65,13 +65,17 @@ def _linears(x: jax.Array, x_q, projs) -> tuple[jax.Array, ...]:
 
 
 class RMSNorm(nnx.Module):
-  """y = x / rms(x) * scale; returns (y, y_q) with y_q the FP8 copy of y in "coat" mode, else None."""
+  """y = x / rms(x) * scale; returns (y, y_q) with y_q the FP8 copy of y in "coat" mode, else None.
+  `linear_residuals` ("kept" | "remade"): what the linears fed by y_q keep (`ops.rmsnorm`)."""
 
   def __init__(self, features: int, *, eps: float = 1e-6, mode: str = "bf16",
-               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+               linear_residuals: str = "kept", rngs: nnx.Rngs | None = None):
     del rngs  # scale starts at ones
     self.features, self.eps = features, eps
     self.mode = check_precision(mode, "mode")
+    self.linear_residuals = ops.check_linear_residuals(linear_residuals,
+                                                       "RMSNorm: linear_residuals")
     self.dtype = jnp.dtype(dtype)
     self.scale = nnx.Param(jnp.ones((features,), jnp.dtype(param_dtype)))
 
@@ -80,7 +84,7 @@ class RMSNorm(nnx.Module):
     if x.shape[-1] != self.features:
       raise ValueError(f"RMSNorm: input last axis {x.shape[-1]} != features {self.features}")
     return ops.rmsnorm(x.astype(self.dtype), self.scale[...].astype(self.dtype), eps=self.eps,
-                       mode=self.mode)
+                       mode=self.mode, linear_residuals=self.linear_residuals)
 
 
 class Embedding(nnx.Module):
@@ -184,12 +188,15 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). `linear_residuals` ("kept" | "remade"):
+  what the down projection keeps of h (`ops.swiglu_linears`)."""
 
   def __init__(self, hidden_size: int, intermediate_size: int, *, mode: str = "bf16",
-               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+               linear_residuals: str = "kept", rngs: nnx.Rngs):
     kw = dict(mode=mode, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.mode = check_precision(mode, "mode")
+    self.linear_residuals = ops.check_linear_residuals(linear_residuals, "MLP: linear_residuals")
     self.gate_proj = Linear(hidden_size, intermediate_size, **kw)
     self.up_proj = Linear(hidden_size, intermediate_size, **kw)
     self.down_proj = Linear(intermediate_size, hidden_size, **kw)
@@ -199,25 +206,31 @@ class MLP(nnx.Module):
     SwiGLU are one op (`ops.swiglu_linears`: in "coat" one GEMM with SwiGLU in its epilogue)."""
     _check_input(x, (self.gate_proj, self.up_proj))
     h, h_q = ops.swiglu_linears(x.astype(self.gate_proj.dtype), self.gate_proj.kernel[...],
-                                self.up_proj.kernel[...], mode=self.mode, x_q=x_q)
+                                self.up_proj.kernel[...], mode=self.mode, x_q=x_q,
+                                linear_residuals=self.linear_residuals)
     return self.down_proj(h, x_q=h_q)
 
 
 class DecoderBlock(nnx.Module):
-  """Pre-norm Llama block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm Llama block: x + attn(norm(x)), then x + mlp(norm(x)). `linear_residuals`: what
+  Q/K/V, gate/up ("coat": fed by the norms) and down (fed by SwiGLU) keep of their FP8 inputs
+  (`ops.LINEAR_RESIDUALS`)."""
 
   def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
                head_dim: int, *, eps: float = 1e-6, mode: str = "bf16", dtype: Any = jnp.bfloat16,
                param_dtype: Any = jnp.float32, attention_impl: str | None = None,
-               attention_residuals: str = "bf16", rngs: nnx.Rngs):
+               attention_residuals: str = "bf16", linear_residuals: str = "kept",
+               rngs: nnx.Rngs):
     kw = dict(mode=mode, dtype=dtype, param_dtype=param_dtype)
     self.dtype = jnp.dtype(dtype)
-    self.input_layernorm = RMSNorm(hidden_size, eps=eps, **kw)
+    self.input_layernorm = RMSNorm(hidden_size, eps=eps, linear_residuals=linear_residuals, **kw)
     self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim,
                                attention_impl=attention_impl,
                                attention_residuals=attention_residuals, rngs=rngs, **kw)
-    self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps, **kw)
-    self.mlp = MLP(hidden_size, intermediate_size, rngs=rngs, **kw)
+    self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps,
+                                            linear_residuals=linear_residuals, **kw)
+    self.mlp = MLP(hidden_size, intermediate_size, linear_residuals=linear_residuals, rngs=rngs,
+                   **kw)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                positions: jax.Array | None = None,

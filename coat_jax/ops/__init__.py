@@ -2,7 +2,8 @@
 from coat_jax.ops.attention import (ATTENTION_RESIDUALS, attention, attention_keeps_output,
                                    check_attention_residuals, segment_mask)
 from coat_jax.ops.cross_entropy import masked_mean, softmax_cross_entropy
-from coat_jax.ops.linear_layer import FP8_RESIDUALS, linear, linears, quantize_input
+from coat_jax.ops.linear_layer import (FP8_RESIDUALS, LINEAR_RESIDUALS, check_linear_residuals,
+                                      linear, linears, quantize_input)
 from coat_jax.ops.lm_head import lm_head
 from coat_jax.ops.lm_head_loss import lm_head_loss
 from coat_jax.ops.norm import rmsnorm
@@ -10,7 +11,8 @@ from coat_jax.ops.residual import residual_add
 from coat_jax.ops.rope import LLAMA3_ROPE_KEYS, apply_rope, rope_frequencies
 from coat_jax.ops.swiglu import swiglu, swiglu_linears
 
-__all__ = ["ATTENTION_RESIDUALS", "FP8_RESIDUALS", "LLAMA3_ROPE_KEYS", "apply_rope", "attention",
-           "attention_keeps_output", "check_attention_residuals", "linear", "linears", "lm_head",
+__all__ = ["ATTENTION_RESIDUALS", "FP8_RESIDUALS", "LINEAR_RESIDUALS", "LLAMA3_ROPE_KEYS",
+           "apply_rope", "attention", "attention_keeps_output", "check_attention_residuals",
+           "check_linear_residuals", "linear", "linears", "lm_head",
            "lm_head_loss", "masked_mean", "quantize_input", "residual_add", "rmsnorm",
            "rope_frequencies", "segment_mask", "softmax_cross_entropy", "swiglu", "swiglu_linears"]

@@ -19,26 +19,97 @@ keeps that input's FP8 copy once, not once per linear.
 Every array a "coat" op keeps for its backward (FP8 data and scales, RMSNorm's rstd) is named
 `FP8_RESIDUALS` with `jax.ad_checkpoint.checkpoint_name`, so that a remat policy
 `save_only_these_names(FP8_RESIDUALS)` keeps exactly those and recomputes the rest.
+
+LINEAR_RESIDUALS is what a "coat" linear fed by RMSNorm or SwiGLU keeps of its FP8 input for dW:
+"kept" (default) its transposed codes x^T, 1 byte a value; "remade" nothing of its own: x_q
+carries a `RemadeInput` in place of x^T, and the backward remakes x^T from the residuals its
+producer keeps anyway (RMSNorm's 1 x 16 codes of its input and rstd; SwiGLU's 1 x 16 codes of
+gate and up), quantized with the forward's amax (the forward's scale). The remade codes can
+differ from the forward's by the 1 x 16 codes' rounding: a numerics change, in dW only.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from coat_jax import kernels
+from coat_jax.formats import get_format
 from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
 
 FP8_RESIDUALS = "coat_fp8_residuals"
+LINEAR_RESIDUALS = ("kept", "remade")
 
 
 def name_residuals(tree):
   """Marks the arrays of `tree` as FP8 residuals (identity; see the module docstring)."""
   return checkpoint_name(tree, FP8_RESIDUALS)
+
+
+def check_linear_residuals(value, where: str = "linear_residuals") -> str:
+  """Returns `value` if it is one of LINEAR_RESIDUALS, else raises a ValueError naming it."""
+  if value not in LINEAR_RESIDUALS:
+    raise ValueError(f"{where} must be one of {LINEAR_RESIDUALS}, got {value!r}")
+  return value
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class RemadeInput:
+  """A linear input's transposed FP8 codes as its backward remakes them (in place of
+  `QuantizedArray.data_t`; module docstring, "remade").
+
+  x = make(*arrays) (float32) rounded to `dtype`, quantized per tensor with `amax` (the
+  forward's: the same scale) and transposed, (K, M), in one XLA fusion. `arrays` are residuals
+  of the op that made x, named there; `make` (static) is a module-level function.
+  """
+  arrays: tuple
+  amax: jax.Array
+  make: Callable
+  dtype: jnp.dtype
+
+  def tree_flatten(self):
+    return (self.arrays, self.amax), (self.make, self.dtype)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children, *aux)
+
+  def codes_t(self) -> jax.Array:
+    x = self.make(*self.arrays).astype(self.dtype)
+    q = kernels.quantize_per_tensor(x.reshape(-1, x.shape[-1]), "e4m3", amax=self.amax,
+                                    with_transpose=True, producer_fusion=True)
+    return q.data_t
+
+
+def remade_input(x: jax.Array, amax, arrays: tuple, make: Callable) -> QuantizedArray:
+  """Per-tensor E4M3 of a linear's input x (..., K) for the forward GEMM, carrying a
+  `RemadeInput(arrays, amax, make)` instead of x^T's codes. amax: max|x| where the producer has
+  it, else reduced here; named FP8_RESIDUALS (the backward quantizes with it)."""
+  amax = name_residuals(jnp.max(jnp.abs(x)) if amax is None else amax)
+  q = _quantize_x(x.reshape(-1, x.shape[-1]), amax=amax)
+  return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size,
+                        data_t=RemadeInput(tuple(arrays), amax, make, jnp.dtype(x.dtype)))
+
+
+def input_residuals(x_q: QuantizedArray):
+  """(x^T, scale): what a linear keeps of its FP8 input x_q for dW, named FP8_RESIDUALS; a
+  `RemadeInput` x^T as it is (its arrays are already named by their producer: named again they
+  would be new arrays, which the scan over layers stacks a second time)."""
+  if isinstance(x_q.data_t, RemadeInput):
+    return x_q.data_t, name_residuals(x_q.scale)
+  return name_residuals((x_q.data_t, x_q.scale))
+
+
+def input_codes_t(x_t) -> jax.Array:
+  """The kept x^T codes, or those a `RemadeInput` remakes."""
+  return x_t.codes_t() if isinstance(x_t, RemadeInput) else x_t
 
 
 def quantize_input(x: jax.Array, amax: jax.Array | None = None) -> QuantizedArray:
@@ -213,7 +284,7 @@ def backward_gemms(x_t, x_scale, w, g, kept, g_amax=None):
     wq = _quantize_weight(w.astype(g.dtype), amax, backward=True)
   tn = (((1,), (1,)), ((), ()))
   dx = kernels.fp8_dot_general(gq, wq, tn, g.dtype).reshape(g.shape[:-1] + (k,))
-  x_tq = QuantizedArray(x_t, x_scale, "e4m3")
+  x_tq = QuantizedArray(input_codes_t(x_t), x_scale, "e4m3")
   g_tq = QuantizedArray(gq.data_t, gq.scale, gq.fmt)
   # The GEMM writes dW in w's dtype when it can (bf16 or float32: the float32 accumulator
   # rounded once, as a cast after it would): no separate pass converting a float32 dW.
@@ -224,9 +295,9 @@ def backward_gemms(x_t, x_scale, w, g, kept, g_amax=None):
 
 def zero_input_cotangent(dx, x_t, x_scale) -> QuantizedArray:
   """The cotangent of an op's x_q argument: zero (x_q carries no gradient; it flows through x),
-  built from shapes so that nothing but x^T is kept for the backward."""
-  return QuantizedArray(jnp.zeros(dx.shape, x_t.dtype), jnp.zeros_like(x_scale), "e4m3", 0,
-                        data_t=jnp.zeros_like(x_t))
+  built from shapes so that nothing but x^T (or its `RemadeInput`) is kept for the backward."""
+  return QuantizedArray(jnp.zeros(dx.shape, get_format("e4m3").dtype), jnp.zeros_like(x_scale),
+                        "e4m3", 0, data_t=jax.tree.map(jnp.zeros_like, x_t))
 
 
 def _flat(x, in_shape):
@@ -271,7 +342,7 @@ def _linear_coat_q(x, w, x_q):
 
 def _linear_coat_q_fwd(x, w, x_q):
   y, kept = _fwd_gemm(x_q, w, x.dtype)
-  return y, (*name_residuals((x_q.data_t, x_q.scale)), w, kept)
+  return y, (*input_residuals(x_q), w, kept)
 
 
 def _linear_coat_q_bwd(res, g):
@@ -291,7 +362,7 @@ def _linears_coat_q(x, ws, x_q):
 def _linears_coat_q_fwd(x, ws, x_q):
   outs = [_fwd_gemm(x_q, w, x.dtype) for w in ws]
   return (tuple(y for y, _ in outs),
-          (*name_residuals((x_q.data_t, x_q.scale)), ws, tuple(k for _, k in outs)))
+          (*input_residuals(x_q), ws, tuple(k for _, k in outs)))
 
 
 def _linears_coat_q_bwd(res, gs):

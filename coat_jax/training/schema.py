@@ -29,6 +29,7 @@ from coat_jax.formats import OPTIMIZER_GROUP_AXES, OPTIMIZER_GROUP_AXIS, OPTIMIZ
 from coat_jax.kernels import KernelConfig
 from coat_jax.models.llama import REMAT_POLICIES, LlamaConfig
 from coat_jax.ops.attention import ATTENTION_RESIDUALS
+from coat_jax.ops.linear_layer import LINEAR_RESIDUALS
 from coat_jax.precision import AUTO_DTYPE, DTYPES, PRECISIONS
 from coat_jax.training import config_io
 from coat_jax.rounding import MASTER_ROUNDINGS
@@ -358,6 +359,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _one_of(m.dtype, DTYPES + (AUTO_DTYPE,), "model.dtype")
   if m.attention_residuals is not None:
     _one_of(m.attention_residuals, ATTENTION_RESIDUALS, "model.attention_residuals")
+  if m.linear_residuals is not None:
+    _one_of(m.linear_residuals, LINEAR_RESIDUALS, "model.linear_residuals")
   for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
             "num_kv_heads", "head_dim", "max_seq_len"):
     value = getattr(m, f)

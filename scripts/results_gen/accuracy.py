@@ -50,11 +50,13 @@ def accuracy(src: Sources) -> list[str]:
   return out
 
 
-# coat with FP8 attention residuals at the same seeds (seed 2: the run's printed log; its
-# accuracy.json did not come back from the GPU machine).
-FP8_ATTENTION_SEEDS = ((0, "accuracy_llama125m_fp8_attention_h100"),
-                       (1, "accuracy_llama125m_fp8_attention_seed1_h100"),
-                       (2, "accuracy_llama125m_fp8_attention_seed2_h100"))
+# coat with one option set, at the same seeds: (option as the table names it, (seed, source)...).
+# FP8 attention residuals' seed 2: the run's printed log (its accuracy.json did not come back
+# from the GPU machine).
+FP8_ATTENTION = ("`attention_residuals: fp8`",
+                 ((0, "accuracy_llama125m_fp8_attention_h100"),
+                  (1, "accuracy_llama125m_fp8_attention_seed1_h100"),
+                  (2, "accuracy_llama125m_fp8_attention_seed2_h100")))
 
 
 def eval_curve(src: Sources, sid: str, mode: str) -> list[float]:
@@ -69,24 +71,30 @@ def eval_curve(src: Sources, sid: str, mode: str) -> list[float]:
   return [float(v) for v in re.findall(r"\n\s+\d+\s+([\d.]+)(?=\n)", table)]
 
 
-def accuracy_fp8_attention(src: Sources) -> list[str]:
+def coat_option_accuracy(src: Sources, option: tuple) -> list[str]:
+  """The default runs' table with a column of coat + coat_adamw runs with `option` set."""
+  name, seeds = option
   losses = accuracy_losses(src)
-  assert [s for s, _ in FP8_ATTENTION_SEEDS] == list(losses), "the accuracy runs' seeds"
-  for seed, sid in FP8_ATTENTION_SEEDS:
+  assert [s for s, _ in seeds] == list(losses), "the accuracy runs' seeds"
+  for seed, sid in seeds:
     curve = eval_curve(src, sid, MODES[1])
-    losses[seed]["fp8"] = (curve[-1], min(curve))
+    losses[seed]["option"] = (curve[-1], min(curve))
   out = ["| seed | final eval loss, bf16 + adamw | coat + coat_adamw | vs bf16 "
-         "| coat, `attention_residuals: fp8` | vs bf16 |", "|---|---|---|---|---|---|"]
+         f"| coat, {name} | vs bf16 |", "|---|---|---|---|---|---|"]
   means = mean_losses(losses)
   rows = [(str(s), losses[s], 0) for s in losses] + [("mean", means, 0),
                                                      ("mean, lowest eval loss", means, 1)]
-  for name, l, i in rows:   # i: 0 the final eval loss, 1 the lowest along the run
-    b, c, f = l[MODES[0]][i], l[MODES[1]][i], l["fp8"][i]
-    out.append(f"| {name} | {b:.4f} | {c:.4f} | {ratio('pct', b, c)} | {f:.4f} "
+  for row, l, i in rows:   # i: 0 the final eval loss, 1 the lowest along the run
+    b, c, f = l[MODES[0]][i], l[MODES[1]][i], l["option"][i]
+    out.append(f"| {row} | {b:.4f} | {c:.4f} | {ratio('pct', b, c)} | {f:.4f} "
                f"| {ratio('pct', b, f)} |")
-  out += ["", source_line(src, FP8_ATTENTION_SEEDS[0][1])]
-  out += [f"Seed {seed}: " + source_line(src, sid) for seed, sid in FP8_ATTENTION_SEEDS[1:]]
+  out += ["", source_line(src, seeds[0][1])]
+  out += [f"Seed {seed}: " + source_line(src, sid) for seed, sid in seeds[1:]]
   return out
+
+
+def accuracy_fp8_attention(src: Sources) -> list[str]:
+  return coat_option_accuracy(src, FP8_ATTENTION)
 
 
 def stability(src: Sources) -> list[str]:
