@@ -180,6 +180,17 @@ def test_mosaic_quantize_equals_the_reference(rng, shape, dtype, g):
   _assert_same(deq, ref_dequantize(qg, jnp.float32))
 
 
+def test_dequantize_for_a_consumer_fusion_is_xla_and_equal(rng):
+  """consumer_fusion=True: XLA's ops (no kernel) where the mosaic kernel would run; same values."""
+  x = _inputs(rng, (64, 256), jnp.bfloat16)
+  with kernels.backend("pallas"):
+    qg = kernels.quantize_per_group(x, 16, "e4m3")
+    kernel = jax.jit(lambda q: kernels.dequantize(q, jnp.float32))
+    fused = jax.jit(lambda q: kernels.dequantize(q, jnp.float32, consumer_fusion=True))
+    assert _uses_kernel(kernel, qg) and not _uses_kernel(fused, qg)
+    _assert_same(fused(qg), kernel(qg))
+
+
 def test_per_tensor_given_amax_and_plain(rng):
   x = _inputs(rng, (64, 128), jnp.float32)
   amax = jnp.float32(3.0)

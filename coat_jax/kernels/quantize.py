@@ -214,11 +214,14 @@ def _swiglu_backward_reference(gate_q, up_q, dh):
                                         quantize.dequantize(up_q, jnp.float32), dh)
 
 
-def dequantize(q: QuantizedArray, dtype):
+def dequantize(q: QuantizedArray, dtype, *, consumer_fusion: bool = False):
   """See `coat_jax.quantize.dequantize` (mosaic for per-group FP8 arrays of the per-group
-  quantize's shapes; per-tensor is XLA's)."""
+  quantize's shapes; per-tensor is XLA's). consumer_fusion: XLA's ops always, which XLA fuses
+  into the op that reads the values (no array of them written), for a consumer that is itself
+  an XLA fusion."""
   out_dtype = jnp.dtype(dtype)
-  if (q.group_size > 0 and backends.implementation("dequantize") == "mosaic"
+  if (not consumer_fusion and q.group_size > 0
+      and backends.implementation("dequantize") == "mosaic"
       and jnp.issubdtype(out_dtype, jnp.floating)):
     from pallas_kernels.quantize import quantize_mgpu as qm
     if qm.supported_per_group(q.data.shape, q.data.dtype, q.group_size):

@@ -30,7 +30,8 @@ def _plain(x, scale, eps):
 
 def _remade_y(xg, rstd, scale):
   """y (float32) from RMSNorm's residuals: x's 1 x 16 codes, rstd, and the scale."""
-  return kernels.dequantize(xg, jnp.float32) * rstd * scale.astype(jnp.float32)
+  return (kernels.dequantize(xg, jnp.float32, consumer_fusion=True) * rstd
+          * scale.astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -35,7 +35,7 @@ from coat_jax.quantize import QuantizedArray
 
 def _remade_h(gq, uq):
   """h (float32) from SwiGLU's residuals: gate's and up's 1 x 16 codes."""
-  return _plain(kernels.dequantize(gq, jnp.float32), kernels.dequantize(uq, jnp.float32))
+  return _plain(*(kernels.dequantize(a, jnp.float32, consumer_fusion=True) for a in (gq, uq)))
 
 
 def _h_q(h, h_amax, gq, uq, linear_residuals):

@@ -93,8 +93,18 @@ def coat_option_accuracy(src: Sources, option: tuple) -> list[str]:
   return out
 
 
+LINEAR_REMADE = ("`linear_residuals: remade`",
+                 ((0, "accuracy_llama125m_linear_remade_h100"),
+                  (1, "accuracy_llama125m_linear_remade_seed1_h100"),
+                  (2, "accuracy_llama125m_linear_remade_seed2_h100")))
+
+
 def accuracy_fp8_attention(src: Sources) -> list[str]:
   return coat_option_accuracy(src, FP8_ATTENTION)
+
+
+def accuracy_linear_remade(src: Sources) -> list[str]:
+  return coat_option_accuracy(src, LINEAR_REMADE)
 
 
 def stability(src: Sources) -> list[str]:
