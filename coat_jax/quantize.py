@@ -32,7 +32,9 @@ class QuantizedArray:
     fmt: format name (static).
     group_size: G for per-group (1 x G along the last axis), 0 for per-tensor (static).
     data_t: optional transposed copy of `data` (last two axes swapped), made by the fused
-      quantize+transpose for backward GEMMs that want K-major operands; None if absent.
+      quantize+transpose for backward GEMMs that want K-major operands; None if absent. (Between
+      the ops, a linear's input may carry what its backward remakes the copy from instead:
+      `coat_jax.ops.linear_layer.RemadeInput`; the kernels never see one.)
   """
   data: jax.Array
   scale: jax.Array
@@ -61,7 +63,7 @@ class QuantizedArray:
 
   def nbytes(self) -> int:
     """Bytes held by data, scale and (if present) the transposed copy."""
-    leaves = [self.data, self.scale] + ([self.data_t] if self.data_t is not None else [])
+    leaves = [self.data, self.scale] + ([self.data_t] if hasattr(self.data_t, "shape") else [])
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves)
 
 

@@ -112,6 +112,11 @@ def input_codes_t(x_t) -> jax.Array:
   return x_t.codes_t() if isinstance(x_t, RemadeInput) else x_t
 
 
+def forward_operand(x_q: QuantizedArray) -> QuantizedArray:
+  """x_q as the forward GEMM's operand: without a `RemadeInput` (the kernels know only arrays)."""
+  return dataclasses.replace(x_q, data_t=None) if isinstance(x_q.data_t, RemadeInput) else x_q
+
+
 def quantize_input(x: jax.Array, amax: jax.Array | None = None) -> QuantizedArray:
   """Per-tensor E4M3 of a linear layer's input x (..., K), with its K-major transpose.
 
@@ -260,7 +265,8 @@ def _fwd_gemm(xq, w, out_dtype):
     else:
       wq, codes, scale = _quantize_weight(jnp.swapaxes(wc, 0, 1), amax), None, None
   dn = (((xq.data.ndim - 1,), (1,)), ((), ()))
-  return kernels.fp8_dot_general(xq, wq, dn, out_dtype), name_residuals((amax, codes, scale))
+  return (kernels.fp8_dot_general(forward_operand(xq), wq, dn, out_dtype),
+          name_residuals((amax, codes, scale)))
 
 
 def backward_gemms(x_t, x_scale, w, g, kept, g_amax=None):

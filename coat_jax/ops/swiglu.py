@@ -26,9 +26,9 @@ from coat_jax import kernels
 from coat_jax.activations import silu_product as _plain
 from coat_jax.formats import ACTIVATION_GROUP_SIZE
 from coat_jax.ops.linear_layer import (backward_gemms, check_input_q, check_linear_residuals,
-                                       check_weight, input_residuals, linears, name_residuals,
-                                       option, quantize_input, remade_input, weight_amax,
-                                       zero_input_cotangent)
+                                       check_weight, forward_operand, input_residuals, linears,
+                                       name_residuals, option, quantize_input, remade_input,
+                                       weight_amax, zero_input_cotangent)
 from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
 
@@ -105,7 +105,7 @@ def _swiglu_linears_coat(x, w_gate, w_up, x_q, linear_residuals):
 
 def _swiglu_linears_fwd(x, w_gate, w_up, x_q, linear_residuals):
   (ag, wgq), (au, wuq) = weight_codes_t(w_gate, x.dtype), weight_codes_t(w_up, x.dtype)
-  h, h_amax, gq, uq = kernels.gemm_swiglu_quantize(x_q, wgq, wuq, x.dtype,
+  h, h_amax, gq, uq = kernels.gemm_swiglu_quantize(forward_operand(x_q), wgq, wuq, x.dtype,
                                                    ACTIVATION_GROUP_SIZE, "e4m3")
   gq, uq, ag, au = name_residuals((gq, uq, ag, au))
   res = (*input_residuals(x_q), gq, uq, ag, au, w_gate, w_up)
