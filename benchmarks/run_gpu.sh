@@ -9,7 +9,11 @@
 # tests), kernels (quantize bandwidth, fused Adam step, FP8 GEMM), quant_sweep (the Mosaic GPU
 # quantize kernels' tunables), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes),
 # optimizer (1.21e9 params), train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded
-# (same, FSDP over all GPUs), e2e (benchmarks/step/bench_e2e.py),
+# (same, FSDP over all GPUs), e2e (benchmarks/step/bench_e2e.py), compile_breakdown (where the
+# step's compile goes, benchmarks/step/compile_breakdown.py: CB_ARGS, default Llama-2-7B unrolled,
+# bf16 against coat), accuracy (benchmarks/accuracy/accuracy.py at ACC_SEEDS, default 0 1 2, one
+# run each, 2000 steps of llama-125m: ACC_MODES, ACC_ARGS such as
+# "--set model.linear_residuals=remade"),
 # peak (what the coat step holds at its memory peak, lax.scan vs vjp_loop), floor (the olmo-1b
 # step of both modes per kernel category, against benchmarks/step/step_floor.py's floors),
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU),
@@ -113,6 +117,13 @@ for s in "$@"; do
                  --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \
                  --set run.eval_every=1000 --set checkpoint.every=100000 --set mesh.fsdp=-1 --out-dir /tmp/runs_$1; done ;;
     e2e) section e2e 500 $PY -m benchmarks.step.bench_e2e --modes bf16+adamw,coat+coat_adamw --layers best ${E2E_ARGS:-} ;;
+    compile_breakdown) section compile_breakdown ${CB_LIMIT:-240} $PY -m benchmarks.step.compile_breakdown \
+             --vmodule "" --json "$OUT/compile_breakdown.json" ${CB_ARGS:---preset llama2-7b --remat full \
+             --batch 8 --set model.scan_layers=false --variants bf16:adamw coat:coat_adamw --parallel 1} ;;
+    accuracy) for s in ${ACC_SEEDS:-0 1 2}; do  # one seed a run, its accuracy.json kept
+               section accuracy 200 $PY -m benchmarks.accuracy.accuracy --out /tmp/acc_s$s --seed $s \
+                 --modes ${ACC_MODES:-coat+coat_adamw} --seconds-budget 170 ${ACC_ARGS:-}
+               cp /tmp/acc_s$s/accuracy.json "$OUT/accuracy_s$s.json"; done ;;
     peak) section peak 300 $PY -m benchmarks.step.profile_step --variants coat:scan+lax,coat:scan+vjploop \
             --iters 1 --steps 1 --warmup 1 --top 25 --gaps 0 --buffers /tmp/peak_dumps --hlo-dir "$OUT/hlo" \
             --json "$OUT/peak.json" ;;
