@@ -12,8 +12,8 @@
 # (same, FSDP over all GPUs), e2e (benchmarks/step/bench_e2e.py), compile_breakdown (where the
 # step's compile goes, benchmarks/step/compile_breakdown.py: CB_ARGS, default Llama-2-7B unrolled,
 # bf16 against coat), accuracy (benchmarks/accuracy/accuracy.py at ACC_SEEDS, default 0 1 2, one
-# run each, 2000 steps of llama-125m: ACC_MODES, ACC_ARGS such as
-# "--set model.linear_residuals=remade"),
+# run each, 2000 steps of llama-125m: ACC_MODES, ACC_BUDGET seconds a seed, default 170 (one coat
+# run takes ~70 s on an H100, bf16 ~90 s), ACC_ARGS such as "--set model.linear_residuals=remade"),
 # peak (what the coat step holds at its memory peak, lax.scan vs vjp_loop), floor (the olmo-1b
 # step of both modes per kernel category, against benchmarks/step/step_floor.py's floors),
 # multi_gpu (2 GPUs: a checkpoint written on 2 resumed on 1; olmo-1b FSDP on 2 vs 1 GPU),
@@ -121,8 +121,9 @@ for s in "$@"; do
              --vmodule "" --json "$OUT/compile_breakdown.json" ${CB_ARGS:---preset llama2-7b --remat full \
              --batch 8 --set model.scan_layers=false --variants bf16:adamw coat:coat_adamw --parallel 1} ;;
     accuracy) for s in ${ACC_SEEDS:-0 1 2}; do  # one seed a run, its accuracy.json kept
-               section accuracy 200 $PY -m benchmarks.accuracy.accuracy --out /tmp/acc_s$s --seed $s \
-                 --modes ${ACC_MODES:-coat+coat_adamw} --seconds-budget 170 ${ACC_ARGS:-}
+               section accuracy $(( ${ACC_BUDGET:-170} + 30 )) $PY -m benchmarks.accuracy.accuracy \
+                 --out /tmp/acc_s$s --seed $s --modes ${ACC_MODES:-coat+coat_adamw} \
+                 --seconds-budget ${ACC_BUDGET:-170} ${ACC_ARGS:-}
                cp /tmp/acc_s$s/accuracy.json "$OUT/accuracy_s$s.json"; done ;;
     peak) section peak 300 $PY -m benchmarks.step.profile_step --variants coat:scan+lax,coat:scan+vjploop \
             --iters 1 --steps 1 --warmup 1 --top 25 --gaps 0 --buffers /tmp/peak_dumps --hlo-dir "$OUT/hlo" \
