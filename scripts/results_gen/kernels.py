@@ -71,21 +71,24 @@ def layer_fp8_attention(src: Sources) -> list[str]:
 
 
 def layer_linear_residuals(src: Sources) -> list[str]:
-  """The coat layer keeping its linears' FP8 inputs (default) and remaking them, one machine."""
-  runs = {lr: src.value(f"layer7b_linear_residuals_{lr}_h100", "results.0")
-          for lr in ("kept", "remade")}
+  """The coat layer keeping its linears' FP8 inputs (default) and remaking them, both on one
+  machine, on two H100s."""
   out = ["| | fwd + bwd ms | back to back ms | held MB | device peak MB |", "|---|---|---|---|---|"]
-  for lr, r in runs.items():
-    out.append(f"| coat, `linear_residuals: {lr}` | {r['fwd_bwd_ms']:.2f} "
-               f"| {r['fwd_bwd_b2b_ms']:.2f} | {r['held_bytes'] / 1e6:.1f} "
-               f"| {r['peak_bytes'] / 1e6:.1f} |")
-  k, m = runs["kept"], runs["remade"]
-  out.append(f"| remade vs kept | {ratio('pct', k['fwd_bwd_ms'], m['fwd_bwd_ms'])} "
-             f"| {ratio('pct', k['fwd_bwd_b2b_ms'], m['fwd_bwd_b2b_ms'])} "
-             f"| {ratio('less', k['held_bytes'], m['held_bytes'])} "
-             f"| {ratio('less', k['peak_bytes'], m['peak_bytes'])} |")
-  return out + ["", source_line(src, "layer7b_linear_residuals_remade_h100"),
-                source_line(src, "layer7b_linear_residuals_kept_h100")]
+  sids = []
+  for machine, where in (("", ""), ("_other", ", another H100")):
+    runs = {}
+    for lr in ("kept", "remade"):
+      sids.append(f"layer7b_linear_residuals_{lr}{machine}_h100")
+      runs[lr] = r = src.value(sids[-1], "results.0")
+      out.append(f"| coat, `linear_residuals: {lr}`{where} | {r['fwd_bwd_ms']:.2f} "
+                 f"| {r['fwd_bwd_b2b_ms']:.2f} | {r['held_bytes'] / 1e6:.1f} "
+                 f"| {r['peak_bytes'] / 1e6:.1f} |")
+    k, m = runs["kept"], runs["remade"]
+    out.append(f"| remade vs kept{where} | {ratio('pct', k['fwd_bwd_ms'], m['fwd_bwd_ms'])} "
+               f"| {ratio('pct', k['fwd_bwd_b2b_ms'], m['fwd_bwd_b2b_ms'])} "
+               f"| {ratio('less', k['held_bytes'], m['held_bytes'])} "
+               f"| {ratio('less', k['peak_bytes'], m['peak_bytes'])} |")
+  return out + [""] + [source_line(src, sid) for sid in sids]
 
 
 def optimizer(src: Sources) -> list[str]:
