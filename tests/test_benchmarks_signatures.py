@@ -140,7 +140,7 @@ def test_linear_ablation_rejects_unknown_values_and_defaults_to_the_library_choi
   assert {k: linear_layer.option(k) for k in linear_layer._ABLATIONS} == dict(
       weight_quant="per_use", amax="fused", weight_quantize="forward_kernel",
       activation_quantize="kernel", gradient_quantize="kernel", swiglu_quantize="gemm_epilogue",
-      weight_transpose="codes")
+      weight_transpose="codes", remake_quantize="xla")
   with linear_layer._ablation(amax="kernel"):
     with linear_layer._ablation(weight_quant="once"):   # nested: both
       assert (linear_layer.option("amax"), linear_layer.option("weight_quant")) == (

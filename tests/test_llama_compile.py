@@ -318,3 +318,34 @@ def test_remade_linear_residuals_with_the_kernels(rng):
     err = rel_l2(got[name], kept[name])
     remade = any(f"/{lin}/" in name for lin in REMADE_LINEARS)
     assert (1e-3 < err < 0.08) if remade else err == 0, (name, err)
+
+
+def test_remake_quantize_by_kernel_or_xla_is_the_same(rng):
+  """`_ablation(remake_quantize=...)`: the remade x^T codes from one XLA fusion or from the
+  quantize kernel (interpret mode: one more kernel in the backward) are the same codes: the same
+  gradients, bit for bit."""
+  from coat_jax import ops
+  from coat_jax.ops import linear_layer
+
+  x = jnp.asarray(rng.standard_normal((2, 64, 128)), jnp.bfloat16)
+  s = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.bfloat16)
+  w = jnp.asarray(0.1 * rng.standard_normal((128, 128)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((2, 64, 128)), jnp.bfloat16)
+
+  def f(x, s, w):
+    y, y_q = ops.rmsnorm(x, s, mode="coat", linear_residuals="remade")
+    return ops.linear(y, w, mode="coat", x_q=y_q)
+
+  def grads(choice):   # traced afresh: the switch is read while tracing
+    with linear_layer._ablation(remake_quantize=choice):
+      backward = lambda x, s, w: jax.vjp(f, x, s, w)[1](ct)
+      kernels_in = str(jax.make_jaxpr(backward)(x, s, w)).count("coat_quantize_per_tensor")
+      return [np.asarray(a, np.float32) for a in backward(x, s, w)], kernels_in
+
+  with kernels.backend("quantize=pallas"):
+    (by_xla, n_xla), (by_kernel, n_kernel) = grads("xla"), grads("kernel")
+  print("quantize kernels in the backward, kernel vs xla:", n_kernel, n_xla)
+  assert n_kernel > n_xla, (n_kernel, n_xla)
+  for a, b in zip(by_kernel, by_xla):
+    assert np.isfinite(a).all()
+    np.testing.assert_array_equal(a, b)

@@ -85,7 +85,9 @@ def parse_args(argv=None):
                          "epilogue (gemm_epilogue), from one read of gate and up (fused), or h "
                          "by XLA and two per-group quantizes (separate)",
       "weight_transpose": "FP8 modes: W^T for the forward GEMM by transposing W's FP8 codes "
-                          "(codes) or quantizing the transposed cast weight (cast)"}
+                          "(codes) or quantizing the transposed cast weight (cast)",
+      "remake_quantize": "coat with --linear-residuals remade: the remade x^T codes by one XLA "
+                         "fusion (xla) or x written, then the quantize kernel (kernel)"}
   for name, choices in linear_layer._ABLATIONS.items():
     p.add_argument("--" + name.replace("_", "-"), default=choices[0], choices=choices,
                    help=helps[name])
@@ -195,7 +197,8 @@ def print_table(results: list[dict], args) -> None:
         f"{args.weight_quant.replace('_', ' ')} by {args.weight_quantize}, activation amax "
         f"{args.amax}; x quantized by {args.activation_quantize}, dY by "
         f"{args.gradient_quantize}; attention residuals {args.attention_residuals}; linear "
-        f"residuals {args.linear_residuals}")
+        f"residuals {args.linear_residuals}"
+        + (f" (by {args.remake_quantize})" if args.linear_residuals == "remade" else ""))
   ref = next((r for r in results if r["mode"] == "bf16"), None)
   head = f"{'mode':<24}{'fwd ms':>16}{'fwd+bwd ms':>18}{'saved MB':>18}{'held MB':>18}{'peak MB':>12}"
   print(head)

@@ -66,8 +66,9 @@ class RemadeInput:
   `QuantizedArray.data_t`; module docstring, "remade").
 
   x = make(*arrays) (float32) rounded to `dtype`, quantized per tensor with `amax` (the
-  forward's: the same scale) and transposed, (K, M), in one XLA fusion. `arrays` are residuals
-  of the op that made x, named there; `make` (static) is a module-level function.
+  forward's: the same scale) and transposed, (K, M), in one XLA fusion (`_ablation`'s
+  remake_quantize, "xla"; or "kernel": x written, then the quantize kernel). `arrays` are
+  residuals of the op that made x, named there; `make` (static) is a module-level function.
   """
   arrays: tuple
   amax: jax.Array
@@ -84,7 +85,8 @@ class RemadeInput:
   def codes_t(self) -> jax.Array:
     x = self.make(*self.arrays).astype(self.dtype)
     q = kernels.quantize_per_tensor(x.reshape(-1, x.shape[-1]), "e4m3", amax=self.amax,
-                                    with_transpose=True, producer_fusion=True)
+                                    with_transpose=True,
+                                    producer_fusion=option("remake_quantize") == "xla")
     return q.data_t
 
 
@@ -143,7 +145,7 @@ _ABLATIONS = {"weight_quant": ("per_use", "once"), "amax": ("fused", "kernel"),
               "weight_quantize": ("forward_kernel", "kernel", "xla"),
               "activation_quantize": ("kernel", "xla"), "gradient_quantize": ("kernel", "xla"),
               "swiglu_quantize": ("gemm_epilogue", "fused", "separate"),
-              "weight_transpose": ("codes", "cast")}
+              "weight_transpose": ("codes", "cast"), "remake_quantize": ("xla", "kernel")}
 # The switches set away from the first choice, ((name, value), ...): a JAX user context, part of
 # jit's cache key (a trace made under other switches is never reused).
 _SWITCHES = jax.make_user_context(default_value=())
@@ -210,6 +212,11 @@ def _ablation(**switches: str):
   (N, L, K), 4.3 GB for OLMo-1B); "codes" with the kernel reads the parameter as it lies: no
   relayout (0 instead of 21 in OLMo-1B's step), at one more kernel module per weight shape to
   compile.
+  remake_quantize (linear_residuals "remade" only): how the backward remakes a linear's
+  transposed input codes: one XLA fusion from the producer's codes to the transposed codes
+  ("xla", default), or the fusion writing x in the compute dtype and the dispatch's quantize
+  kernel making the transposed copy ("kernel"). Same values either way; not timed against each
+  other yet.
   Switches not named keep their values. Read while a function is traced: trace (jit) it inside
   the `with`; the switches are part of jit's cache key.
   """
