@@ -6,6 +6,7 @@ which GEMMs, quantize kernels and fusions the time goes to, and where the GPU si
 kernels (the largest gaps with the host events during them: benchmarks/_trace.py).
 
   python -m benchmarks.layer.profile_layer --modes coat,fp8_linear --top 25     # GPU
+  python -m benchmarks.layer.profile_layer --modes coat --linear-residuals remade
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def layer_fn(mode, a):
   head_dim = a.hidden // a.heads
   impl = "cudnn" if jax.default_backend() == "gpu" else None
   block = DecoderBlock(a.hidden, a.ffn, a.heads, a.heads, head_dim, mode=mode, dtype=jnp.bfloat16,
-                       param_dtype=jnp.bfloat16, attention_impl=impl, rngs=nnx.Rngs(0))
+                       param_dtype=jnp.bfloat16, attention_impl=impl,
+                       linear_residuals=a.linear_residuals, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(block)
   cos, sin = ops.rope_frequencies(head_dim, a.seq)
   kx, kd = jax.random.split(jax.random.key(1))
@@ -51,6 +53,9 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=3)
   p.add_argument("--top", type=int, default=25)
   p.add_argument("--gaps", type=int, default=10, help="largest idle gaps listed, with host events")
+  p.add_argument("--linear-residuals", default="kept", choices=ops.LINEAR_RESIDUALS,
+                 help="coat: what the linears keep of their FP8 inputs (kept, or remade in the "
+                      "backward)")
   a = p.parse_args(argv)
   for mode in a.modes.split(","):
     run = layer_fn(mode, a)
