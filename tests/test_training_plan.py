@@ -229,3 +229,21 @@ def test_plan_of_pretokenized_data_needs_no_files(cache, tmp_path):
   assert "reports no memory limit" in no_files   # a CPU: the table says to plan on the GPU
   with pytest.raises(ValueError, match="matches no files"):
     run(mini(cache, *data, f"run.out_dir={tmp_path / 'run'}"), log=QUIET)
+
+
+def test_coat_plans_offer_the_linears_remade_inputs(cache):
+  """coat: `model.linear_residuals=remade` is one of the settings offered when a step does not
+  fit (never chosen by `auto`: it changes the weight gradients' numerics)."""
+  cfg = mini(cache, "precision=coat", "model.remat=none", "optimizer.accumulate=1")
+  planner = Planner(cfg, mesh_lib.make_mesh(cfg.mesh), 512, log=QUIET)
+  base = Setting.of(cfg)
+  assert base.linear_residuals == "kept"
+  kept = planner.predict(base)
+  remade = planner.predict(base.replace(linear_residuals="remade"))
+  print("predicted peaks, kept / remade:", kept.peak, remade.peak)
+  assert remade.peak < kept.peak
+  assert remade.setting.overrides(base) == ["model.linear_residuals=remade"]
+  assert remade.cfg.model.linear_residuals == "remade"
+  assert "linear inputs remade" in remade.setting.describe()
+  offered = [p.setting for p in planner.alternatives(base, remade.peak)]
+  assert base.replace(linear_residuals="remade") in offered, offered

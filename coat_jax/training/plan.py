@@ -16,8 +16,10 @@ The device holds `run.device_memory_limit` bytes when set, else its `bytes_limit
 stats; none on a CPU, where nothing is checked). A prediction above it stops the run before
 anything is allocated: `OutOfMemoryError` (exit 4), one line with the predicted and available
 bytes and the settings that fit, each with its predicted peak (`alternatives`: for remat,
-microbatches, master weight dtype and batch, the first value that fits, fastest first; one
-compile each). `train.py --plan` prints them all as a table and trains nothing.
+microbatches, master weight dtype, the coat linears' remade inputs and batch, the first value
+that fits, fastest first; one compile each). `train.py --plan` prints them all as a table and
+trains nothing. `auto` never picks the two that change the numerics (master weight dtype,
+remade inputs); they are offered.
 
 `model.remat: auto` / `optimizer.accumulate: auto` take the first setting that fits in the order
 fastest first: remat none, fp8_residuals (coat only: elsewhere it saves nothing, as full), dots,
@@ -66,12 +68,14 @@ def _size(n: float | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """The memory knobs of a run: remat policy, microbatches, master weight dtype, global batch."""
+  """The memory knobs of a run: remat policy, microbatches, master weight dtype, global batch,
+  what the coat linears keep of their inputs."""
   remat: str
   accumulate: int
   param_dtype: str
   batch_size: int
   master_rounding: str
+  linear_residuals: str = "kept"
 
   @classmethod
   def of(cls, cfg: RunConfig, remat: str | None = None, accumulate: int | None = None) -> "Setting":
@@ -80,7 +84,8 @@ class Setting:
     r = {True: "full", False: "none", None: LlamaConfig.remat}.get(r, r)
     dtype = cfg.model.param_dtype or LlamaConfig.param_dtype
     return cls(r, cfg.optimizer.accumulate if accumulate is None else accumulate, dtype,
-               cfg.data.batch_size, cfg.optimizer.master_rounding)
+               cfg.data.batch_size, cfg.optimizer.master_rounding,
+               cfg.model.linear_residuals or LlamaConfig.linear_residuals)
 
   def replace(self, **changes) -> "Setting":
     return dataclasses.replace(self, **changes)
@@ -89,7 +94,8 @@ class Setting:
     """`cfg` with this setting's values (entries it already has left as written, None kept)."""
     now, r = Setting.of(cfg), dataclasses.replace
     new = {f: v for f, v in dataclasses.asdict(self).items() if getattr(now, f) != v}
-    sections = {"model": ("remat", "param_dtype"), "optimizer": ("accumulate", "master_rounding"),
+    sections = {"model": ("remat", "param_dtype", "linear_residuals"),
+                "optimizer": ("accumulate", "master_rounding"),
                 "data": ("batch_size",)}
     return r(cfg, **{name: r(getattr(cfg, name), **{f: new[f] for f in fields if f in new})
                      for name, fields in sections.items()})
@@ -98,13 +104,15 @@ class Setting:
     """The `--set` items that turn `base` into this setting."""
     keys = {"remat": "model.remat", "accumulate": "optimizer.accumulate",
             "param_dtype": "model.param_dtype", "batch_size": "data.batch_size",
-            "master_rounding": "optimizer.master_rounding"}
+            "master_rounding": "optimizer.master_rounding",
+            "linear_residuals": "model.linear_residuals"}
     return [f"{key}={getattr(self, f)}" for f, key in keys.items()
             if getattr(self, f) != getattr(base, f)]
 
   def describe(self) -> str:
     return (f"remat {self.remat}, {self.accumulate} microbatch{'es' * (self.accumulate > 1)}, "
-            f"{self.param_dtype} master weights, batch {self.batch_size}")
+            f"{self.param_dtype} master weights, batch {self.batch_size}"
+            + (", linear inputs remade" if self.linear_residuals == "remade" else ""))
 
 
 @dataclasses.dataclass
@@ -337,7 +345,8 @@ class Planner:
   def alternatives(self, base: Setting, limit: int | None) -> list[Prediction]:
     """Settings near `base` that fit `limit`, one per knob (the first that fits, fastest first):
     a stronger remat policy, more microbatches, bfloat16 master weights (coat_adamw, with
-    stochastic rounding), a smaller batch; if no single knob is enough, their combinations."""
+    stochastic rounding), the linears' inputs remade (coat: `model.linear_residuals`), a smaller
+    batch; if no single knob is enough, their combinations."""
     out = []
     for remat in self._remats(base.remat):
       pred = self.predict(base.replace(remat=remat), limit)
@@ -350,6 +359,8 @@ class Planner:
       rounding = "stochastic" if base.master_rounding == "nearest" else base.master_rounding
       lean = base.replace(param_dtype="bfloat16", master_rounding=rounding)
       out.append(self.predict(lean, limit))
+    if self.cfg.precision == "coat" and base.linear_residuals == "kept":
+      out.append(self.predict(base.replace(linear_residuals="remade"), limit))
     out.append(self._largest_batch(base, limit))
     out = [p for p in out if p is not None and p.fits(limit)]
     if not out:  # every knob at once: the most frugal policy and microbatch count, then the batch
