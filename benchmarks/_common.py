@@ -264,7 +264,7 @@ LINEAR_SWITCH = "linear."   # `--set linear.NAME=VALUE`: one of the FP8 linears'
 
 def split_linear_switches(overrides: Sequence[str]) -> tuple[dict[str, str], list[str]]:
   """(the FP8 linears' switches, the other overrides) of `--set` items: `linear.NAME=VALUE` names
-  a switch of `coat_jax.ops.linear_layer._ablation` (not configuration: the benchmark sets it
+  a switch of `coat_jax.ops.linear_ablation.ablation` (not configuration: the benchmark sets it
   while the step is traced), every other item is a config key."""
   switches = dict(o[len(LINEAR_SWITCH):].split("=", 1) for o in overrides
                   if o.startswith(LINEAR_SWITCH))

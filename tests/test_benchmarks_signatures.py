@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coat_jax import kernels, ops
-from coat_jax.ops import linear_layer
+from coat_jax.ops import linear_ablation
 
 from benchmarks.step import compile_breakdown as cb
 M, K, N = 256, 256, 384   # every kernel takes these (multiples of 64, GEMM dims >= 128)
@@ -32,7 +32,7 @@ def _signatures(rng, **options):
   def loss(*a):
     return jnp.sum(_block(*a).astype(jnp.float32))
   with cb.as_if_on_hopper(), kernels.backend(cb.signature_backend(None)), \
-      linear_layer._ablation(**options):
+      linear_ablation.ablation(**options):
     closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*_args(rng))
   return cb.kernel_signatures(closed, site_dirs=("/tests/",))
 
@@ -93,7 +93,7 @@ def _block_values(options: dict):
     y, pb = jax.vjp(_block, *a)   # can deadlock on their callbacks)
     return y, pb(ct)
 
-  with linear_layer._ablation(**options), kernels.backend("quantize=pallas,gemm=pallas"):
+  with linear_ablation.ablation(**options), kernels.backend("quantize=pallas,gemm=pallas"):
     return jax.jit(f)(*args)
 
 
@@ -132,17 +132,17 @@ def test_kernel_options_give_the_defaults_values_in_interpret_mode(default_value
 
 def test_linear_ablation_rejects_unknown_values_and_defaults_to_the_library_choice():
   with pytest.raises(ValueError, match="weight_quantize must be one of"):
-    with linear_layer._ablation(weight_quantize="triton"):
+    with linear_ablation.ablation(weight_quantize="triton"):
       pass
   with pytest.raises(ValueError, match="unknown switch 'amx'"):
-    with linear_layer._ablation(amx="kernel"):
+    with linear_ablation.ablation(amx="kernel"):
       pass
-  assert {k: linear_layer.option(k) for k in linear_layer._ABLATIONS} == dict(
+  assert {k: linear_ablation.option(k) for k in linear_ablation.CHOICES} == dict(
       weight_quant="per_use", amax="fused", weight_quantize="forward_kernel",
       activation_quantize="kernel", gradient_quantize="kernel", swiglu_quantize="gemm_epilogue",
       weight_transpose="codes", remake_quantize="xla")
-  with linear_layer._ablation(amax="kernel"):
-    with linear_layer._ablation(weight_quant="once"):   # nested: both
-      assert (linear_layer.option("amax"), linear_layer.option("weight_quant")) == (
+  with linear_ablation.ablation(amax="kernel"):
+    with linear_ablation.ablation(weight_quant="once"):   # nested: both
+      assert (linear_ablation.option("amax"), linear_ablation.option("weight_quant")) == (
           "kernel", "once")
-    assert linear_layer.option("weight_quant") == "per_use"
+    assert linear_ablation.option("weight_quant") == "per_use"

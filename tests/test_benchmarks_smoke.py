@@ -442,11 +442,11 @@ def test_resume_across_meshes_reads_losses_and_checks_its_arguments(tmp_path, ca
 def test_bench_layer_has_a_flag_for_every_linear_option():
   """bench_layer passes every linear ablation switch from its flags (a new switch without a
   flag broke its runs once); each flag's default is the library's choice."""
-  from coat_jax.ops import linear_layer
+  from coat_jax.ops import linear_ablation
   layer = _load("bench_layer")
   args = layer.parse_args([])
-  assert {k: getattr(args, k) for k in linear_layer._ABLATIONS} == {
-      k: v[0] for k, v in linear_layer._ABLATIONS.items()}
+  assert {k: getattr(args, k) for k in linear_ablation.CHOICES} == {
+      k: v[0] for k, v in linear_ablation.CHOICES.items()}
 
 
 def test_bench_loss_rows_and_the_accumulation_reading(capsys):

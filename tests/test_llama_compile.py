@@ -324,11 +324,11 @@ def test_remade_linear_residuals_with_the_kernels(rng):
 
 
 def test_remake_quantize_by_kernel_or_xla_is_the_same(rng):
-  """`_ablation(remake_quantize=...)`: the remade x^T codes from one XLA fusion or from the
-  quantize kernel (interpret mode: one more kernel in the backward) are the same codes: the same
-  gradients, bit for bit."""
+  """`linear_ablation.ablation(remake_quantize=...)`: the remade x^T codes from one XLA fusion or
+  from the quantize kernel (interpret mode: one more kernel in the backward) are the same codes:
+  the same gradients, bit for bit."""
   from coat_jax import ops
-  from coat_jax.ops import linear_layer
+  from coat_jax.ops import linear_ablation
 
   x = jnp.asarray(rng.standard_normal((2, 64, 128)), jnp.bfloat16)
   s = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.bfloat16)
@@ -340,7 +340,7 @@ def test_remake_quantize_by_kernel_or_xla_is_the_same(rng):
     return ops.linear(y, w, mode="coat", x_q=y_q)
 
   def grads(choice):   # traced afresh: the switch is read while tracing
-    with linear_layer._ablation(remake_quantize=choice):
+    with linear_ablation.ablation(remake_quantize=choice):
       backward = lambda x, s, w: jax.vjp(f, x, s, w)[1](ct)
       kernels_in = str(jax.make_jaxpr(backward)(x, s, w)).count("coat_quantize_per_tensor")
       return [np.asarray(a, np.float32) for a in backward(x, s, w)], kernels_in

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from coat_jax import formats, kernels, memory, ops
-from coat_jax.ops import linear_layer
+from coat_jax.ops import linear_ablation
 from coat_jax.precision import PRECISIONS
 from tests.jaxpr_walk import equations
 
@@ -133,7 +133,7 @@ def test_weight_is_reduced_once_a_step(options, rng):
     y, pb = jax.vjp(lambda x, w: ops.linear(x, w, mode="coat"), x, w)
     return y, pb(ct)
 
-  with linear_layer._ablation(**options):
+  with linear_ablation.ablation(**options):
     jaxpr = jax.make_jaxpr(step)(x, w).jaxpr
     _, (dx, dw) = step(x, w)
   reductions = [e for e in equations(jaxpr)
@@ -156,7 +156,7 @@ def test_weight_quant_once_reads_the_float32_weight_without_a_cast(once, rng):
     return y, pb(ct)
 
   kernel_call = ("mpmd_map", "pallas_call")
-  with linear_layer._ablation(weight_quant="once" if once else "per_use"), \
+  with linear_ablation.ablation(weight_quant="once" if once else "per_use"), \
       kernels.backend("quantize=pallas,gemm=pallas"):
     jaxpr = jax.make_jaxpr(step)(x, w)
   eqns = list(equations(jaxpr, stop=lambda e: e.primitive.name in kernel_call))
@@ -401,7 +401,7 @@ def test_bad_inputs():
 
 
 def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
-  """With the quantize kernels on (interpreted here) and linear_layer._ablation(amax="kernel",
+  """With the quantize kernels on (interpreted here) and linear_ablation.ablation(amax="kernel",
   weight_quantize="kernel"), a coat linear's forward and backward run the stage-1 tile-maxima
   kernel for x and dY only: a weight's amax is an XLA reduction (one Mosaic GPU module less per
   weight shape in a compiled step); values and gradients as the reference's. The defaults
@@ -417,7 +417,7 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
     return [e.params.get("name") for e in equations(jaxpr)
             if e.primitive.name in ("mpmd_map", "pallas_call")]
 
-  with kernels.backend("quantize=mosaic"), linear_layer._ablation(amax="kernel",
+  with kernels.backend("quantize=mosaic"), linear_ablation.ablation(amax="kernel",
                                                                weight_quantize="kernel"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
     got = step(x, w)
@@ -427,10 +427,10 @@ def test_weight_amax_by_xla_not_the_stage1_kernel(rng):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_tile_amax_mgpu") == 0
   assert names.count("coat_quantize_per_tensor_mgpu") == 3   # x, dY, W in the forward
-  with kernels.backend("quantize=mosaic"), linear_layer._ablation(weight_quantize="kernel"):
+  with kernels.backend("quantize=mosaic"), linear_ablation.ablation(weight_quantize="kernel"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_quantize_per_tensor_mgpu") == 4   # x, dY, W twice
-  with kernels.backend("quantize=mosaic"), linear_layer._ablation(weight_quantize="xla"):
+  with kernels.backend("quantize=mosaic"), linear_ablation.ablation(weight_quantize="xla"):
     names = kernel_names(jax.make_jaxpr(step)(x, w).jaxpr)
   assert names.count("coat_tile_amax_mgpu") == 0
   assert names.count("coat_quantize_per_tensor_mgpu") == 2   # x and dY, with transposed copies

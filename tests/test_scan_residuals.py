@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from coat_jax import ops
-from coat_jax.ops import linear_layer
+from coat_jax.ops import linear_ablation
 from coat_jax.models import Llama
 from coat_jax.models.llama import layer_loop
 from coat_jax.precision import PRECISIONS
@@ -214,10 +214,10 @@ ONCE = 64 * 48 + 4 - 2
     ("coat", dict(amax="kernel"), 0), ("coat", dict(weight_quant="once", amax="kernel"), ONCE),
     ("coat", dict(weight_quantize="xla", weight_transpose="cast"), 0)])
 def test_linear_ablations_keep_values(mode, options, extra, rng):
-  """linear_layer._ablation: W quantized once per step (the backward reusing the forward's (K, N) FP8
-  copy, `extra` bytes kept), the activation amax from the quantize's own pass, W quantized by the
-  dispatch: same scales, so the same values and gradients as the defaults, through RMSNorm ->
-  linear as in the model."""
+  """linear_ablation.ablation: W quantized once per step (the backward reusing the forward's
+  (K, N) FP8 copy, `extra` bytes kept), the activation amax from the quantize's own pass, W
+  quantized by the dispatch: same scales, so the same values and gradients as the defaults,
+  through RMSNorm -> linear as in the model."""
   from coat_jax import memory
 
   x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16)
@@ -235,7 +235,7 @@ def test_linear_ablations_keep_values(mode, options, extra, rng):
     return y, pb(ct), memory.saved_residual_bytes(g, x, s, w)
 
   y0, grads0, saved0 = run()
-  with linear_layer._ablation(**options):
+  with linear_ablation.ablation(**options):
     y1, grads1, saved1 = run()
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
   for a, b in zip(grads1, grads0):
@@ -244,5 +244,5 @@ def test_linear_ablations_keep_values(mode, options, extra, rng):
   assert saved1 - saved0 == extra, (saved0, saved1)
   for bad in (dict(weight_quant="twice"), dict(amax="tiles")):
     with pytest.raises(ValueError, match=next(iter(bad))):
-      with linear_layer._ablation(**bad):
+      with linear_ablation.ablation(**bad):
         pass

@@ -1,6 +1,6 @@
 """The gate/up GEMM with SwiGLU in its epilogue (pallas_kernels/gemm/fp8_gemm_swiglu.py,
-`kernels.gemm_swiglu_quantize`, `ops.swiglu_linears` under `linear_layer._ablation(swiglu_quantize=
-"gemm_epilogue")`).
+`kernels.gemm_swiglu_quantize`, `ops.swiglu_linears` under
+`linear_ablation.ablation(swiglu_quantize="gemm_epilogue")`).
 
 CPU: the kernel in Mosaic GPU interpret mode against float64 (h) and numpy's per-group quantize
 of the float32 products (codes, scales); the dispatch against its reference (two GEMMs, then
@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from coat_jax import kernels, memory, ops
 from coat_jax.models import Llama, LlamaConfig
-from coat_jax.ops import linear_layer
+from coat_jax.ops import linear_ablation
 from coat_jax.quantize import QuantizedArray
 from flax import nnx
 from pallas_kernels.gemm import fp8_gemm_swiglu as fs, fp8_matmul as fm
@@ -224,7 +224,7 @@ def test_op_against_float64_no_worse_than_the_default_path():
   h64, grads64 = _op_reference64(x, wg, wu, dh)
   errs = {}
   for choice in ("fused", "gemm_epilogue"):
-    with kernels.backend("gemm=pallas"), linear_layer._ablation(swiglu_quantize=choice):
+    with kernels.backend("gemm=pallas"), linear_ablation.ablation(swiglu_quantize=choice):
       h, grads = jax.jit(_op_vjp)(x, wg, wu, dh)
       xq = ops.quantize_input(x)   # outside: the quantize kernel has no derivative rule
       saved = memory.saved_residual_bytes(
@@ -243,14 +243,14 @@ def test_op_against_float64_no_worse_than_the_default_path():
 
 def test_op_falls_back_and_checks_shapes():
   x, wg, wu, dh = _layer_inputs(seed=6)
-  with kernels.backend("reference"), linear_layer._ablation(swiglu_quantize="gemm_epilogue"):
+  with kernels.backend("reference"), linear_ablation.ablation(swiglu_quantize="gemm_epilogue"):
     got = jax.jit(_op_vjp)(x, wg, wu, dh)
-  with kernels.backend("reference"), linear_layer._ablation(swiglu_quantize="fused"):
+  with kernels.backend("reference"), linear_ablation.ablation(swiglu_quantize="fused"):
     want = jax.jit(_op_vjp)(x, wg, wu, dh)   # two linears, then kernels.swiglu_quantize
   # the reference backend computes the same numbers on both paths
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  with linear_layer._ablation(swiglu_quantize="gemm_epilogue"):
+  with linear_ablation.ablation(swiglu_quantize="gemm_epilogue"):
     with pytest.raises(ValueError, match="gate weight .* != up weight"):
       ops.swiglu_linears(x, wg, wu[:, :64], mode="coat", x_q=ops.quantize_input(x))
     with pytest.raises(ValueError, match="does not match w shape"):
@@ -269,9 +269,10 @@ def test_model_loss_and_grads_equal_the_default_on_the_reference_backend(scan_la
   loss_fn = lambda p: nnx.merge(graphdef, p, rest).loss(tokens[:, :-1], tokens[:, 1:])
 
   with kernels.backend("reference"):
-    with linear_layer._ablation(swiglu_quantize="fused"):   # two linears, then kernels.swiglu_quantize
+    # two linears, then kernels.swiglu_quantize
+    with linear_ablation.ablation(swiglu_quantize="fused"):
       loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
-    with linear_layer._ablation(swiglu_quantize="gemm_epilogue"):   # the default
+    with linear_ablation.ablation(swiglu_quantize="gemm_epilogue"):   # the default
       loss_e, grads_e = jax.jit(jax.value_and_grad(loss_fn))(params)
   assert np.isfinite(float(loss)) and float(loss_e) == float(loss)
   for a, b in zip(jax.tree.leaves(grads_e), jax.tree.leaves(grads)):

@@ -1,7 +1,7 @@
 """SwiGLU's fused forward (pallas_kernels/quantize/swiglu_mgpu.py, `kernels.swiglu_quantize`) against a
 numpy reference written from the spec (float64 for h, float32 for the per-group codes, as the
 per-group quantize kernel promises), in GPU interpret mode on CPU; through the dispatch and
-`ops.swiglu` against the unfused path (`linear_layer._ablation(swiglu_quantize="separate")`)."""
+`ops.swiglu` against the unfused path (`linear_ablation.ablation(swiglu_quantize="separate")`)."""
 import numpy as np
 import pytest
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import kernels, ops
-from coat_jax.ops import linear_layer
+from coat_jax.ops import linear_ablation
 from pallas_kernels.quantize import swiglu_mgpu as sm
 from tests.test_kernels_quantize_mgpu import E4M3, FLOOR, _code_steps, _np_per_group, _same_codes
 
@@ -109,7 +109,7 @@ def test_swiglu_op_fused_equals_separate_values_grads_and_residuals():
 
   out = {}
   for choice in ("fused", "separate"):
-    with kernels.backend("quantize=pallas"), linear_layer._ablation(swiglu_quantize=choice):
+    with kernels.backend("quantize=pallas"), linear_ablation.ablation(swiglu_quantize=choice):
       out[choice] = jax.jit(run)(g, u)
       saved = memory.saved_residual_bytes(lambda g, u: ops.swiglu(g, u, mode="coat")[0], g, u)
       out[choice + " saved"] = saved

@@ -37,7 +37,7 @@ from flax import nnx
 from benchmarks._common import (REPO, median_ms, median_ms_back_to_back, module_command,
                                 parse_modes)
 from coat_jax import memory, ops
-from coat_jax.ops import linear_layer
+from coat_jax.ops import linear_ablation
 from coat_jax.nn import DecoderBlock
 from coat_jax.precision import PRECISIONS as MODES
 
@@ -68,7 +68,7 @@ def parse_args(argv=None):
                  help="what Q/K/V, gate/up and down keep of their FP8 inputs for dW: kept "
                       "(default, their transposed codes) or remade (from the norms' and "
                       "SwiGLU's 1 x 16 codes in the backward)")
-  # the FP8 linears' ablation switches (coat_jax.ops.linear_layer._ablation), a flag each; the
+  # the FP8 linears' ablation switches (coat_jax.ops.linear_ablation.ablation), a flag each; the
   # default is the library's choice (the first)
   helps = {
       "weight_quant": "FP8 modes: quantize W in forward and backward (per_use) or once per step, "
@@ -88,7 +88,7 @@ def parse_args(argv=None):
                           "(codes) or quantizing the transposed cast weight (cast)",
       "remake_quantize": "coat with --linear-residuals remade: the remade x^T codes by one XLA "
                          "fusion (xla) or x written, then the quantize kernel (kernel)"}
-  for name, choices in linear_layer._ABLATIONS.items():
+  for name, choices in linear_ablation.CHOICES.items():
     p.add_argument("--" + name.replace("_", "-"), default=choices[0], choices=choices,
                    help=helps[name])
   p.add_argument("--json", default=None, help="also write the results to this file")
@@ -251,7 +251,7 @@ def main(argv=None):
     print(f"benchmarking {mode} ...", flush=True)
     if args.in_process:
       # read while the layer traces
-      with linear_layer._ablation(**{k: getattr(args, k) for k in linear_layer._ABLATIONS}):
+      with linear_ablation.ablation(**{k: getattr(args, k) for k in linear_ablation.CHOICES}):
         results.append(bench_mode(mode, args))
     else:
       results.append(bench_mode_subprocess(mode, strip_flags(argv, ("--modes", "--json"))))

@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "or best: each mode both ways, ratios against bf16's best row")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="extra train.py config override for the children, e.g. model.num_layers=2; "
-                      "linear.NAME=VALUE sets an FP8 linear switch (linear_layer._ablation)")
+                      "linear.NAME=VALUE sets an FP8 linear switch (linear_ablation.ablation)")
   p.add_argument("--compile-only", action="store_true",
                  help="compile each step and report XLA's predicted peak (arguments + its temp "
                       "allocation, which the device allocates whole), run no step")
@@ -178,7 +178,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   import numpy as np
 
   from coat_jax.models import llama as llama_lib
-  from coat_jax.ops import linear_layer
+  from coat_jax.ops import linear_ablation
   from coat_jax.training import mesh as mesh_lib, metrics as metrics_lib, schema
   from coat_jax.training.build import build
   from coat_jax.training.plan import memory_analysis
@@ -227,7 +227,7 @@ def _measure(args: argparse.Namespace, out: dict) -> None:
   batch_sh = built.batch_sharding
   tokens_abs = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), np.int32, sharding=batch_sh)
   t0 = time.perf_counter()
-  with linear_layer._ablation(**switches):   # read while the step is traced
+  with linear_ablation.ablation(**switches):   # read while the step is traced
     compiled = built.train_step.lower(*built.abstract_state(), tokens_abs).compile()
   out["linear_switches"] = switches
   out["compile_s"] = time.perf_counter() - t0

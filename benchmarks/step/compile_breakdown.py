@@ -37,7 +37,7 @@ compiles it on abstract arguments (no parameters are allocated). Measured per va
 Variants: PRECISION:OPTIMIZER[/option...], options `kernels=SPEC` (the run config's
 kernels.backend, e.g. kernels=gemm=reference), `remat=POLICY`, `set=KEY=VALUE` (a config
 override), `xla=FLAG` (added to XLA_FLAGS), `linear=KEY=VALUE` (a linear layer variant while
-tracing, `coat_jax.ops.linear_layer._ablation`, e.g. linear=amax=kernel), `prewarm`,
+tracing, `coat_jax.ops.linear_ablation.ablation`, e.g. linear=amax=kernel), `prewarm`,
 `triton_compile=MODE` (compile_triton.MODE: `process`, the default, compiles the Triton kernels
 in worker processes while the rest lowers; `inline`, in the lowering), `kernel_lowering=MODE`
 (lower_ahead.MODE: `process`, the default, lowers the Mosaic GPU kernels in worker processes while
@@ -323,7 +323,7 @@ def _build_variant(args, v, dtype: str = "auto", backend: str | None = None):
 def _measure(args, v, out) -> None:
   import jax
 
-  from coat_jax.ops import linear_layer
+  from coat_jax.ops import linear_ablation
   from pallas_kernels.compile_ahead import compile_triton, lower_ahead
 
   jax.config.update("jax_enable_compilation_cache", False)
@@ -339,7 +339,7 @@ def _measure(args, v, out) -> None:
              backend=v["kernels"] or "auto", build_s=time.perf_counter() - t0,
              layers=built.llama_cfg.num_layers, scan=built.llama_cfg.scan_layers,
              linear_options=v["linear"])
-  with instrument() as st, linear_layer._ablation(**v["linear"]):
+  with instrument() as st, linear_ablation.ablation(**v["linear"]):
     phase("trace")
     t0 = time.perf_counter()
     traced = built.train_step.trace(*state, tokens)
@@ -379,8 +379,8 @@ def _measure(args, v, out) -> None:
 def step_signatures(args, v) -> list[dict]:
   """`kernel_signatures` of a variant's traced train step as on one Hopper GPU (bf16 compute,
   as `model.dtype=auto` picks there)."""
-  from coat_jax.ops import linear_layer
-  with as_if_on_hopper(), linear_layer._ablation(**v["linear"]):
+  from coat_jax.ops import linear_ablation
+  with as_if_on_hopper(), linear_ablation.ablation(**v["linear"]):
     built, state, tokens = _build_variant(args, v, dtype="bfloat16",
                                           backend=signature_backend(v["kernels"]))
     traced = built.train_step.trace(*state, tokens)

@@ -20,7 +20,7 @@ bfloat16 master weights (docs/results.md, "The largest model one GPU trains"):
       --set model.num_layers=48 --variant stochastic= \
       --variant nearest=optimizer.master_rounding=nearest
 A variant may also set one of the FP8 linears' switches (`linear.NAME=VALUE`,
-coat_jax.ops.linear_layer._ablation), e.g. W^T for the forward GEMM from W's transposed codes
+coat_jax.ops.linear_ablation.ablation), e.g. W^T for the forward GEMM from W's transposed codes
 against a quantize of the transposed cast weight (GPU, 20.3e9 params, one sequence per microbatch):
   python -m benchmarks.step.step_memory --config configs/llama2-13b.yaml --set model.hidden_size=6144 \
       --set model.num_layers=44 --set model.intermediate_size=16384 --set model.num_heads=48 \
@@ -50,11 +50,11 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 def measure(config: str | None, overrides: list[str], vocab_size: int | None) -> dict:
   """One variant's byte counts per device and its parameter count. An override
-  `linear.NAME=VALUE` sets the FP8 linears' switch NAME (`coat_jax.ops.linear_layer._ablation`)
+  `linear.NAME=VALUE` sets the FP8 linears' switch NAME (`coat_jax.ops.linear_ablation.ablation`)
   while the step is traced, instead of a config key."""
   import jax
   import numpy as np
-  from coat_jax.ops import linear_layer
+  from coat_jax.ops import linear_ablation
   from coat_jax.training import mesh as mesh_lib, schema
   from coat_jax.training.build import build, shard_shapes
   from coat_jax.training.plan import memory_analysis
@@ -67,7 +67,7 @@ def measure(config: str | None, overrides: list[str], vocab_size: int | None) ->
   tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32,
                                 sharding=built.batch_sharding)
   t0 = time.perf_counter()
-  with linear_layer._ablation(**switches):
+  with linear_ablation.ablation(**switches):
     compiled = built.train_step.lower(params, opt_state, rest, tokens).compile()
   mem = memory_analysis(compiled) or {}
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(shard_shapes(params)))

@@ -4,7 +4,7 @@
 backward (2 saved tensors instead of COAT's 3). Returns h_q, per-tensor E4M3 of h, for the down
 projection's `x_q`. `swiglu_linears` (the MLP's gate, up and SwiGLU) makes h, max|h| and the
 two residuals in the gate/up GEMM's epilogue (`kernels.gemm_swiglu_quantize`; the default of
-the ablation switch `linear_layer._ablation(swiglu_quantize=...)`, "gemm_epilogue"); `swiglu` of
+the ablation switch `linear_ablation.ablation(swiglu_quantize=...)`, "gemm_epilogue"); `swiglu` of
 gate and up already made, and `swiglu_linears` under "fused", make them from one read of gate and
 up (`kernels.swiglu_quantize`); "separate" is the unfused ablation. With linear_residuals
 "remade" (`ops.linear_layer`), h_q carries gate's and up's codes instead of h^T's: the down
@@ -25,10 +25,11 @@ import jax.numpy as jnp
 from coat_jax import kernels
 from coat_jax.activations import silu_product as _plain
 from coat_jax.formats import ACTIVATION_GROUP_SIZE
+from coat_jax.ops.linear_ablation import option
 from coat_jax.ops.linear_layer import (backward_gemms, check_input_q, check_linear_residuals,
                                        check_weight, forward_operand, input_residuals, linears,
-                                       name_residuals, option, quantize_input, remade_input,
-                                       weight_amax, zero_input_cotangent)
+                                       name_residuals, quantize_input, remade_input, weight_amax,
+                                       zero_input_cotangent)
 from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
 
@@ -129,9 +130,10 @@ def swiglu_linears(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, *, mode: st
   """(h, h_q) of h = silu(x @ w_gate) * (x @ w_up): `swiglu(*linears(x, (w_gate, w_up)))`.
 
   x (..., K) in the compute dtype; w_gate, w_up (K, F) parameters; x_q as for `linears`. In
-  "coat" with x_q and swiglu_quantize "gemm_epilogue" (the default, `linear_layer._ablation`), one
-  op whose forward is the gate/up GEMM with SwiGLU in its epilogue and whose backward runs SwiGLU's backward, then
-  both linears' (the same GEMMs as `linears`' backward); otherwise exactly `swiglu(*linears(...))`.
+  "coat" with x_q and swiglu_quantize "gemm_epilogue" (the default, `linear_ablation.ablation`),
+  one op whose forward is the gate/up GEMM with SwiGLU in its epilogue and whose backward runs
+  SwiGLU's backward, then both linears' (the same GEMMs as `linears`' backward); otherwise
+  exactly `swiglu(*linears(...))`.
   linear_residuals: as `swiglu`'s.
   """
   check_precision(mode, "swiglu_linears: mode")
