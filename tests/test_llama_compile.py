@@ -324,9 +324,9 @@ def test_remade_linear_residuals_with_the_kernels(rng):
 
 
 def test_remake_quantize_by_kernel_or_xla_is_the_same(rng):
-  """`linear_ablation.ablation(remake_quantize=...)`: the remade x^T codes from one XLA fusion or
-  from the quantize kernel (interpret mode: one more kernel in the backward) are the same codes:
-  the same gradients, bit for bit."""
+  """`linear_ablation.ablation(remake_quantize=...)`: the remade x^T codes from the quantize kernel
+  (the default; interpret mode: one more kernel in the backward) or one XLA fusion are the same
+  codes: the same gradients, bit for bit."""
   from coat_jax import ops
   from coat_jax.ops import linear_ablation
 

@@ -66,10 +66,10 @@ class RemadeInput:
   """A linear input's transposed FP8 codes as its backward remakes them (in place of
   `QuantizedArray.data_t`; module docstring, "remade").
 
-  x = make(*arrays) (float32) rounded to `dtype`, quantized per tensor with `amax` (the
-  forward's: the same scale) and transposed, (K, M), in one XLA fusion (`linear_ablation.ablation`'s
-  remake_quantize, "xla"; or "kernel": x written, then the quantize kernel). `arrays` are
-  residuals of the op that made x, named there; `make` (static) is a module-level function.
+  x = make(*arrays) (float32) rounded to `dtype` (an XLA fusion), quantized per tensor with
+  `amax` (the forward's: the same scale) and transposed, (K, M), by the quantize kernel (or in
+  the same XLA fusion: `linear_ablation.ablation`'s remake_quantize). `arrays` are residuals of
+  the op that made x, named there; `make` (static) is a module-level function.
   """
   arrays: tuple
   amax: jax.Array

@@ -7,18 +7,35 @@ import re
 from .common import Sources, fmt, ratio, source_line
 
 
-# The accuracy runs at the current defaults: (seed, source), same command but --seed.
+# The accuracy runs at the current defaults: (seed, source of both modes, or {mode: source}), the
+# same command but --seed (seeds 3-5: one mode a run).
 ACCURACY_SEEDS = ((0, "accuracy_llama125m_h100"), (1, "accuracy_llama125m_seed1_h100"),
-                  (2, "accuracy_llama125m_seed2_h100"))
+                  (2, "accuracy_llama125m_seed2_h100"),
+                  *((s, {"bf16+adamw": f"accuracy_llama125m_seed{s}_bf16_h100",
+                         "coat+coat_adamw": f"accuracy_llama125m_seed{s}_coat_h100"})
+                    for s in (3, 4, 5)))
 MODES = ("bf16+adamw", "coat+coat_adamw")
+
+
+def seed_sources(runs) -> dict[str, str]:
+  """{mode: source} of an ACCURACY_SEEDS entry's runs."""
+  return runs if isinstance(runs, dict) else dict.fromkeys(MODES, runs)
+
+
+def accuracy_source_ids() -> list[str]:
+  """Every source of the accuracy runs, seed by seed."""
+  return list(dict.fromkeys(sid for _, runs in ACCURACY_SEEDS
+                            for sid in seed_sources(runs).values()))
 
 
 def accuracy_losses(src: Sources) -> dict[int, dict[str, tuple[float, float]]]:
   """Per seed and mode: (final eval loss, lowest eval loss along the run)."""
   out = {}
-  for seed, sid in ACCURACY_SEEDS:
-    runs, curves = src.value(sid, "runs"), src.value(sid, "comparison.eval")
-    out[seed] = {m: (runs[m]["final_eval_loss"], min(curves[m])) for m in MODES}
+  for seed, runs in ACCURACY_SEEDS:
+    out[seed] = {}
+    for m, sid in seed_sources(runs).items():
+      curve = eval_curve(src, sid, m)
+      out[seed][m] = (src.value(sid, "runs")[m]["final_eval_loss"], min(curve))
   return out
 
 
@@ -36,6 +53,17 @@ def accuracy_mean(src: Sources) -> tuple[float, float]:
   return tuple(means[m][0] for m in MODES)
 
 
+def seed_source_lines(src: Sources, seeds) -> list[str]:
+  """The source lines of (seed, runs) pairs: the first as it is, the others named by seed (and
+  mode, where each mode ran on its own)."""
+  named = [(f"Seed {seed}", runs) if isinstance(runs, str) else
+           (f"Seed {seed}, {m.replace('+', ' + ')}", sid)
+           for seed, runs in seeds
+           for m, sid in ([(None, runs)] if isinstance(runs, str) else runs.items())]
+  return [source_line(src, sid) if i == 0 else f"{label}: " + source_line(src, sid)
+          for i, (label, sid) in enumerate(named)]
+
+
 def accuracy(src: Sources) -> list[str]:
   losses = accuracy_losses(src)
   out = ["| seed | final eval loss, bf16 + adamw | final, coat + coat_adamw | coat vs bf16 "
@@ -45,9 +73,7 @@ def accuracy(src: Sources) -> list[str]:
     (bf, bl), (cf, cl) = l[MODES[0]], l[MODES[1]]
     out.append(f"| {name} | {bf:.4f} | {cf:.4f} | {ratio('pct', bf, cf)} | {bl:.4f} | {cl:.4f} "
                f"| {ratio('pct', bl, cl)} |")
-  out += ["", source_line(src, ACCURACY_SEEDS[0][1])]
-  out += [f"Seed {seed}: " + source_line(src, sid) for seed, sid in ACCURACY_SEEDS[1:]]
-  return out
+  return out + [""] + seed_source_lines(src, ACCURACY_SEEDS)
 
 
 # coat with one option set, at the same seeds: (option as the table names it, (seed, source)...).
@@ -75,7 +101,8 @@ def coat_option_accuracy(src: Sources, option: tuple) -> list[str]:
   """The default runs' table with a column of coat + coat_adamw runs with `option` set."""
   name, seeds = option
   losses = accuracy_losses(src)
-  assert [s for s, _ in seeds] == list(losses), "the accuracy runs' seeds"
+  assert {s for s, _ in seeds} <= set(losses), "the option's seeds have default runs"
+  losses = {s: losses[s] for s, _ in seeds}
   for seed, sid in seeds:
     curve = eval_curve(src, sid, MODES[1])
     losses[seed]["option"] = (curve[-1], min(curve))
@@ -88,15 +115,14 @@ def coat_option_accuracy(src: Sources, option: tuple) -> list[str]:
     b, c, f = l[MODES[0]][i], l[MODES[1]][i], l["option"][i]
     out.append(f"| {row} | {b:.4f} | {c:.4f} | {ratio('pct', b, c)} | {f:.4f} "
                f"| {ratio('pct', b, f)} |")
-  out += ["", source_line(src, seeds[0][1])]
-  out += [f"Seed {seed}: " + source_line(src, sid) for seed, sid in seeds[1:]]
-  return out
+  return out + [""] + seed_source_lines(src, seeds)
 
 
 LINEAR_REMADE = ("`linear_residuals: remade`",
                  ((0, "accuracy_llama125m_linear_remade_h100"),
                   (1, "accuracy_llama125m_linear_remade_seed1_h100"),
-                  (2, "accuracy_llama125m_linear_remade_seed2_h100")))
+                  (2, "accuracy_llama125m_linear_remade_seed2_h100"),
+                  *((s, f"accuracy_llama125m_linear_remade_seed{s}_h100") for s in (3, 4, 5))))
 
 
 def accuracy_fp8_attention(src: Sources) -> list[str]:

@@ -1,7 +1,7 @@
 """The headline table (docs/results.md "At a glance" and the README's table)."""
 from __future__ import annotations
 
-from .accuracy import ACCURACY_SEEDS, accuracy_mean
+from .accuracy import ACCURACY_SEEDS, accuracy_mean, accuracy_source_ids
 from .common import Sources, fmt, optimizer_row, ratio, step_field, summary_field
 from .kernels import OPTIMIZER_STACKED_ROWS
 from .models import LARGEST_SOURCES, largest_fits
@@ -53,10 +53,13 @@ def headline(src: Sources) -> list[str]:
                f"| `{cmd}` | {raw} |")
   # The loss of both modes, mean over the seeds of the accuracy runs.
   b, c = accuracy_mean(src)
-  where = [src.where(sid, short=True) for _, sid in ACCURACY_SEEDS]
-  out.append(f"| llama-125m, 2000 steps on real text: final eval loss, mean of {len(where)} seeds "
-             f"| {b:.4f} | {c:.4f} | {ratio('pct', b, c)} | {where[0][0]}, {where[0][1]} | "
-             + "; ".join(f"`{w[2]}`" for w in where) + " | " + ", ".join(w[3] for w in where) + " |")
+  where = [src.where(sid, short=True) for sid in accuracy_source_ids()]
+  seeds = [seed for seed, _ in ACCURACY_SEEDS]
+  out.append(f"| llama-125m, 2000 steps on real text: final eval loss, mean of {len(seeds)} seeds "
+             f"| {b:.4f} | {c:.4f} | {ratio('pct', b, c)} | {where[0][0]}, "
+             + ", ".join(dict.fromkeys(w[1] for w in where)) + f" | `{where[0][2]}`; seeds "
+             f"{seeds[1]}-{seeds[-1]} the same with `--seed N` (from seed 3 one mode a run) | "
+             + ", ".join(w[3] for w in where) + " |")
   # The largest Llama each mode trains on one GPU (plans; the coat H200 model ran too).
   best = largest_fits(src)
   for gpu in dict.fromkeys(g for _, g in LARGEST_SOURCES):
