@@ -34,6 +34,23 @@ def e2e(src: Sources) -> list[str]:
   return rows_table(src, sid, [""] + [header for _, header, _, _ in E2E_COLUMNS], rows)
 
 
+def e2e_linear_residuals(src: Sources) -> list[str]:
+  """OLMo-1B's step with the coat linears keeping their FP8 inputs (default) and remaking them,
+  one machine, one run each."""
+  out = ["| | tokens/s | step ms | device peak GB | compile s |", "|---|---|---|---|---|"]
+  sids, runs = [], {}
+  for lr in ("kept", "remade"):
+    sids.append(f"e2e_olmo1b_linear_residuals_{lr}_h100")
+    runs[lr] = r = src.value(sids[-1], "equal_batch.0")
+    out.append(f"| coat, `linear_residuals: {lr}` | {r['tokens_per_s']:,.0f} "
+               f"| {r['step_s'] * 1e3:.1f} | {r['peak_bytes'] / 1e9:.2f} | {r['compile_s']:.1f} |")
+  k, m = runs["kept"], runs["remade"]
+  out.append(f"| remade vs kept | {ratio('pct', k['tokens_per_s'], m['tokens_per_s'])} "
+             f"| {ratio('pct', k['step_s'], m['step_s'])} "
+             f"| {ratio('less', k['peak_bytes'], m['peak_bytes'])} | |")
+  return out + [""] + [source_line(src, sid) for sid in sids]
+
+
 SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
                    ("llama-125m", "bf16 + adamw", "configs_train_py_h200"),
                    ("olmo-1b", "coat + coat_adamw", "configs_train_py_h200"),
