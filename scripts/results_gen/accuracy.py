@@ -56,10 +56,12 @@ def accuracy_mean(src: Sources) -> tuple[float, float]:
 def seed_source_lines(src: Sources, seeds) -> list[str]:
   """The source lines of (seed, runs) pairs: the first as it is, the others named by seed (and
   mode, where each mode ran on its own)."""
-  named = [(f"Seed {seed}", runs) if isinstance(runs, str) else
-           (f"Seed {seed}, {m.replace('+', ' + ')}", sid)
-           for seed, runs in seeds
-           for m, sid in ([(None, runs)] if isinstance(runs, str) else runs.items())]
+  named = []
+  for seed, runs in seeds:
+    if isinstance(runs, str):
+      named.append((f"Seed {seed}", runs))
+    else:
+      named += [(f"Seed {seed}, {m.replace('+', ' + ')}", sid) for m, sid in runs.items()]
   return [source_line(src, sid) if i == 0 else f"{label}: " + source_line(src, sid)
           for i, (label, sid) in enumerate(named)]
 
@@ -76,7 +78,8 @@ def accuracy(src: Sources) -> list[str]:
   return out + [""] + seed_source_lines(src, ACCURACY_SEEDS)
 
 
-# coat with one option set, at the same seeds: (option as the table names it, (seed, source)...).
+# coat with one option set, at some of the defaults' seeds: (option as the table names it,
+# ((seed, source), ...)).
 # FP8 attention residuals' seed 2: the run's printed log (its accuracy.json did not come back
 # from the GPU machine).
 FP8_ATTENTION = ("`attention_residuals: fp8`",
