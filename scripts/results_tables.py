@@ -36,8 +36,8 @@ MARKER = re.compile(r"<!-- results:([a-z0-9_]+):begin -->\n.*?<!-- results:\1:en
 # Each marked table's name: the generator of that name in its topic's module.
 TABLE_NAMES = (
   (headline, ("headline",)),
-  (training, ("e2e", "e2e_linear_residuals", "train_py", "plan_candidates", "remat_sweep", "equal_batch_7b",
-              "largest_batch_7b", "largest_batch", "sft_now", "sft_b4_now")),
+  (training, ("e2e", "e2e_linear_residuals", "train_py", "plan_candidates", "remat_sweep",
+              "equal_batch_7b", "largest_batch_7b", "largest_batch", "sft_now", "sft_b4_now")),
   (kernels, ("layer", "layer_fp8_attention", "layer_linear_residuals", "optimizer",
              "optimizer_stacked", "two_pass", "swiglu_weight_codes")),
   (accuracy, ("accuracy", "accuracy_fp8_attention", "accuracy_linear_remade", "stability",

@@ -84,6 +84,24 @@ def ratio(kind: str, bf16, coat) -> str:
   return f"{r:.2f}x" + ("" if r >= 1 else " (slower)")
 
 
+def compared_rows(runs: dict[str, dict], labels: dict[str, tuple[str, str]], columns,
+                  where: str = "") -> list[str]:
+  """Table rows of runs from separate sources, the first `runs` entry the base: each run's row,
+  then each other run's row of changes against the base. labels: {name: (row label, change row
+  label)}; columns: (field, scale, format, ratio kind or None: no change shown); `where` ends
+  every label."""
+  cell = lambda r, field, scale, spec: format(r[field] * scale, spec)
+  out = [f"| {labels[n][0]}{where} | "
+         + " | ".join(cell(r, f, s, spec) for f, s, spec, _ in columns) + " |"
+         for n, r in runs.items()]
+  base, *others = runs
+  for n in others:
+    out.append(f"| {labels[n][1]}{where} | " + " | ".join(
+        ratio(kind, runs[base][f] * s, runs[n][f] * s) if kind else ""
+        for f, s, _, kind in columns) + " |")
+  return out
+
+
 def optimizer_row(name: str, column: int) -> str:
   """A selector for column `column` (1 = wall ms) of bench_optimizer's table row `name`."""
   return r"re:\| " + re.escape(name) + r" \|" + r" [\d.x]+ \|" * (column - 1) + r" ([\d.]+)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .common import Sources, optimizer_row, ratio, rows_table, source_line
+from .common import Sources, compared_rows, optimizer_row, ratio, rows_table, source_line
 
 
 OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name): the default layout, both tiles
@@ -76,26 +76,20 @@ def layer_linear_residuals(src: Sources) -> list[str]:
   (the ablation `remake_quantize=kernel`)."""
   out = ["| | fwd + bwd ms | back to back ms | held MB | device peak MB |", "|---|---|---|---|---|"]
   sids = []
-  variants = {"kept": "`linear_residuals: kept`", "remade": "`linear_residuals: remade`",
-              "remade_kernel": "`linear_residuals: remade`, remake by the quantize kernel"}
+  labels = {"kept": ("coat, `linear_residuals: kept`", ""),
+            "remade": ("coat, `linear_residuals: remade`", "remade vs kept"),
+            "remade_kernel": ("coat, `linear_residuals: remade`, remake by the quantize kernel",
+                              "remade by the kernel vs kept")}
+  columns = (("fwd_bwd_ms", 1, ".2f", "pct"), ("fwd_bwd_b2b_ms", 1, ".2f", "pct"),
+             ("held_bytes", 1e-6, ".1f", "less"), ("peak_bytes", 1e-6, ".1f", "less"))
   for machine, where, names in (("", "", ("kept", "remade")),
                                 ("_other", ", another H100", ("kept", "remade")),
                                 ("_third", ", a third H100", ("kept", "remade", "remade_kernel"))):
     runs = {}
     for name in names:
       sids.append(f"layer7b_linear_residuals_{name}{machine}_h100")
-      runs[name] = r = src.value(sids[-1], "results.0")
-      out.append(f"| coat, {variants[name]}{where} | {r['fwd_bwd_ms']:.2f} "
-                 f"| {r['fwd_bwd_b2b_ms']:.2f} | {r['held_bytes'] / 1e6:.1f} "
-                 f"| {r['peak_bytes'] / 1e6:.1f} |")
-    k = runs["kept"]
-    for name in names[1:]:
-      m = runs[name]
-      label = "remade vs kept" if name == "remade" else "remade by the kernel vs kept"
-      out.append(f"| {label}{where} | {ratio('pct', k['fwd_bwd_ms'], m['fwd_bwd_ms'])} "
-                 f"| {ratio('pct', k['fwd_bwd_b2b_ms'], m['fwd_bwd_b2b_ms'])} "
-                 f"| {ratio('less', k['held_bytes'], m['held_bytes'])} "
-                 f"| {ratio('less', k['peak_bytes'], m['peak_bytes'])} |")
+      runs[name] = src.value(sids[-1], "results.0")
+    out += compared_rows(runs, labels, columns, where)
   return out + [""] + [source_line(src, sid) for sid in sids]
 
 

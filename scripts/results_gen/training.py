@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from .common import (PLAN_LINE, Sources, fmt, plan_choice, ratio, rows_table, run_field,
-                     source_line, step_field, summary_field)
+from .common import (PLAN_LINE, Sources, compared_rows, fmt, plan_choice, ratio, rows_table,
+                     run_field, source_line, step_field, summary_field)
 
 
 SFT_RUNS = (("coat", "coat + coat_adamw", 64), ("bf16", "bf16 + optax.adamw", 64),
@@ -37,18 +37,14 @@ def e2e(src: Sources) -> list[str]:
 def e2e_linear_residuals(src: Sources) -> list[str]:
   """OLMo-1B's step with the coat linears keeping their FP8 inputs (default) and remaking them,
   one machine, one run each."""
-  out = ["| | tokens/s | step ms | device peak GB | compile s |", "|---|---|---|---|---|"]
-  sids, runs = [], {}
-  for lr in ("kept", "remade"):
-    sids.append(f"e2e_olmo1b_linear_residuals_{lr}_h100")
-    runs[lr] = r = src.value(sids[-1], "equal_batch.0")
-    out.append(f"| coat, `linear_residuals: {lr}` | {r['tokens_per_s']:,.0f} "
-               f"| {r['step_s'] * 1e3:.1f} | {r['peak_bytes'] / 1e9:.2f} | {r['compile_s']:.1f} |")
-  k, m = runs["kept"], runs["remade"]
-  out.append(f"| remade vs kept | {ratio('pct', k['tokens_per_s'], m['tokens_per_s'])} "
-             f"| {ratio('pct', k['step_s'], m['step_s'])} "
-             f"| {ratio('less', k['peak_bytes'], m['peak_bytes'])} | |")
-  return out + [""] + [source_line(src, sid) for sid in sids]
+  sids = {lr: f"e2e_olmo1b_linear_residuals_{lr}_h100" for lr in ("kept", "remade")}
+  runs = {lr: src.value(sid, "equal_batch.0") for lr, sid in sids.items()}
+  labels = {lr: (f"coat, `linear_residuals: {lr}`", f"{lr} vs kept") for lr in sids}
+  columns = (("tokens_per_s", 1, ",.0f", "pct"), ("step_s", 1e3, ".1f", "pct"),
+             ("peak_bytes", 1e-9, ".2f", "less"), ("compile_s", 1, ".1f", None))
+  return (["| | tokens/s | step ms | device peak GB | compile s |", "|---|---|---|---|---|"]
+          + compared_rows(runs, labels, columns) + [""]
+          + [source_line(src, sid) for sid in sids.values()])
 
 
 SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
