@@ -7,7 +7,9 @@
 # GPU), adam (the optimizer kernel's tests: carry .whl; tests/test_optim_group_axis.py stays out:
 # its CPU tests compare with the reference to the ulp on an 8-device mesh, its GPU test runs in
 # tests), kernels (quantize bandwidth, fused Adam step, FP8 GEMM), quant_sweep (the Mosaic GPU
-# quantize kernels' tunables), ops (per-op fwd+bwd times), layer (7B decoder layer, 3 modes),
+# quantize kernels' tunables), remake (the remade linear input's transposed codes each way:
+# benchmarks/kernels/bench_remake.py, REMAKE_ARGS such as --sweep), ops (per-op fwd+bwd times),
+# layer (7B decoder layer, 3 modes),
 # optimizer (1.21e9 params), train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded
 # (same, FSDP over all GPUs), e2e (benchmarks/step/bench_e2e.py), compile_breakdown (where the
 # step's compile goes, benchmarks/step/compile_breakdown.py: CB_ARGS, default Llama-2-7B unrolled,
@@ -100,6 +102,7 @@ for s in "$@"; do
              tests/test_kernels_adam_triton.py tests/test_kernels_adam.py tests/test_optim_clip.py tests/test_optim_master_rounding.py tests/test_optim_packed.py ;;
     kernels) section kernels 420 $PY -m benchmarks.kernels.bench_kernels ${KERNEL_ARGS:-} ;;
     quant_sweep) section quant_sweep 300 $PY -m benchmarks.kernels.bench_kernels_mgpu --sweep ${SWEEP_ARGS:-} ;;
+    remake) section remake 240 $PY -m benchmarks.kernels.bench_remake ${REMAKE_ARGS:-} ;;
     ops) section ops 240 $PY -m benchmarks.layer.bench_ops ;;
     profile) section profile 200 $PY -m benchmarks.layer.profile_layer ;;
     layer) section layer 420 $PY -m benchmarks.layer.bench_layer --json "$OUT/layer.json" ${LAYER_ARGS:-} ;;

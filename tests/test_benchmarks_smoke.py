@@ -523,3 +523,25 @@ def test_gemm_swiglu_bench_runs_every_path_and_prints_the_saving(capsys, monkeyp
   monkeypatch.setattr(sys, "argv", ["bench_gemm_swiglu", "--shapes", "olmo,9b"])
   with pytest.raises(SystemExit, match="unknown shape '9b'"):
     bench.main()
+
+
+def test_remake_bench_runs_every_way_and_compares_codes(capsys, monkeypatch):
+  """bench_remake on the CPU (a small shape, interpret mode): every way of remaking the codes
+  runs (the timer replaced by one call), their codes agree with the unfused path's, and the
+  floor's bytes are the fused pass's; unknown shapes exit."""
+  bench = _load("bench_remake")
+  def once(fn, *args, iters=1):
+    jax.block_until_ready(fn(*args))
+    return 1.0
+
+  monkeypatch.setattr(bench, "median_ms_back_to_back", once)
+  bench.run_shape("small", 128, 64, 128, iters=1, sweep=False)
+  out = capsys.readouterr().out
+  for kind in ("rmsnorm", "swiglu"):
+    for how in ("fused", "kernel", "xla"):
+      assert f"{kind} {how} " in out and f"{kind} {how}".ljust(34) in out
+  assert out.count("1.0000") == 6, out
+  assert bench.fused_bytes("swiglu", 128, 128) == 2 * (128 * 128 + 128 * 8 * 2) + 128 * 128
+  monkeypatch.setattr(sys, "argv", ["bench_remake", "--shapes", "7b,9b"])
+  with pytest.raises(SystemExit, match="unknown shape '9b'"):
+    bench.main()

@@ -86,8 +86,9 @@ def parse_args(argv=None):
                          "by XLA and two per-group quantizes (separate)",
       "weight_transpose": "FP8 modes: W^T for the forward GEMM by transposing W's FP8 codes "
                           "(codes) or quantizing the transposed cast weight (cast)",
-      "remake_quantize": "coat with --linear-residuals remade: x written, then the quantize "
-                         "kernel makes the remade x^T codes (kernel), or one XLA fusion (xla)"}
+      "remake_quantize": "coat with --linear-residuals remade: the remade x^T codes by one "
+                         "kernel from the 1 x 16 codes (fused), x written, then the quantize "
+                         "kernel (kernel), or one XLA fusion (xla)"}
   for name, choices in linear_ablation.CHOICES.items():
     p.add_argument("--" + name.replace("_", "-"), default=choices[0], choices=choices,
                    help=helps[name])

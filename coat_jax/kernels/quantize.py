@@ -16,6 +16,7 @@ partitions the interpreted ops like any others).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from coat_jax import activations, formats, quantize
@@ -173,6 +174,55 @@ def swiglu_quantize(gate, up, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m
   return (h, jnp.max(jnp.abs(h)).astype(jnp.float32),
           quantize.quantize_per_group(gate, group_size, f, floor=floor),
           quantize.quantize_per_group(up, group_size, f, floor=floor))
+
+
+REMAKE_KINDS = ("rmsnorm", "swiglu")
+REMAKE_HOWS = ("kernel", "fused", "xla")
+
+
+def remade_codes_t(kind: str, arrays: tuple, amax, dtype, fmt="e4m3", *,
+                   floor=formats.ACTIVATION_SCALE_FLOOR, how: str = "kernel") -> jax.Array:
+  """x^T's per-tensor codes (K, M) for a linear's dW, x (..., K) remade from 1 x G codes:
+
+    kind "rmsnorm", arrays (xg, rstd, w):  x = dequantize(xg) * rstd * w     (RMSNorm's output)
+    kind "swiglu",  arrays (gq, uq):       x = silu(dequantize(gq)) * dequantize(uq)   (SwiGLU's h)
+
+  in float32, rounded to `dtype` (the value the forward quantized), then quantized per tensor
+  with `amax` (the forward's, so the forward's scale) and transposed.
+  how: "kernel" (an XLA fusion writes x, then `quantize_per_tensor`'s kernel makes the codes and
+  their transposed copy); "fused" (one pass: pallas_kernels/quantize/remake_triton.py, on one
+  GPU with jax-triton and the quantize family's kernels, for the shapes it takes; else as
+  "kernel"); "xla" (one XLA fusion from the codes to the transposed codes). Same values up to
+  the float32 math's last bits (exp, division) moving a code by one step.
+  """
+  if kind not in REMAKE_KINDS:
+    raise ValueError(f"remade_codes_t: kind must be one of {REMAKE_KINDS}, got {kind!r}")
+  if how not in REMAKE_HOWS:
+    raise ValueError(f"remade_codes_t: how must be one of {REMAKE_HOWS}, got {how!r}")
+  f = formats.get_format(fmt)
+  codes = arrays[:1] if kind == "rmsnorm" else arrays
+  if (how == "fused" and backends.implementation("quantize") == "mosaic"
+      and not backends.per_shard() and not backends.interpret_mode()
+      and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and f.dtype in formats.fp8_dtypes()
+      and all(q.group_size > 0 and q.group_size == codes[0].group_size
+              and q.data.shape == codes[0].data.shape for q in codes)):
+    from pallas_kernels.quantize import remake_triton as rt
+    g = codes[0].group_size
+    if rt.available() and rt.problem(codes[0].data.shape, g) is None:
+      scale = quantize.scale_from_amax(jnp.asarray(amax, jnp.float32), f, floor)
+      return rt.remake_transposed(kind, scale, tuple(q.data for q in codes),
+                                  tuple(q.scale for q in codes),
+                                  tuple(arrays[1:]) if kind == "rmsnorm" else (),
+                                  group_size=g, out_dtype=f.dtype, fmax=f.max)
+  if kind == "rmsnorm":
+    xg, rstd, w = arrays
+    x = dequantize(xg, jnp.float32, consumer_fusion=True) * rstd * w.astype(jnp.float32)
+  else:
+    x = activations.silu_product(*(dequantize(q, jnp.float32, consumer_fusion=True)
+                                   for q in arrays))
+  x = x.astype(dtype)
+  return quantize_per_tensor(x.reshape(-1, x.shape[-1]), fmt, amax=amax, with_transpose=True,
+                             floor=floor, producer_fusion=how == "xla").data_t
 
 
 def swiglu_backward(gate_q: QuantizedArray, up_q: QuantizedArray, dh):

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import jax
 
+from coat_jax import kernels
+
 # Each switch's choices, the first the library's (what always runs outside the benchmarks and
 # tests that compare them; `ablation` documents each).
 CHOICES = {"weight_quant": ("per_use", "once"), "amax": ("fused", "kernel"),
            "weight_quantize": ("forward_kernel", "kernel", "xla"),
            "activation_quantize": ("kernel", "xla"), "gradient_quantize": ("kernel", "xla"),
            "swiglu_quantize": ("gemm_epilogue", "fused", "separate"),
-           "weight_transpose": ("codes", "cast"), "remake_quantize": ("kernel", "xla")}
+           "weight_transpose": ("codes", "cast"), "remake_quantize": kernels.REMAKE_HOWS}
 # The switches set away from the first choice, ((name, value), ...): a JAX user context, part of
 # jit's cache key (a trace made under other switches is never reused).
 _SWITCHES = jax.make_user_context(default_value=())
@@ -76,11 +78,14 @@ def ablation(**switches: str):
   relayout (0 instead of 21 in OLMo-1B's step), at one more kernel module per weight shape to
   compile.
   remake_quantize (linear_residuals "remade" only): how the backward remakes a linear's
-  transposed input codes: an XLA fusion writing x in the compute dtype from the producer's codes,
-  then the dispatch's quantize kernel making the transposed copy ("kernel", default), or one XLA
-  fusion from the codes to the transposed codes ("xla": fewer bytes, but XLA's transposing
-  fusions write FP8 codes at 0.4-1.4 TB/s; the Llama-2-7B layer 0.7-1.1 % slower, H100). Same
-  values either way.
+  transposed input codes (`kernels.remade_codes_t`): an XLA fusion writing x in the compute dtype
+  from the producer's 1 x 16 codes, then the dispatch's quantize kernel making the transposed
+  copy ("kernel", default; 2.5-3.2 % a Llama-2-7B layer against kept residuals, H100), one
+  Triton kernel reading the codes and writing the transposed per-tensor codes ("fused"; one
+  GPU; about a third of the kernel path's bytes, not yet timed on a GPU), or one XLA fusion
+  from the codes to the transposed codes ("xla": fewer bytes than "kernel", but XLA's
+  transposing fusions write FP8 codes at 0.4-1.4 TB/s; 0.7-1.1 % slower than "kernel"). Same
+  values up to the float32 math's last bits.
   Switches not named keep their values. Read while a function is traced: trace (jit) it inside
   the `with`; the switches are part of jit's cache key.
   """

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,39 +65,37 @@ class RemadeInput:
   """A linear input's transposed FP8 codes as its backward remakes them (in place of
   `QuantizedArray.data_t`; module docstring, "remade").
 
-  x = make(*arrays) (float32) rounded to `dtype` (an XLA fusion), quantized per tensor with
-  `amax` (the forward's: the same scale) and transposed, (K, M), by the quantize kernel (or in
-  the same XLA fusion: `linear_ablation.ablation`'s remake_quantize). `arrays` are residuals of
-  the op that made x, named there; `make` (static) is a module-level function.
+  x remade from `arrays`, the residuals of the op that made x (named there), as `kind` says
+  ("rmsnorm": (x's 1 x 16 codes, rstd, the norm's scale); "swiglu": (gate's and up's 1 x 16
+  codes)), rounded to `dtype`, quantized per tensor with `amax` (the forward's: the same scale)
+  and transposed, (K, M): `kernels.remade_codes_t`, how `linear_ablation.ablation`'s
+  remake_quantize says.
   """
   arrays: tuple
   amax: jax.Array
-  make: Callable
+  kind: str
   dtype: jnp.dtype
 
   def tree_flatten(self):
-    return (self.arrays, self.amax), (self.make, self.dtype)
+    return (self.arrays, self.amax), (self.kind, self.dtype)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     return cls(*children, *aux)
 
   def codes_t(self) -> jax.Array:
-    x = self.make(*self.arrays).astype(self.dtype)
-    q = kernels.quantize_per_tensor(x.reshape(-1, x.shape[-1]), "e4m3", amax=self.amax,
-                                    with_transpose=True,
-                                    producer_fusion=option("remake_quantize") == "xla")
-    return q.data_t
+    return kernels.remade_codes_t(self.kind, self.arrays, self.amax, self.dtype, "e4m3",
+                                  how=option("remake_quantize"))
 
 
-def remade_input(x: jax.Array, amax, arrays: tuple, make: Callable) -> QuantizedArray:
+def remade_input(x: jax.Array, amax, arrays: tuple, kind: str) -> QuantizedArray:
   """Per-tensor E4M3 of a linear's input x (..., K) for the forward GEMM, carrying a
-  `RemadeInput(arrays, amax, make)` instead of x^T's codes. amax: max|x| where the producer has
+  `RemadeInput(arrays, amax, kind)` instead of x^T's codes. amax: max|x| where the producer has
   it, else reduced here; named FP8_RESIDUALS (the backward quantizes with it)."""
   amax = name_residuals(jnp.max(jnp.abs(x)) if amax is None else amax)
   q = _quantize_x(x.reshape(-1, x.shape[-1]), amax=amax)
   return QuantizedArray(q.data.reshape(x.shape), q.scale, q.fmt, q.group_size,
-                        data_t=RemadeInput(tuple(arrays), amax, make, jnp.dtype(x.dtype)))
+                        data_t=RemadeInput(tuple(arrays), amax, kind, jnp.dtype(x.dtype)))
 
 
 def input_residuals(x_q: QuantizedArray):

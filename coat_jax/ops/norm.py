@@ -3,7 +3,8 @@
 "coat": a custom_vjp saving only x per 1x16 group (E4M3) and rstd (float32, (..., 1)); it also
 returns y_q, the per-tensor E4M3 copy of y that the following linears consume through `x_q`.
 With linear_residuals "remade" (`ops.linear_layer`), y_q carries those two residuals and the
-scale instead of y^T's codes: the linears' backward remakes y^T from them (`_remade_y`).
+scale instead of y^T's codes: the linears' backward remakes y^T from them
+(`kernels.remade_codes_t`, kind "rmsnorm").
 """
 from __future__ import annotations
 
@@ -28,12 +29,6 @@ def _plain(x, scale, eps):
   return (x32 * _rstd(x32, eps) * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def _remade_y(xg, rstd, scale):
-  """y (float32) from RMSNorm's residuals: x's 1 x 16 codes, rstd, and the scale."""
-  return (kernels.dequantize(xg, jnp.float32, consumer_fusion=True) * rstd
-          * scale.astype(jnp.float32))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _rmsnorm_coat(x, scale, eps, linear_residuals):
   if linear_residuals == "remade":
@@ -48,7 +43,7 @@ def _coat_fwd(x, scale, eps, linear_residuals):
   y = (x32 * rstd * scale.astype(jnp.float32)).astype(x.dtype)
   xg, rstd = name_residuals((kernels.quantize_per_group(x, ACTIVATION_GROUP_SIZE, "e4m3"), rstd))
   if linear_residuals == "remade":
-    y_q = remade_input(y, None, (xg, rstd, scale), _remade_y)
+    y_q = remade_input(y, None, (xg, rstd, scale), "rmsnorm")
   else:
     y_q = quantize_input(y)
   return (y, y_q), (xg, rstd, scale)

@@ -8,7 +8,7 @@ the ablation switch `linear_ablation.ablation(swiglu_quantize=...)`, "gemm_epilo
 gate and up already made, and `swiglu_linears` under "fused", make them from one read of gate and
 up (`kernels.swiglu_quantize`); "separate" is the unfused ablation. With linear_residuals
 "remade" (`ops.linear_layer`), h_q carries gate's and up's codes instead of h^T's: the down
-projection's backward remakes h^T from them (`_remade_h`).
+projection's backward remakes h^T from them (`kernels.remade_codes_t`, kind "swiglu").
 
 Backward (both ops), with a = gate, u = up, s = sigmoid(a) from the dequantized residuals:
   d_gate = dh * u * s * (1 + a (1 - s)),   d_up = dh * a * s
@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from coat_jax import kernels
 from coat_jax.activations import silu_product as _plain
@@ -34,16 +33,11 @@ from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
 
 
-def _remade_h(gq, uq):
-  """h (float32) from SwiGLU's residuals: gate's and up's 1 x 16 codes."""
-  return _plain(*(kernels.dequantize(a, jnp.float32, consumer_fusion=True) for a in (gq, uq)))
-
-
 def _h_q(h, h_amax, gq, uq, linear_residuals):
   """h's per-tensor E4M3 for the down projection: with h^T's codes, or with gate's and up's
   codes to remake them from ("remade")."""
   if linear_residuals == "remade":
-    return remade_input(h, h_amax, (gq, uq), _remade_h)
+    return remade_input(h, h_amax, (gq, uq), "swiglu")
   return quantize_input(h, amax=h_amax)
 
 
