@@ -9,7 +9,6 @@ and precise math, in place (aliased) and in packed moment buffers.
 
 CI installs triton (the test extra) for these: where the environment variable CI is set, a
 missing triton fails them instead of skipping."""
-import os
 
 import ml_dtypes
 import numpy as np
@@ -19,26 +18,19 @@ from tests import adam_float64 as ref
 from tests.adam_float64 import EM, G, HYPER
 
 at = pytest.importorskip("pallas_kernels.adam.adam_step_triton")
-IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 
 def test_ci_has_triton():
   """CI must run the GPU's default kernels: triton (pip install -e .[test]) is required there."""
-  if at.triton is None:
-    if IN_CI:
-      pytest.fail("triton is not installed, so CI would skip the Triton kernels: install the "
-                  "test extra (pip install -e .[test])")
-    pytest.skip("triton is not installed (CI installs it)")
+  from tests import triton_interpreter
+  triton_interpreter.require_triton()
 
 
 @pytest.fixture(scope="module")
 def ik():
   """adam_step_triton, whose kernels `_run` launches in the interpreter."""
-  if at.triton is None:
-    if IN_CI:
-      pytest.fail("triton is not installed: CI must run the Triton kernels (pip install -e "
-                  ".[test])")
-    pytest.skip("triton is not installed")
+  from tests import triton_interpreter
+  triton_interpreter.require_triton()
   return at
 
 

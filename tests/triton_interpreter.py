@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 
 import ml_dtypes
 import numpy as np
@@ -30,6 +31,18 @@ except ImportError:  # CI installs triton (the test extra); tests/test_kernels_a
   triton = tl = core = _interp = None
 
 TILE = "pallas_kernels.adam.adam_tile_triton"
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def require_triton():
+  """Skips the calling test where triton is not installed; fails it in CI, which installs triton
+  (the test extra) so that the GPU's Triton kernels always run there."""
+  import pytest
+  if triton is None:
+    if IN_CI:
+      pytest.fail("triton is not installed, so CI would skip the Triton kernels: install the "
+                  "test extra (pip install -e .[test])")
+    pytest.skip("triton is not installed (CI installs it)")
 
 
 class HostTensor:
