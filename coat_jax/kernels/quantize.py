@@ -200,7 +200,8 @@ def remade_codes_t(kind: str, arrays: tuple, amax, dtype, fmt="e4m3", *,
   if how not in REMAKE_HOWS:
     raise ValueError(f"remade_codes_t: how must be one of {REMAKE_HOWS}, got {how!r}")
   f = formats.get_format(fmt)
-  codes = arrays[:1] if kind == "rmsnorm" else arrays
+  # the 1 x G codes, and what else the math takes (rstd and the norm's scale)
+  codes, extra = (arrays[:1], arrays[1:]) if kind == "rmsnorm" else (arrays, ())
   if (how == "fused" and backends.implementation("quantize") == "mosaic"
       and not backends.per_shard() and not backends.interpret_mode()
       and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and f.dtype in formats.fp8_dtypes()
@@ -211,15 +212,14 @@ def remade_codes_t(kind: str, arrays: tuple, amax, dtype, fmt="e4m3", *,
     if rt.available() and rt.problem(codes[0].data.shape, g) is None:
       scale = quantize.scale_from_amax(jnp.asarray(amax, jnp.float32), f, floor)
       return rt.remake_transposed(kind, scale, tuple(q.data for q in codes),
-                                  tuple(q.scale for q in codes),
-                                  tuple(arrays[1:]) if kind == "rmsnorm" else (),
-                                  group_size=g, out_dtype=f.dtype, fmax=f.max)
+                                  tuple(q.scale for q in codes), tuple(extra), group_size=g,
+                                  out_dtype=f.dtype, fmax=f.max)
+  values = [dequantize(q, jnp.float32, consumer_fusion=True) for q in codes]
   if kind == "rmsnorm":
-    xg, rstd, w = arrays
-    x = dequantize(xg, jnp.float32, consumer_fusion=True) * rstd * w.astype(jnp.float32)
+    rstd, w = extra
+    x = values[0] * rstd * w.astype(jnp.float32)
   else:
-    x = activations.silu_product(*(dequantize(q, jnp.float32, consumer_fusion=True)
-                                   for q in arrays))
+    x = activations.silu_product(*values)
   x = x.astype(dtype)
   return quantize_per_tensor(x.reshape(-1, x.shape[-1]), fmt, amax=amax, with_transpose=True,
                              floor=floor, producer_fusion=how == "xla").data_t
