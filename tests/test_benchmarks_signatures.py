@@ -140,7 +140,7 @@ def test_linear_ablation_rejects_unknown_values_and_defaults_to_the_library_choi
   assert {k: linear_ablation.option(k) for k in linear_ablation.CHOICES} == dict(
       weight_quant="per_use", amax="fused", weight_quantize="forward_kernel",
       activation_quantize="kernel", gradient_quantize="kernel", swiglu_quantize="gemm_epilogue",
-      weight_transpose="codes", remake_quantize="kernel")
+      weight_transpose="codes", remake_quantize="fused")
   with linear_ablation.ablation(amax="kernel"):
     with linear_ablation.ablation(weight_quant="once"):   # nested: both
       assert (linear_ablation.option("amax"), linear_ablation.option("weight_quant")) == (

@@ -65,12 +65,12 @@ def _x_amax(kind, arrays):
   return jnp.nanmax(jnp.abs(x.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
-def _interpreted(interp, kind, arrays, amax, block_rows, block_cols, gather=False):
+def _interpreted(interp, kind, arrays, amax, block_rows, block_cols):
   codes = arrays[:1] if kind == "rmsnorm" else arrays
   shape = codes[0].data.shape
   scale = np.array(quantize.scale_from_amax(jnp.float32(amax), formats.get_format("e4m3"),
                                             formats.ACTIVATION_SCALE_FLOOR), np.float32).reshape(1)
-  grid, m, consts = rt.launch_plan(shape, G, block_rows, block_cols, gather)
+  grid, m, consts = rt.launch_plan(shape, G, block_rows, block_cols)
   out = np.full((shape[-1], m), np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn)
   ops = []
   for q in codes:
@@ -96,13 +96,14 @@ def _assert_codes_close(got, want, what):
 
 
 @pytest.mark.parametrize("kind", rt.KINDS)
-@pytest.mark.parametrize("shape,blocks,gather", [((128, 192), (64, 64), False),
-                                                 ((2, 64, 256), (128, 128), False),
-                                                 ((128, 192), (64, 64), True)])
-def test_interpreted_kernel_matches_the_unfused_path(interp, kind, shape, blocks, gather):
+@pytest.mark.parametrize("shape,blocks", [((128, 192), (64, 64)),
+                                          ((2, 64, 256), (128, 128)),
+                                          ((64, 384), (rt.BLOCK_ROWS, None)),    # the default tile
+                                          ((64, 320), (rt.BLOCK_ROWS, None))])   # its 64 columns
+def test_interpreted_kernel_matches_the_unfused_path(interp, kind, shape, blocks):
   arrays = _case(kind, shape, seed=11)
   amax = _x_amax(kind, arrays)
-  got = _interpreted(interp, kind, arrays, amax, *blocks, gather)
+  got = _interpreted(interp, kind, arrays, amax, *blocks)
   want = _reference(kind, arrays, amax)
   _assert_codes_close(got, want, f"{kind} {shape}")
   assert np.mean(np.abs(want.astype(np.float32)) >= 224) > 0   # the top binade is reached
@@ -126,6 +127,9 @@ def test_problem_names_the_shape():
   assert "rows are not a positive multiple" in rt.problem((100, 128), G, 128, 64)
   assert "below 2^31" in rt.problem((2**17, 2**14), G, 128, 64)
   assert rt.problem((2, 64, 128), G, 128, 64) is None
+  # the default tile: 128 columns, 64 where the last axis is no multiple of 128
+  assert rt.launch_plan((64, 384), G)[2]["BK"] == 128 and rt.launch_plan((64, 320), G)[2]["BK"] == 64
+  assert rt.problem((64, 320), G) is None and "columns" in rt.problem((64, 96), G)
 
 
 def test_fused_falls_back_where_no_kernel_runs():

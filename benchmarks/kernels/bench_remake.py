@@ -3,13 +3,12 @@ dispatch can make them, per shape: `kernels.remade_codes_t(kind, ..., how=...)`.
 
 Run on the GPU:  PYTHONUNBUFFERED=1 python3 -m benchmarks.kernels.bench_remake [--shapes 7b,olmo] [--sweep]
 Rows (one layer's remake, batch 8 x 2048 tokens; ms, median of back-to-back calls):
-  kernel     an XLA fusion writes x in bf16, then the Mosaic GPU per-tensor quantize (with its
-             transposed copy; the default)
   fused      pallas_kernels/quantize/remake_triton.py: one pass from the 1 x 16 codes to the
-             transposed per-tensor codes
+             transposed per-tensor codes (the default)
+  kernel     an XLA fusion writes x in bf16, then the Mosaic GPU per-tensor quantize (with its
+             transposed copy)
   xla        one XLA fusion from the codes to the transposed codes
---sweep adds the fused kernel at other tiles (rows x columns of x, warps) and with each element
-loading its group's scale (gather).
+--sweep adds the fused kernel at other tiles (rows x columns of x, warps).
 Floor: the fused pass's bytes (codes and bf16 group scales read, rstd and the norm's scale for
 rmsnorm, the transposed codes written) at the GPU's datasheet HBM bandwidth (`_common.gpu_peaks`).
 "equal": the fraction of codes equal to the "kernel" row's (the rest one step apart: the float32
@@ -30,9 +29,8 @@ from coat_jax import formats, kernels, quantize
 T = 16384
 SHAPES = {"7b": (T, 4096, 11008), "olmo": (T, 2048, 8192)}   # (M, hidden, ffn)
 G = 16
-SWEEP = [(bm, bk, w, gather) for gather in (False, True)
-         for bm, bk, w in ((64, 64, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8),
-                           (64, 128, 4))]
+SWEEP = [(64, 64, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8), (64, 128, 4),
+         (64, 128, 8), (64, 256, 4), (32, 128, 4)]
 
 
 def _arrays(kind, m, k, seed):
@@ -72,14 +70,15 @@ def run_shape(name, m, hidden, ffn, iters, sweep):
         scale = quantize.scale_from_amax(amax, "e4m3", formats.ACTIVATION_SCALE_FLOOR)
         codes = arrays[:1] if kind == "rmsnorm" else arrays
         extra = arrays[1:] if kind == "rmsnorm" else ()
-        for bm, bk, w, gather in SWEEP:
+        for bm, bk, w in SWEEP:
           fn = jax.jit(functools.partial(rt.remake_transposed, kind, group_size=G,
                                          out_dtype=jnp.float8_e4m3fn, fmax=448.0, block_rows=bm,
-                                         block_cols=bk, num_warps=w, gather=gather))
-          rows.append((f"fused {bm}x{bk} w{w}" + (" gather" if gather else ""), fn,
+                                         block_cols=bk, num_warps=w))
+          rows.append((f"fused {bm}x{bk} w{w}", fn,
                        (scale, tuple(q.data for q in codes), tuple(q.scale for q in codes),
                         extra)))
-      want = np.asarray(rows[0][1](*rows[0][2]), np.float32)   # kernel
+      _, fn, args = next(r for r in rows if r[0] == "kernel")
+      want = np.asarray(fn(*args), np.float32)
       for label, fn, args in rows:
         ms = median_ms_back_to_back(fn, *args, iters=iters)
         got = np.asarray(fn(*args), np.float32)

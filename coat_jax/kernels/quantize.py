@@ -177,11 +177,11 @@ def swiglu_quantize(gate, up, group_size=formats.ACTIVATION_GROUP_SIZE, fmt="e4m
 
 
 REMAKE_KINDS = ("rmsnorm", "swiglu")
-REMAKE_HOWS = ("kernel", "fused", "xla")
+REMAKE_HOWS = ("fused", "kernel", "xla")   # the first is the default
 
 
 def remade_codes_t(kind: str, arrays: tuple, amax, dtype, fmt="e4m3", *,
-                   floor=formats.ACTIVATION_SCALE_FLOOR, how: str = "kernel") -> jax.Array:
+                   floor=formats.ACTIVATION_SCALE_FLOOR, how: str = "fused") -> jax.Array:
   """x^T's per-tensor codes (K, M) for a linear's dW, x (..., K) remade from 1 x G codes:
 
     kind "rmsnorm", arrays (xg, rstd, w):  x = dequantize(xg) * rstd * w     (RMSNorm's output)
@@ -189,10 +189,10 @@ def remade_codes_t(kind: str, arrays: tuple, amax, dtype, fmt="e4m3", *,
 
   in float32, rounded to `dtype` (the value the forward quantized), then quantized per tensor
   with `amax` (the forward's, so the forward's scale) and transposed.
-  how: "kernel" (an XLA fusion writes x, then `quantize_per_tensor`'s kernel makes the codes and
-  their transposed copy); "fused" (one pass: pallas_kernels/quantize/remake_triton.py, on one
-  GPU with jax-triton and the quantize family's kernels, for the shapes it takes; else as
-  "kernel"); "xla" (one XLA fusion from the codes to the transposed codes). Same values up to
+  how: "fused" (default; one pass: pallas_kernels/quantize/remake_triton.py, on one GPU with
+  jax-triton and the quantize family's kernels, for the shapes it takes; else as "kernel");
+  "kernel" (an XLA fusion writes x, then `quantize_per_tensor`'s kernel makes the codes and
+  their transposed copy); "xla" (one XLA fusion from the codes to the transposed codes). Same values up to
   the float32 math's last bits (exp, division) moving a code by one step.
   """
   if kind not in REMAKE_KINDS:

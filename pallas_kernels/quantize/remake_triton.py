@@ -17,9 +17,9 @@ per element 1.1 (rmsnorm) or 2.3 (swiglu) bytes read and 1 written here, against
 
 A program takes a BM x BK tile (pid -> row block pid // (K / BK), column block pid % (K / BK)):
 it loads the codes along K as [BM, BK / G, G] with the [BM, BK / G] group scales broadcast
-over the last axis (or, `gather`, each element's scale from its group's one address), and stores the tile transposed (`tl.trans`: Triton moves it
-through shared memory), so that the stores run along M. No masks: `problem` says which shapes
-it takes (the dispatch gives the others to the unfused path).
+over the last axis, and stores the tile transposed (`tl.trans`: Triton moves it through shared
+memory), so that the stores run along M. No masks: `problem` says which shapes it takes (the
+dispatch gives the others to the unfused path).
 
 Imports jax, numpy and (optionally) triton only; fmax and dtypes come in as arguments.
 """
@@ -41,9 +41,15 @@ except ImportError:  # pragma: no cover - CPU machines
 
 KINDS = ("rmsnorm", "swiglu")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-# The tile (rows x columns of x) and warps per program; benchmarks/kernels/bench_remake.py sweeps
-# them.
-BLOCK_ROWS, BLOCK_COLS, WARPS, GATHER = 128, 64, 4, False
+# The tile (rows x columns of x; 64 columns where K is no multiple of 128) and warps per program:
+# the fastest of benchmarks/kernels/bench_remake.py's --sweep over both kinds at the 7B layer's
+# shapes on an H100 (docs/kernels.md, "The remake kernel").
+BLOCK_ROWS, BLOCK_COLS, WARPS = 64, 128, 4
+
+
+def block_cols_for(k: int) -> int:
+  """The tile's columns for a last axis of k: BLOCK_COLS, or 64 where k is no multiple of it."""
+  return BLOCK_COLS if k % BLOCK_COLS == 0 else 64
 
 
 def available() -> bool:
@@ -52,11 +58,13 @@ def available() -> bool:
 
 
 def problem(shape, group_size: int, block_rows: int = BLOCK_ROWS,
-            block_cols: int = BLOCK_COLS) -> str | None:
-  """Why codes of `shape` (..., K) cannot be remade here, or None."""
+            block_cols: int | None = None) -> str | None:
+  """Why codes of `shape` (..., K) cannot be remade here, or None (block_cols None:
+  `block_cols_for(K)`)."""
   if len(shape) < 1:
     return "a scalar has no rows"
   k, m = shape[-1], int(np.prod(shape[:-1], dtype=np.int64))
+  block_cols = block_cols or block_cols_for(k)
   if k % block_cols or k % group_size or block_cols % group_size:
     return (f"last axis {k} is not a multiple of the tile's {block_cols} columns and of the "
             f"group size {group_size}")
@@ -70,23 +78,16 @@ def problem(shape, group_size: int, block_rows: int = BLOCK_ROWS,
 if triton is not None:
   @triton.jit
   def _group_values(q_ptr, s_ptr, rows, col0, K: tl.constexpr, G: tl.constexpr,
-                    BK: tl.constexpr, GATHER: tl.constexpr):
-    """codes times their group scales, float32 [BM, BK]. GATHER: each element loads its group's
-    scale (one address per G columns); else the codes load as [BM, BK / G, G] and the
-    [BM, BK / G] scales broadcast over the last axis."""
-    if GATHER:
-      cols = col0 + tl.arange(0, BK)
-      q = tl.load(q_ptr + rows[:, None] * K + cols[None, :]).to(tl.float32)
-      s = tl.load(s_ptr + rows[:, None] * (K // G) + (cols // G)[None, :]).to(tl.float32)
-      x = q * s
-    else:
-      groups = col0 // G + tl.arange(0, BK // G)
-      within = tl.arange(0, G)
-      q = tl.load(q_ptr + rows[:, None, None] * K + groups[None, :, None] * G
-                  + within[None, None, :]).to(tl.float32)
-      s = tl.load(s_ptr + rows[:, None] * (K // G) + groups[None, :]).to(tl.float32)
-      x = tl.reshape(q * s[:, :, None], (rows.shape[0], BK))
-    return x
+                    BK: tl.constexpr):
+    """codes times their group scales, float32 [BM, BK]: the codes load as [BM, BK / G, G] and
+    the [BM, BK / G] scales broadcast over the last axis (loading each element's scale from its
+    group's address instead was slower at most tiles on an H100)."""
+    groups = col0 // G + tl.arange(0, BK // G)
+    within = tl.arange(0, G)
+    q = tl.load(q_ptr + rows[:, None, None] * K + groups[None, :, None] * G
+                + within[None, None, :]).to(tl.float32)
+    s = tl.load(s_ptr + rows[:, None] * (K // G) + groups[None, :]).to(tl.float32)
+    return tl.reshape(q * s[:, :, None], (rows.shape[0], BK))
 
   @triton.jit
   def _store_transposed(out_ptr, x, scale, rows, cols, M, FMAX: tl.constexpr):
@@ -107,22 +108,21 @@ if triton is not None:
   @triton.jit
   def _rmsnorm_kernel(scale_ptr, q_ptr, s_ptr, rstd_ptr, w_ptr, M, out_ptr, K: tl.constexpr,
                       G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                      FMAX: tl.constexpr, GATHER: tl.constexpr):
+                      FMAX: tl.constexpr):
     rows, col0 = _tile(K, BM, BK)
     cols = col0 + tl.arange(0, BK)
-    x = _group_values(q_ptr, s_ptr, rows, col0, K, G, BK, GATHER)
+    x = _group_values(q_ptr, s_ptr, rows, col0, K, G, BK)
     x = x * tl.load(rstd_ptr + rows)[:, None]
     x = x * tl.load(w_ptr + cols).to(tl.float32)[None, :]
     _store_transposed(out_ptr, x, tl.load(scale_ptr), rows, cols, M, FMAX)
 
   @triton.jit
   def _swiglu_kernel(scale_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, M, out_ptr, K: tl.constexpr,
-                     G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FMAX: tl.constexpr,
-                     GATHER: tl.constexpr):
+                     G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FMAX: tl.constexpr):
     rows, col0 = _tile(K, BM, BK)
     cols = col0 + tl.arange(0, BK)
-    a = _group_values(gq_ptr, gs_ptr, rows, col0, K, G, BK, GATHER)
-    u = _group_values(uq_ptr, us_ptr, rows, col0, K, G, BK, GATHER)
+    a = _group_values(gq_ptr, gs_ptr, rows, col0, K, G, BK)
+    u = _group_values(uq_ptr, us_ptr, rows, col0, K, G, BK)
     _store_transposed(out_ptr, a / (1.0 + tl.exp(-a)) * u, tl.load(scale_ptr), rows, cols, M,
                       FMAX)
 
@@ -130,12 +130,13 @@ if triton is not None:
 
 
 def launch_plan(shape, group_size: int, block_rows: int = BLOCK_ROWS,
-                block_cols: int = BLOCK_COLS, gather: bool = GATHER) -> tuple[int, int, dict]:
+                block_cols: int | None = None) -> tuple[int, int, dict]:
   """(grid size, M, constexprs) of a remake of codes of `shape`; also for running a kernel in
   Triton's interpreter (tests)."""
   k, m = shape[-1], int(np.prod(shape[:-1]))
+  block_cols = block_cols or block_cols_for(k)
   return ((m // block_rows) * (k // block_cols), m,
-          dict(K=k, G=group_size, BM=block_rows, BK=block_cols, GATHER=bool(gather)))
+          dict(K=k, G=group_size, BM=block_rows, BK=block_cols))
 
 
 def _check(kind, codes, scales, group_size, block_rows, block_cols):
@@ -157,20 +158,20 @@ def _check(kind, codes, scales, group_size, block_rows, block_cols):
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "group_size", "out_dtype", "fmax",
-                                             "block_rows", "block_cols", "num_warps", "gather"))
+                                             "block_rows", "block_cols", "num_warps"))
 def remake_transposed(kind: str, scale: jax.Array, codes: tuple, scales: tuple,
                       extra: tuple = (), *, group_size: int, out_dtype, fmax: float,
-                      block_rows: int = BLOCK_ROWS, block_cols: int = BLOCK_COLS,
-                      num_warps: int = WARPS, gather: bool = GATHER) -> jax.Array:
+                      block_rows: int = BLOCK_ROWS, block_cols: int | None = None,
+                      num_warps: int = WARPS) -> jax.Array:
   """The transposed per-tensor codes (K, M) of x remade from 1 x G codes (module docstring).
 
   kind "rmsnorm": codes (xq,), scales (xs,), extra (rstd (..., 1) or (...,) float32, w (K,));
   kind "swiglu": codes (gq, uq), scales (gs, us), no extra. scale: the per-tensor scale, float32
-  (); out_dtype: the FP8 dtype of q_t, fmax its largest finite value. block_rows, block_cols,
-  num_warps: the tile and its warps; gather: how the group scales load (`_group_values`).
+  (); out_dtype: the FP8 dtype of q_t, fmax its largest finite value. block_rows, block_cols
+  (None: `block_cols_for(K)`), num_warps: the tile and its warps.
   """
   _check(kind, codes, scales, group_size, block_rows, block_cols)
-  grid, m, consts = launch_plan(codes[0].shape, group_size, block_rows, block_cols, gather)
+  grid, m, consts = launch_plan(codes[0].shape, group_size, block_rows, block_cols)
   k = codes[0].shape[-1]
   flat = [a.reshape(m, k) for a in codes]
   groups = [s.reshape(m, k // group_size) for s in scales]

@@ -72,25 +72,52 @@ def layer_fp8_attention(src: Sources) -> list[str]:
 
 def layer_linear_residuals(src: Sources) -> list[str]:
   """The coat layer keeping its linears' FP8 inputs (default) and remaking them, each machine's
-  runs one after the other, on three H100s; on the third also the remake by the quantize kernel
-  (the ablation `remake_quantize=kernel`)."""
+  runs one after the other, on four H100s; on the third also the remake by the quantize kernel
+  (`remake_quantize=kernel`), on the fourth the remake by the Triton kernel (`fused`) and by the
+  quantize kernel."""
   out = ["| | fwd + bwd ms | back to back ms | held MB | device peak MB |", "|---|---|---|---|---|"]
   sids = []
   labels = {"kept": ("coat, `linear_residuals: kept`", ""),
             "remade": ("coat, `linear_residuals: remade`", "remade vs kept"),
             "remade_kernel": ("coat, `linear_residuals: remade`, remake by the quantize kernel",
-                              "remade by the kernel vs kept")}
+                              "remade by the kernel vs kept"),
+            "remade_fused": ("coat, `linear_residuals: remade`, remake by the Triton kernel",
+                             "remade by the Triton kernel vs kept")}
   columns = (("fwd_bwd_ms", 1, ".2f", "pct"), ("fwd_bwd_b2b_ms", 1, ".2f", "pct"),
              ("held_bytes", 1e-6, ".1f", "less"), ("peak_bytes", 1e-6, ".1f", "less"))
   for machine, where, names in (("", "", ("kept", "remade")),
                                 ("_other", ", another H100", ("kept", "remade")),
-                                ("_third", ", a third H100", ("kept", "remade", "remade_kernel"))):
+                                ("_third", ", a third H100", ("kept", "remade", "remade_kernel")),
+                                ("_fourth", ", a fourth H100",
+                                 ("kept", "remade_fused", "remade_kernel"))):
     runs = {}
     for name in names:
       sids.append(f"layer7b_linear_residuals_{name}{machine}_h100")
       runs[name] = src.value(sids[-1], "results.0")
     out += compared_rows(runs, labels, columns, where)
   return out + [""] + [source_line(src, sid) for sid in sids]
+
+
+def remake_sweep(src: Sources) -> list[str]:
+  """bench_remake's rows at the 7B layer's shapes: each way of `kernels.remade_codes_t`, then the
+  Triton kernel's tiles (rows x columns x warps; "gather": each element loading its group's
+  scale, a variant removed after this run)."""
+  sid = "remake_sweep_7b_h100"
+  out = ["| remade codes of | way | ms | GB/s | x floor | codes equal to the kernel path's |",
+         "|---|---|---|---|---|---|"]
+  for line in src.raw(sid).splitlines():
+    m = re.match(r"\s+(rmsnorm|swiglu) (.+?)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", line)
+    if m:
+      what = {"rmsnorm": "a norm's output (K 4096)", "swiglu": "h (K 11008)"}[m.group(1)]
+      way = m.group(2).replace("fused ", "Triton ").replace(
+          "fused", "Triton through the dispatch (128x64 w4; with the scale's own XLA op)")
+      out.append(f"| {what} | {way} | {m.group(3)} | {m.group(4)} | {m.group(5)} "
+                 f"| {m.group(6)} |")
+  floors = re.findall(r"(rmsnorm|swiglu) floor ([\d.]+) ms \(([\d.]+) GB\)", src.raw(sid))
+  out += ["", "Floor (the Triton kernel's bytes at the datasheet HBM bandwidth): "
+          + "; ".join(f"{'a norm output' if k == 'rmsnorm' else 'h'} {ms} ms ({gb} GB)"
+                      for k, ms, gb in floors) + "."]
+  return out + ["", source_line(src, sid)]
 
 
 def optimizer(src: Sources) -> list[str]:
