@@ -128,7 +128,8 @@ def test_problem_names_the_shape():
   assert "below 2^31" in rt.problem((2**17, 2**14), G, 128, 64)
   assert rt.problem((2, 64, 128), G, 128, 64) is None
   # the default tile: 128 columns, 64 where the last axis is no multiple of 128
-  assert rt.launch_plan((64, 384), G)[2]["BK"] == 128 and rt.launch_plan((64, 320), G)[2]["BK"] == 64
+  assert rt.launch_plan((64, 384), G)[2]["BK"] == 128
+  assert rt.launch_plan((64, 320), G)[2]["BK"] == 64
   assert rt.problem((64, 320), G) is None and "columns" in rt.problem((64, 96), G)
 
 
@@ -190,17 +191,78 @@ def test_kernel_compiles_for_sm90_as_the_gpu_runs_it(interp, kind, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", rt.KINDS)
 @pytest.mark.parametrize("shape", [(2, 256, 4096), (512, 11008)])
-def test_gpu_kernel_matches_the_unfused_path(kind, shape):
+@pytest.mark.parametrize("partitioning", ["auto", "always"])
+def test_gpu_kernel_matches_the_unfused_path(kind, shape, partitioning):
   """jax-triton on the GPU against the unfused path on the same GPU (XLA's math, the quantize
-  kernel)."""
+  kernel); `always`: the kernel inside the mesh wrapper (sharded.rows_to_columns)."""
   if not rt.available():
     pytest.fail("jax-triton is not installed on the GPU machine (carry .whl)")
   arrays = _case(kind, shape, seed=14, nan=True)
   amax = _x_amax(kind, arrays)
-  with kernels.backend("pallas"):
+  with kernels.backend("pallas"), kernels.partitioning(partitioning):
     fused = jax.jit(lambda a, m: kernels.remade_codes_t(kind, a, m, jnp.bfloat16, how="fused"))
     got, txt = fused(arrays, amax), fused.lower(arrays, amax).as_text()
     want = jax.jit(lambda a, m: kernels.remade_codes_t(kind, a, m, jnp.bfloat16,
                                                        how="kernel"))(arrays, amax)
   assert "triton" in txt.lower()   # the kernel ran, not the fallback
   _assert_codes_close(np.asarray(got), np.asarray(want), f"GPU {kind} {shape}")
+
+
+def _standin_remake(calls, kind, scale, codes, scales, extra=(), *, group_size, out_dtype, fmax,
+                    **_):
+  """remake_transposed's contract in XLA's ops (the kernel needs jax-triton and a GPU): the
+  remade x, rounded to bf16, divided by the scale, saturated and transposed; the call's local
+  shape recorded."""
+  calls.append(codes[0].shape)
+  vals = [quantize.dequantize(quantize.QuantizedArray(q, s, "e4m3", group_size), jnp.float32)
+          for q, s in zip(codes, scales)]
+  if kind == "rmsnorm":
+    x = vals[0] * extra[0][:, None] * extra[1].astype(jnp.float32)
+  else:
+    from coat_jax import activations
+    x = activations.silu_product(*vals)
+  x = x.astype(jnp.bfloat16).astype(jnp.float32)
+  return formats.saturating_cast(x / scale, formats.get_format("e4m3")).T
+
+
+@pytest.mark.parametrize("kind", rt.KINDS)
+@pytest.mark.parametrize("shape,spec,local", [
+    ((8, 64, 256), ("data",), (128, 256)),             # rows split 4 ways: the kernel per shard
+    ((512, 256), ("data", "tensor"), (128, 256)),      # K split too: gathered, rows kept split
+    ((4, 48, 256), ("data",), None)],                  # 48-row shards: the reference per shard
+    ids=["rows", "rows-and-k", "reference-shards"])
+def test_fused_remake_runs_per_shard_on_a_mesh(monkeypatch, kind, shape, spec, local):
+  """On a mesh "fused" runs the kernel on each device's rows (sharded.rows_to_columns; the kernel
+  replaced by its XLA contract, as on a GPU): x^T's columns split like the rows, no collective
+  where only the rows are split, and the codes those of the unfused path on one device."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from coat_jax.kernels import backends
+  calls = []
+  monkeypatch.setattr(rt, "available", lambda: True)
+  monkeypatch.setattr(rt, "remake_transposed", lambda *a, **k: _standin_remake(calls, *a, **k))
+  monkeypatch.setattr(backends, "interpret_mode", lambda: False)
+  arrays = _case(kind, shape, seed=15)
+  amax = _x_amax(kind, arrays)
+  want = _reference(kind, arrays, amax)
+  mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+
+  def put(a):   # each array split like the codes on the axes it shares with them
+    s = tuple(spec[:a.ndim - 1]) + (None,) * (a.ndim - 1 - len(spec[:a.ndim - 1]))
+    s += (spec[len(shape) - 1] if len(spec) == len(shape) and a.shape[-1] == shape[-1]
+          else None,) if a.ndim else ()
+    return jax.device_put(a, NamedSharding(mesh, P(*s[:a.ndim])))
+
+  sharded_arrays = jax.tree.map(put, arrays)
+  f = jax.jit(lambda a, m: kernels.remade_codes_t(kind, a, m, jnp.bfloat16))
+  with kernels.backend("pallas"):
+    assert backends.per_shard()
+    got = f(sharded_arrays, amax)
+    hlo = f.lower(sharded_arrays, amax).compile().as_text()
+  m = int(np.prod(shape[:-1]))
+  # traced at the global shape for the result's shape, then per shard
+  assert set(calls) == ({(m, shape[-1]), local} if local else {(m, shape[-1])}), calls
+  _assert_codes_close(np.asarray(got), want, f"{kind} {shape} on a 4 x 2 mesh")
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data")), 2)
+  if spec == ("data",):
+    for op in ("all-gather", "all-to-all", "collective-permute"):
+      assert op not in hlo, op

@@ -9,6 +9,8 @@ Kernels (`implementation("quantize")` / `("dequantize")` is "mosaic"; FP8 storag
   per tensor   size / 64 a multiple of 64 and N % 64 == 0; with the transposed copy ndim >= 2,
                N and M multiples of 64 and a 16-bit input (or a 16-bit cast_dtype).
   swiglu       the per-group shapes (swiglu_mgpu.py), forward and backward.
+  remake       a linear's transposed input codes remade from 1 x 16 codes (Triton through
+               jax-triton, remake_triton.py): M % 64 and K % 64 == 0, bf16 compute.
 Other shapes: the reference (XLA). On a mesh each shard runs the kernel on its local block
 (`backends.rows`; a shard the kernel does not take runs the reference); in interpret mode (CPU)
 the kernels are not wrapped (their ordered callbacks cannot pass custom_partitioning: XLA
@@ -189,11 +191,12 @@ def remade_codes_t(kind: str, arrays: tuple, amax, dtype, fmt="e4m3", *,
 
   in float32, rounded to `dtype` (the value the forward quantized), then quantized per tensor
   with `amax` (the forward's, so the forward's scale) and transposed.
-  how: "fused" (default; one pass: pallas_kernels/quantize/remake_triton.py, on one GPU with
-  jax-triton and the quantize family's kernels, for the shapes it takes; else as "kernel");
-  "kernel" (an XLA fusion writes x, then `quantize_per_tensor`'s kernel makes the codes and
-  their transposed copy); "xla" (one XLA fusion from the codes to the transposed codes). Same values up to
-  the float32 math's last bits (exp, division) moving a code by one step.
+  how: "fused" (default; one pass: pallas_kernels/quantize/remake_triton.py, on a GPU with
+  jax-triton and the quantize family's kernels, for the shapes it takes, per shard on a mesh;
+  else as "kernel"); "kernel" (an XLA fusion writes x, then `quantize_per_tensor`'s kernel makes
+  the codes and their transposed copy); "xla" (one XLA fusion from the codes to the transposed
+  codes). Same values up to the float32 math's last bits (exp, division) moving a code by one
+  step.
   """
   if kind not in REMAKE_KINDS:
     raise ValueError(f"remade_codes_t: kind must be one of {REMAKE_KINDS}, got {kind!r}")
@@ -203,26 +206,59 @@ def remade_codes_t(kind: str, arrays: tuple, amax, dtype, fmt="e4m3", *,
   # the 1 x G codes, and what else the math takes (rstd and the norm's scale)
   codes, extra = (arrays[:1], arrays[1:]) if kind == "rmsnorm" else (arrays, ())
   if (how == "fused" and backends.implementation("quantize") == "mosaic"
-      and not backends.per_shard() and not backends.interpret_mode()
+      and not backends.interpret_mode()
       and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and f.dtype in formats.fp8_dtypes()
       and all(q.group_size > 0 and q.group_size == codes[0].group_size
               and q.data.shape == codes[0].data.shape for q in codes)):
     from pallas_kernels.quantize import remake_triton as rt
     g = codes[0].group_size
     if rt.available() and rt.problem(codes[0].data.shape, g) is None:
-      scale = quantize.scale_from_amax(jnp.asarray(amax, jnp.float32), f, floor)
-      return rt.remake_transposed(kind, scale, tuple(q.data for q in codes),
-                                  tuple(q.scale for q in codes), tuple(extra), group_size=g,
-                                  out_dtype=f.dtype, fmax=f.max)
+      return _remade_by_kernel(rt, kind, codes, extra, amax, dtype, f, floor)
   values = [dequantize(q, jnp.float32, consumer_fusion=True) for q in codes]
-  if kind == "rmsnorm":
-    rstd, w = extra
-    x = values[0] * rstd * w.astype(jnp.float32)
-  else:
-    x = activations.silu_product(*values)
-  x = x.astype(dtype)
+  x = _remade_values(kind, values, extra).astype(dtype)
   return quantize_per_tensor(x.reshape(-1, x.shape[-1]), fmt, amax=amax, with_transpose=True,
                              floor=floor, producer_fusion=how == "xla").data_t
+
+
+def _remade_values(kind, values, extra):
+  """x in float32 from the codes' float32 values (and rstd and the norm's scale)."""
+  if kind == "rmsnorm":
+    rstd, w = extra
+    return values[0] * rstd * w.astype(jnp.float32)
+  return activations.silu_product(*values)
+
+
+def _remade_by_kernel(rt, kind, codes, extra, amax, dtype, f, floor):
+  """The remake kernel on one device; on a mesh per shard (`sharded.rows_to_columns`: the rows
+  split as the codes' leading axes are, x^T's columns the same), a shard the kernel does not take
+  remade by XLA's ops with the same (global) amax."""
+  g, shape = codes[0].group_size, codes[0].data.shape
+  k = shape[-1]
+  m = codes[0].data.size // k
+  amax = jnp.asarray(amax, jnp.float32).reshape(1)
+  ops = [a for q in codes for a in (q.data.reshape(m, k), q.scale.reshape(m, k // g))]
+  by_row = [True] * len(ops)   # which operands split by rows (the others whole)
+  if kind == "rmsnorm":
+    rstd, w = extra
+    ops += [jnp.asarray(rstd, jnp.float32).reshape(m), w.reshape(k)]
+    by_row += [True, False]
+
+  def kernel(amax1, *local):
+    scale = quantize.scale_from_amax(amax1[0], f, floor)
+    qs = [QuantizedArray(local[2 * i], local[2 * i + 1], f.name, g) for i in range(len(codes))]
+    rest = local[2 * len(codes):]
+    if rt.problem(local[0].shape, g) is None:
+      return rt.remake_transposed(kind, scale, tuple(q.data for q in qs),
+                                  tuple(q.scale for q in qs), tuple(rest), group_size=g,
+                                  out_dtype=f.dtype, fmax=f.max)
+    if kind == "rmsnorm":
+      rest = (rest[0][:, None], rest[1])
+    x = _remade_values(kind, [quantize.dequantize(q, jnp.float32) for q in qs], rest)
+    return quantize.quantize_per_tensor(x.astype(dtype), f, amax=amax1[0], floor=floor).data.T
+
+  if backends.per_shard():
+    return sharded.rows_to_columns(kernel, [amax, *ops], [False, *by_row])
+  return kernel(amax, *ops)
 
 
 def swiglu_backward(gate_q: QuantizedArray, up_q: QuantizedArray, dh):

@@ -19,7 +19,9 @@ would do that, and activation splits (hidden / tensor) are multiples of 16 in pr
 
 `transposing` does the same for the per-tensor quantize with the transposed copy: each shard's
 kernel writes its codes and their transpose, which is its block of the transposed array (sharded
-like the codes with the last two axes swapped). `matmul_tn` partitions the FP8 GEMM.
+like the codes with the last two axes swapped); `rows_to_columns` for a kernel reading rows and
+writing them as columns (the remake of a linear's transposed input codes). `matmul_tn`
+partitions the FP8 GEMM.
 
 The mesh comes from the operands' shardings at partitioning time (after jit's sharding
 propagation); nothing needs to be set at trace time for these kernels.
@@ -190,6 +192,52 @@ def transposing(kernel: Callable, x: jax.Array, scalars: Sequence[jax.Array]):
   fn.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                    need_replication_factors=tuple(f for r in repl for f in r))
   return fn(x, *scalars)
+
+
+def rows_to_columns(kernel: Callable, args: Sequence[jax.Array], row_operands: Sequence[bool]):
+  """kernel(*args) -> y_t (K, M), run per shard, for a kernel whose column j of y_t depends on
+  row j of its row operands only (args[i] with row_operands[i], each (M, ...)) and on the other
+  operands whole (the remake: codes, scales and rstd by rows; the norm's scale and the
+  per-tensor scale whole).
+
+  The row operands keep the first one's split of M (their other axes, and the other operands,
+  are gathered: replicated); y_t is (K, M) with M split the same way, so each device's kernel
+  writes its block of columns and no collective is added where only M is split. The kernel must
+  be correct on any block of rows (a block it does not take: its reference).
+  """
+  if not any(row_operands) or len(row_operands) != len(args):
+    raise ValueError("rows_to_columns: one row-operand flag per operand, at least one True")
+  first = list(row_operands).index(True)
+  m = args[first].shape[0]
+  for a, by_row in zip(args, row_operands):
+    if by_row and (a.ndim < 1 or a.shape[0] != m):
+      raise ValueError(f"rows_to_columns: row operands must share their first axis ({m}), "
+                       f"got shape {a.shape}")
+  out = jax.eval_shape(kernel, *args)
+  if out.ndim != 2 or out.shape[1] != m:
+    raise ValueError(f"rows_to_columns: the kernel must return (K, {m}), got {out.shape}")
+
+  def row_entry(mesh, sharding):
+    return _padded(sharding.spec, 1)[0]
+
+  def infer(mesh, arg_shapes, result_shape):
+    return NamedSharding(mesh, PartitionSpec(None, row_entry(mesh, arg_shapes[first].sharding)))
+
+  def partition(mesh, arg_shapes, result_shape):
+    entry = row_entry(mesh, arg_shapes[first].sharding)
+    in_sh = tuple(NamedSharding(mesh, PartitionSpec(entry) if by_row else PartitionSpec())
+                  for by_row in row_operands)
+    return mesh, kernel, NamedSharding(mesh, PartitionSpec(None, entry)), in_sh
+
+  names = iter(f"r{i}" for i in range(sum(a.ndim for a in args) + 1))
+  dims = [" ".join(["m"] * by_row + [next(names) for _ in range(a.ndim - by_row)])
+          for a, by_row in zip(args, row_operands)]
+  k = next(names)
+  repl = tuple(n for d in dims for n in d.split() if n != "m") + (k,)
+  fn = custom_partitioning(kernel)
+  fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=f"{', '.join(dims)} -> {k} m", need_replication_factors=repl)
+  return fn(*args)
 
 
 def _drop_axes(entry, used):
