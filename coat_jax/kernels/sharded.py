@@ -217,14 +217,14 @@ def rows_to_columns(kernel: Callable, args: Sequence[jax.Array], row_operands: S
   if out.ndim != 2 or out.shape[1] != m:
     raise ValueError(f"rows_to_columns: the kernel must return (K, {m}), got {out.shape}")
 
-  def row_entry(mesh, sharding):
-    return _padded(sharding.spec, 1)[0]
+  def row_entry(arg_shapes):   # the first row operand's split of M
+    return _padded(arg_shapes[first].sharding.spec, 1)[0]
 
   def infer(mesh, arg_shapes, result_shape):
-    return NamedSharding(mesh, PartitionSpec(None, row_entry(mesh, arg_shapes[first].sharding)))
+    return NamedSharding(mesh, PartitionSpec(None, row_entry(arg_shapes)))
 
   def partition(mesh, arg_shapes, result_shape):
-    entry = row_entry(mesh, arg_shapes[first].sharding)
+    entry = row_entry(arg_shapes)
     in_sh = tuple(NamedSharding(mesh, PartitionSpec(entry) if by_row else PartitionSpec())
                   for by_row in row_operands)
     return mesh, kernel, NamedSharding(mesh, PartitionSpec(None, entry)), in_sh
