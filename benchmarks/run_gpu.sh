@@ -8,7 +8,10 @@
 # its CPU tests compare with the reference to the ulp on an 8-device mesh, its GPU test runs in
 # tests), kernels (quantize bandwidth, fused Adam step, FP8 GEMM), quant_sweep (the Mosaic GPU
 # quantize kernels' tunables), remake (the remade linear input's transposed codes each way:
-# benchmarks/kernels/bench_remake.py, REMAKE_ARGS such as --sweep), ops (per-op fwd+bwd times),
+# benchmarks/kernels/bench_remake.py, REMAKE_ARGS such as --sweep), remade_ab (coat with
+# model.linear_residuals kept, then remade, one after the other: the 7B layer, OLMo-1B's step
+# (scanned, remat none), Llama-2-7B's (remat full, batch 8); REMADE_AB picks among "layer olmo
+# 7b"; a JSON each in $OUT), ops (per-op fwd+bwd times),
 # layer (7B decoder layer, 3 modes),
 # optimizer (1.21e9 params), train1b (train.py, olmo-1b shape, 3 modes, short), train_sharded
 # (same, FSDP over all GPUs), e2e (benchmarks/step/bench_e2e.py), compile_breakdown (where the
@@ -103,6 +106,17 @@ for s in "$@"; do
     kernels) section kernels 420 $PY -m benchmarks.kernels.bench_kernels ${KERNEL_ARGS:-} ;;
     quant_sweep) section quant_sweep 300 $PY -m benchmarks.kernels.bench_kernels_mgpu --sweep ${SWEEP_ARGS:-} ;;
     remake) section remake 240 $PY -m benchmarks.kernels.bench_remake ${REMAKE_ARGS:-} ;;
+    remade_ab) for what in ${REMADE_AB:-layer olmo 7b}; do
+             case $what in layer|olmo|7b) ;; *) echo "remade_ab: unknown part $what (layer, olmo, 7b)"; continue ;; esac
+             for lr in kept remade; do case $what in
+               layer) section remade_ab 90 $PY -m benchmarks.layer.bench_layer --modes coat \
+                        --linear-residuals $lr --json "$OUT/layer_$lr.json" ;;
+               olmo) section remade_ab 150 $PY -m benchmarks.step.bench_e2e --modes coat+coat_adamw \
+                       --layers scanned --set model.linear_residuals=$lr --json "$OUT/e2e_olmo1b_$lr.json" ;;
+               7b) section remade_ab 240 $PY -m benchmarks.step.bench_e2e --preset llama2-7b --remat full \
+                     --batch 8 --modes coat+coat_adamw --set model.linear_residuals=$lr \
+                     --json "$OUT/e2e_7b_$lr.json" ;;
+             esac; done; done ;;
     ops) section ops 240 $PY -m benchmarks.layer.bench_ops ;;
     profile) section profile 200 $PY -m benchmarks.layer.profile_layer ;;
     layer) section layer 420 $PY -m benchmarks.layer.bench_layer --json "$OUT/layer.json" ${LAYER_ARGS:-} ;;
