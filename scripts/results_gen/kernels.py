@@ -109,8 +109,10 @@ def remake_sweep(src: Sources) -> list[str]:
     m = re.match(r"\s+(rmsnorm|swiglu) (.+?)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", line)
     if m:
       what = {"rmsnorm": "a norm's output (K 4096)", "swiglu": "h (K 11008)"}[m.group(1)]
-      way = m.group(2).replace("fused ", "Triton ").replace(
-          "fused", "Triton through the dispatch (128x64 w4; with the scale's own XLA op)")
+      way = {"kernel": "XLA writes x in bf16, then the quantize kernel",
+             "xla": "one XLA fusion",
+             "fused": "Triton through the dispatch (128x64 w4; with the scale's own XLA op)"
+             }.get(m.group(2), m.group(2).replace("fused ", "Triton "))
       out.append(f"| {what} | {way} | {m.group(3)} | {m.group(4)} | {m.group(5)} "
                  f"| {m.group(6)} |")
   floors = re.findall(r"(rmsnorm|swiglu) floor ([\d.]+) ms \(([\d.]+) GB\)", src.raw(sid))
