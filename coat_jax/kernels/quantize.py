@@ -215,23 +215,20 @@ def remade_codes_t(kind: str, arrays: tuple, amax, dtype, fmt="e4m3", *,
     if rt.available() and rt.problem(codes[0].data.shape, g) is None:
       return _remade_by_kernel(rt, kind, codes, extra, amax, dtype, f, floor)
   values = [dequantize(q, jnp.float32, consumer_fusion=True) for q in codes]
-  x = _remade_values(kind, values, extra).astype(dtype)
-  return quantize_per_tensor(x.reshape(-1, x.shape[-1]), fmt, amax=amax, with_transpose=True,
-                             floor=floor, producer_fusion=how == "xla").data_t
-
-
-def _remade_values(kind, values, extra):
-  """x in float32 from the codes' float32 values (and rstd and the norm's scale)."""
   if kind == "rmsnorm":
     rstd, w = extra
-    return values[0] * rstd * w.astype(jnp.float32)
-  return activations.silu_product(*values)
+    x = values[0] * rstd * w.astype(jnp.float32)
+  else:
+    x = activations.silu_product(*values)
+  x = x.astype(dtype)
+  return quantize_per_tensor(x.reshape(-1, x.shape[-1]), fmt, amax=amax, with_transpose=True,
+                             floor=floor, producer_fusion=how == "xla").data_t
 
 
 def _remade_by_kernel(rt, kind, codes, extra, amax, dtype, f, floor):
   """The remake kernel on one device; on a mesh per shard (`sharded.rows_to_columns`: the rows
   split as the codes' leading axes are, x^T's columns the same), a shard the kernel does not take
-  remade by XLA's ops with the same (global) amax."""
+  remade as "xla" does, with the same (global) amax."""
   g, shape = codes[0].group_size, codes[0].data.shape
   k = shape[-1]
   m = codes[0].data.size // k
@@ -251,10 +248,9 @@ def _remade_by_kernel(rt, kind, codes, extra, amax, dtype, f, floor):
       return rt.remake_transposed(kind, scale, tuple(q.data for q in qs),
                                   tuple(q.scale for q in qs), tuple(rest), group_size=g,
                                   out_dtype=f.dtype, fmax=f.max)
-    if kind == "rmsnorm":
+    if kind == "rmsnorm":   # rstd back to (rows, 1)
       rest = (rest[0][:, None], rest[1])
-    x = _remade_values(kind, [quantize.dequantize(q, jnp.float32) for q in qs], rest)
-    return quantize.quantize_per_tensor(x.astype(dtype), f, amax=amax1[0], floor=floor).data.T
+    return remade_codes_t(kind, (*qs, *rest), amax1[0], dtype, f.name, floor=floor, how="xla")
 
   if backends.per_shard():
     return sharded.rows_to_columns(kernel, [amax, *ops], [False, *by_row])
