@@ -38,7 +38,7 @@ TABLE_NAMES = (
   (headline, ("headline",)),
   (training, ("e2e", "e2e_linear_residuals", "train_py", "plan_candidates", "remat_sweep",
               "equal_batch_7b", "largest_batch_7b", "largest_batch", "sft_now", "sft_b4_now")),
-  (kernels, ("layer", "layer_fp8_attention", "layer_linear_residuals", "remake_sweep", "optimizer",
+  (kernels, ("layer", "layer_fp8_attention", "layer_linear_residuals", "remake_sweep", "remake_ways", "optimizer",
              "optimizer_stacked", "two_pass", "swiglu_weight_codes")),
   (accuracy, ("accuracy", "accuracy_fp8_attention", "accuracy_linear_remade", "stability",
               "formats", "master_weights", "group_axis")),

@@ -80,7 +80,7 @@ def ablation(**switches: str):
   remake_quantize (linear_residuals "remade" only): how the backward remakes a linear's
   transposed input codes (`kernels.remade_codes_t`): one Triton kernel reading the producer's
   1 x 16 codes and writing the transposed per-tensor codes ("fused", default; on GPUs with
-  jax-triton, per shard on a mesh, else as "kernel"; remade then costs about 1 % of a
+  jax-triton, per shard on a mesh, else as "kernel"; remade then costs 1-2 % of a
   Llama-2-7B layer back to back against kept residuals on an H100), an XLA fusion writing x in
   the compute dtype, then the dispatch's quantize kernel making the transposed copy ("kernel";
   about 3 %), or one XLA fusion from the codes to the transposed codes ("xla": XLA's

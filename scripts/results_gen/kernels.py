@@ -72,9 +72,9 @@ def layer_fp8_attention(src: Sources) -> list[str]:
 
 def layer_linear_residuals(src: Sources) -> list[str]:
   """The coat layer keeping its linears' FP8 inputs (default) and remaking them, each machine's
-  runs one after the other, on four H100s; on the third also the remake by the quantize kernel
-  (`remake_quantize=kernel`), on the fourth the remake by the Triton kernel (`fused`) and by the
-  quantize kernel."""
+  runs one after the other, on five H100s; on the third also the remake by the quantize kernel
+  (`remake_quantize=kernel`), on the fourth the remake by the Triton kernel (`fused`, its tile
+  then 128 x 64) and by the quantize kernel, on the fifth the Triton kernel at its tile since."""
   out = ["| | fwd + bwd ms | back to back ms | held MB | device peak MB |", "|---|---|---|---|---|"]
   sids = []
   labels = {"kept": ("coat, `linear_residuals: kept`", ""),
@@ -89,7 +89,8 @@ def layer_linear_residuals(src: Sources) -> list[str]:
                                 ("_other", ", another H100", ("kept", "remade")),
                                 ("_third", ", a third H100", ("kept", "remade", "remade_kernel")),
                                 ("_fourth", ", a fourth H100",
-                                 ("kept", "remade_fused", "remade_kernel"))):
+                                 ("kept", "remade_fused", "remade_kernel")),
+                                ("_fifth", ", a fifth H100", ("kept", "remade_fused"))):
     runs = {}
     for name in names:
       sids.append(f"layer7b_linear_residuals_{name}{machine}_h100")
@@ -119,6 +120,37 @@ def remake_sweep(src: Sources) -> list[str]:
   out += ["", "Floor (the Triton kernel's bytes at the datasheet HBM bandwidth): "
           + "; ".join(f"{'a norm output' if k == 'rmsnorm' else 'h'} {ms} ms ({gb} GB)"
                       for k, ms, gb in floors) + "."]
+  return out + ["", source_line(src, sid)]
+
+
+REMAKE_WAYS = {"fused": "the Triton kernel through the dispatch (with the scale's own XLA op)",
+               "kernel": "XLA writes x in bf16, then the quantize kernel",
+               "xla": "one XLA fusion"}
+
+
+def remake_ways(src: Sources) -> list[str]:
+  """bench_remake's rows at the 7B layer's and OLMo-1B's shapes: each way of
+  `kernels.remade_codes_t`, the Triton kernel at its default tile, with each shape's floor."""
+  sid = "remake_7b_olmo_h100"
+  out = ["| model | remade codes of | way | ms | GB/s | x floor | codes equal to the kernel path's |",
+         "|---|---|---|---|---|---|---|"]
+  model, ks = None, {}
+  for line in src.raw(sid).splitlines():
+    head = re.match(r"(7b|olmo): M = \d+, rmsnorm K = (\d+), swiglu K = (\d+)", line)
+    if head:
+      model = {"7b": "Llama-2-7B", "olmo": "OLMo-1B"}[head.group(1)]
+      ks = {"rmsnorm": f"a norm's output (K {head.group(2)})", "swiglu": f"h (K {head.group(3)})"}
+      continue
+    floor = re.match(r"\s+(rmsnorm|swiglu) floor ([\d.]+) ms", line)
+    if floor:
+      out.append(f"| {model} | {ks[floor.group(1)]} | the floor (bytes at the datasheet HBM "
+                 f"bandwidth) | {floor.group(2)} | | 1.00 | |")
+      continue
+    m = re.match(r"\s+(rmsnorm|swiglu) (fused|kernel|xla)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+"
+                 r"([\d.]+)$", line)
+    if m:
+      out.append(f"| {model} | {ks[m.group(1)]} | {REMAKE_WAYS[m.group(2)]} | {m.group(3)} "
+                 f"| {m.group(4)} | {m.group(5)} | {m.group(6)} |")
   return out + ["", source_line(src, sid)]
 
 

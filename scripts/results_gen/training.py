@@ -34,17 +34,39 @@ def e2e(src: Sources) -> list[str]:
   return rows_table(src, sid, [""] + [header for _, header, _, _ in E2E_COLUMNS], rows)
 
 
+E2E_LINEAR_RESIDUALS = (
+    # (model, where, runs: the source's name between "linear_residuals_" and "_h100")
+    ("OLMo-1B, remat none", "", ("kept", "remade")),
+    ("OLMo-1B, remat none", ", a fifth H100", ("kept_fifth", "remade_fused_fifth")),
+    ("Llama-2-7B, remat full", ", a fifth H100",
+     ("kept_fifth", "kept_rerun_fifth", "remade_fused_fifth")))
+
+
 def e2e_linear_residuals(src: Sources) -> list[str]:
-  """OLMo-1B's step with the coat linears keeping their FP8 inputs (default) and remaking them,
-  one machine, one run each."""
-  sids = {lr: f"e2e_olmo1b_linear_residuals_{lr}_h100" for lr in ("kept", "remade")}
-  runs = {lr: src.value(sid, "equal_batch.0") for lr, sid in sids.items()}
-  labels = {lr: (f"coat, `linear_residuals: {lr}`", f"{lr} vs kept") for lr in sids}
+  """The coat step with the linears keeping their FP8 inputs (default) and remaking them: OLMo-1B
+  on two machines (the remake by the quantize kernel on the first, by the Triton kernel on the
+  second), Llama-2-7B at remat full on the second; each machine's runs one after the other."""
+  labels = {"kept": ("`linear_residuals: kept`", ""),
+            "kept_rerun": ("`linear_residuals: kept`, again", "kept again vs kept"),
+            "remade": ("`linear_residuals: remade`, remake by the quantize kernel",
+                       "remade vs kept"),
+            "remade_fused": ("`linear_residuals: remade`, remake by the Triton kernel",
+                             "remade vs kept")}
   columns = (("tokens_per_s", 1, ",.0f", "pct"), ("step_s", 1e3, ".1f", "pct"),
              ("peak_bytes", 1e-9, ".2f", "less"), ("compile_s", 1, ".1f", None))
-  return (["| | tokens/s | step ms | device peak GB | compile s |", "|---|---|---|---|---|"]
-          + compared_rows(runs, labels, columns) + [""]
-          + [source_line(src, sid) for sid in sids.values()])
+  out = ["| | tokens/s | step ms | device peak GB | compile s |", "|---|---|---|---|---|"]
+  sids = []
+  for model, where, names in E2E_LINEAR_RESIDUALS:
+    prefix = "e2e_olmo1b" if model.startswith("OLMo") else "e2e_7b_remat_full"
+    runs, named = {}, {}
+    for name in names:
+      sids.append(f"{prefix}_linear_residuals_{name}_h100")
+      runs[name] = src.value(sids[-1], "equal_batch.0")
+      named[name] = tuple(f"{model}, {text}" if text else "" for text in
+                          labels[name.removesuffix("_fifth")])
+    named = {n: (a, b or f"{model}, remade vs kept") for n, (a, b) in named.items()}
+    out += compared_rows(runs, named, columns, where)
+  return out + [""] + [source_line(src, sid) for sid in sids]
 
 
 SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
