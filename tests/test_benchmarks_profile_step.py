@@ -33,6 +33,8 @@ def test_kernel_categories():
   assert cat("nvjet_e4m3_tst", None) == "FP8 GEMM"
   assert cat("coat_quantize_per_tensor", None) == "quantize"
   assert cat("coat_tile_amax", None) == "quantize"
+  # the remake kernel (linear_residuals "remade"), a Triton kernel named by its function
+  assert cat("coat_remake_swiglu", ("other", "", "__gpu$xla.gpu.triton")) == "quantize"
   assert cat("coat_adam_step", None) == "optimizer"
   assert cat("cudnn_generated_fort_native_sdpa", None) == "attention"
   assert cat("body", ("other", "", "mosaic_gpu_v2")) == "FP8 GEMM"

@@ -34,6 +34,8 @@ Which fusion is which (`+nocb`: every kernel named after its instruction; the to
 shows each one's output shape and op_name; --hlo-dir keeps the optimized HLO to read them in):
   python -m benchmarks.step.profile_step --set model.num_layers=2 --variants coat:scan+nocb \
       --top 60 --hlo-dir $OUT/hlo
+Where remade linear inputs spend their time (coat's step kept against remade, one child each):
+  python -m benchmarks.step.profile_step --variants coat:scan,coat:scan+remade --top 40
 Where a variant's extra memory goes (XLA's memory-usage reports of the compiled steps, diffed
 against the first variant; the dumps stay under DIR):
   python -m benchmarks.step.profile_step --variants coat:scan,coat:scan+vjploop --buffers /tmp/dumps \
@@ -71,6 +73,8 @@ EXTRAS = {
     # LM head + cross-entropy on one device (`ops.lm_head_loss`).
     "logits": {"sets": ["model.loss_impl=logits"]},
     "unroll4": {"sets": ["model.scan_unroll=4"]},
+    # coat's linears keep nothing of their FP8 inputs; the backward remakes their transposed codes.
+    "remade": {"sets": ["model.linear_residuals=remade"]},
     # No command buffers (CUDA graphs): each kernel then keeps its own instruction's name, so
     # the top list names every fusion and copy (inside a command buffer the trace names only
     # the buffer); the step's wall time then includes one launch per kernel.
@@ -100,7 +104,7 @@ def category(kernel: str, info) -> str:
     return "collectives"
   if "adam" in n:
     return "optimizer"
-  if "amax" in n or "quantiz" in n:
+  if "amax" in n or "quantiz" in n or "remake" in n:  # the remake kernel writes per-tensor codes
     return "quantize"
   if "swiglu_backward" in n:
     return "fusions bwd"   # SwiGLU's backward kernel: the elementwise pass XLA fuses otherwise

@@ -106,7 +106,7 @@ if triton is not None:
     return (pid // (K // BK)) * BM + tl.arange(0, BM), (pid % (K // BK)) * BK
 
   @triton.jit
-  def _rmsnorm_kernel(scale_ptr, q_ptr, s_ptr, rstd_ptr, w_ptr, M, out_ptr, K: tl.constexpr,
+  def coat_remake_rmsnorm(scale_ptr, q_ptr, s_ptr, rstd_ptr, w_ptr, M, out_ptr, K: tl.constexpr,
                       G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                       FMAX: tl.constexpr):
     rows, col0 = _tile(K, BM, BK)
@@ -117,7 +117,7 @@ if triton is not None:
     _store_transposed(out_ptr, x, tl.load(scale_ptr), rows, cols, M, FMAX)
 
   @triton.jit
-  def _swiglu_kernel(scale_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, M, out_ptr, K: tl.constexpr,
+  def coat_remake_swiglu(scale_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, M, out_ptr, K: tl.constexpr,
                      G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FMAX: tl.constexpr):
     rows, col0 = _tile(K, BM, BK)
     cols = col0 + tl.arange(0, BK)
@@ -126,7 +126,7 @@ if triton is not None:
     _store_transposed(out_ptr, a / (1.0 + tl.exp(-a)) * u, tl.load(scale_ptr), rows, cols, M,
                       FMAX)
 
-  KERNELS = {"rmsnorm": _rmsnorm_kernel, "swiglu": _swiglu_kernel}
+  KERNELS = {"rmsnorm": coat_remake_rmsnorm, "swiglu": coat_remake_swiglu}
 
 
 def launch_plan(shape, group_size: int, block_rows: int = BLOCK_ROWS,
