@@ -106,9 +106,9 @@ if triton is not None:
     return (pid // (K // BK)) * BM + tl.arange(0, BM), (pid % (K // BK)) * BK
 
   @triton.jit
-  def coat_remake_rmsnorm(scale_ptr, q_ptr, s_ptr, rstd_ptr, w_ptr, M, out_ptr, K: tl.constexpr,
-                      G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                      FMAX: tl.constexpr):
+  def coat_remake_rmsnorm(scale_ptr, q_ptr, s_ptr, rstd_ptr, w_ptr, M, out_ptr,
+                          K: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                          FMAX: tl.constexpr):
     rows, col0 = _tile(K, BM, BK)
     cols = col0 + tl.arange(0, BK)
     x = _group_values(q_ptr, s_ptr, rows, col0, K, G, BK)
@@ -117,8 +117,9 @@ if triton is not None:
     _store_transposed(out_ptr, x, tl.load(scale_ptr), rows, cols, M, FMAX)
 
   @triton.jit
-  def coat_remake_swiglu(scale_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, M, out_ptr, K: tl.constexpr,
-                     G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, FMAX: tl.constexpr):
+  def coat_remake_swiglu(scale_ptr, gq_ptr, gs_ptr, uq_ptr, us_ptr, M, out_ptr,
+                         K: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                         FMAX: tl.constexpr):
     rows, col0 = _tile(K, BM, BK)
     cols = col0 + tl.arange(0, BK)
     a = _group_values(gq_ptr, gs_ptr, rows, col0, K, G, BK)

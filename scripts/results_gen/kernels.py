@@ -99,6 +99,19 @@ def layer_linear_residuals(src: Sources) -> list[str]:
   return out + [""] + [source_line(src, sid) for sid in sids]
 
 
+REMAKE_WAYS = {"fused": "the Triton kernel through the dispatch (with the scale's own XLA op)",
+               "kernel": "XLA writes x in bf16, then the quantize kernel",
+               "xla": "one XLA fusion"}
+
+
+def remake_rows(text: str):
+  """(kind, way, ms, GB/s, x floor, equal) of each timed row of bench_remake's output, as written."""
+  for line in text.splitlines():
+    m = re.match(r"\s+(rmsnorm|swiglu) (.+?)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", line)
+    if m:
+      yield m.groups()
+
+
 def remake_sweep(src: Sources) -> list[str]:
   """bench_remake's rows at the 7B layer's shapes: each way of `kernels.remade_codes_t`, then the
   Triton kernel's tiles (rows x columns x warps; "gather": each element loading its group's
@@ -106,26 +119,17 @@ def remake_sweep(src: Sources) -> list[str]:
   sid = "remake_sweep_7b_h100"
   out = ["| remade codes of | way | ms | GB/s | x floor | codes equal to the kernel path's |",
          "|---|---|---|---|---|---|"]
-  for line in src.raw(sid).splitlines():
-    m = re.match(r"\s+(rmsnorm|swiglu) (.+?)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", line)
-    if m:
-      what = {"rmsnorm": "a norm's output (K 4096)", "swiglu": "h (K 11008)"}[m.group(1)]
-      way = {"kernel": "XLA writes x in bf16, then the quantize kernel",
-             "xla": "one XLA fusion",
-             "fused": "Triton through the dispatch (128x64 w4; with the scale's own XLA op)"
-             }.get(m.group(2), m.group(2).replace("fused ", "Triton "))
-      out.append(f"| {what} | {way} | {m.group(3)} | {m.group(4)} | {m.group(5)} "
-                 f"| {m.group(6)} |")
+  ways = {**REMAKE_WAYS,
+          "fused": "Triton through the dispatch (128x64 w4; with the scale's own XLA op)"}
+  for kind, way, *cells in remake_rows(src.raw(sid)):
+    what = {"rmsnorm": "a norm's output (K 4096)", "swiglu": "h (K 11008)"}[kind]
+    way = ways.get(way, way.replace("fused ", "Triton "))
+    out.append(f"| {what} | {way} | " + " | ".join(cells) + " |")
   floors = re.findall(r"(rmsnorm|swiglu) floor ([\d.]+) ms \(([\d.]+) GB\)", src.raw(sid))
   out += ["", "Floor (the Triton kernel's bytes at the datasheet HBM bandwidth): "
           + "; ".join(f"{'a norm output' if k == 'rmsnorm' else 'h'} {ms} ms ({gb} GB)"
                       for k, ms, gb in floors) + "."]
   return out + ["", source_line(src, sid)]
-
-
-REMAKE_WAYS = {"fused": "the Triton kernel through the dispatch (with the scale's own XLA op)",
-               "kernel": "XLA writes x in bf16, then the quantize kernel",
-               "xla": "one XLA fusion"}
 
 
 def remake_ways(src: Sources) -> list[str]:
@@ -140,17 +144,14 @@ def remake_ways(src: Sources) -> list[str]:
     if head:
       model = {"7b": "Llama-2-7B", "olmo": "OLMo-1B"}[head.group(1)]
       ks = {"rmsnorm": f"a norm's output (K {head.group(2)})", "swiglu": f"h (K {head.group(3)})"}
-      continue
     floor = re.match(r"\s+(rmsnorm|swiglu) floor ([\d.]+) ms", line)
     if floor:
       out.append(f"| {model} | {ks[floor.group(1)]} | the floor (bytes at the datasheet HBM "
                  f"bandwidth) | {floor.group(2)} | | 1.00 | |")
-      continue
-    m = re.match(r"\s+(rmsnorm|swiglu) (fused|kernel|xla)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+"
-                 r"([\d.]+)$", line)
-    if m:
-      out.append(f"| {model} | {ks[m.group(1)]} | {REMAKE_WAYS[m.group(2)]} | {m.group(3)} "
-                 f"| {m.group(4)} | {m.group(5)} | {m.group(6)} |")
+    for kind, way, *cells in remake_rows(line):
+      if way in REMAKE_WAYS:   # the default run's ways (a --sweep's tiles are remake_sweep's)
+        out.append(f"| {model} | {ks[kind]} | {REMAKE_WAYS[way]} | " + " | ".join(cells)
+                   + " |")
   return out + ["", source_line(src, sid)]
 
 

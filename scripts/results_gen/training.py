@@ -35,11 +35,11 @@ def e2e(src: Sources) -> list[str]:
 
 
 E2E_LINEAR_RESIDUALS = (
-    # (model, where, runs: the source's name between "linear_residuals_" and "_h100")
-    ("OLMo-1B, remat none", "", ("kept", "remade")),
-    ("OLMo-1B, remat none", ", a fifth H100", ("kept_fifth", "remade_fused_fifth")),
-    ("Llama-2-7B, remat full", ", a fifth H100",
-     ("kept_fifth", "kept_rerun_fifth", "remade_fused_fifth")))
+    # (source prefix, model, machine suffix, where, runs: the names after "linear_residuals_")
+    ("e2e_olmo1b", "OLMo-1B, remat none", "", "", ("kept", "remade")),
+    ("e2e_olmo1b", "OLMo-1B, remat none", "_fifth", ", a fifth H100", ("kept", "remade_fused")),
+    ("e2e_7b_remat_full", "Llama-2-7B, remat full", "_fifth", ", a fifth H100",
+     ("kept", "kept_rerun", "remade_fused")))
 
 
 def e2e_linear_residuals(src: Sources) -> list[str]:
@@ -56,15 +56,12 @@ def e2e_linear_residuals(src: Sources) -> list[str]:
              ("peak_bytes", 1e-9, ".2f", "less"), ("compile_s", 1, ".1f", None))
   out = ["| | tokens/s | step ms | device peak GB | compile s |", "|---|---|---|---|---|"]
   sids = []
-  for model, where, names in E2E_LINEAR_RESIDUALS:
-    prefix = "e2e_olmo1b" if model.startswith("OLMo") else "e2e_7b_remat_full"
-    runs, named = {}, {}
+  for prefix, model, machine, where, names in E2E_LINEAR_RESIDUALS:
+    runs = {}
     for name in names:
-      sids.append(f"{prefix}_linear_residuals_{name}_h100")
+      sids.append(f"{prefix}_linear_residuals_{name}{machine}_h100")
       runs[name] = src.value(sids[-1], "equal_batch.0")
-      named[name] = tuple(f"{model}, {text}" if text else "" for text in
-                          labels[name.removesuffix("_fifth")])
-    named = {n: (a, b or f"{model}, remade vs kept") for n, (a, b) in named.items()}
+    named = {n: tuple(f"{model}, {text}" for text in labels[n]) for n in names}
     out += compared_rows(runs, named, columns, where)
   return out + [""] + [source_line(src, sid) for sid in sids]
 
