@@ -84,22 +84,26 @@ def ratio(kind: str, bf16, coat) -> str:
   return f"{r:.2f}x" + ("" if r >= 1 else " (slower)")
 
 
-def compared_rows(runs: dict[str, dict], labels: dict[str, tuple[str, str]], columns,
-                  where: str = "") -> list[str]:
-  """Table rows of runs from separate sources, the first `runs` entry the base: each run's row,
-  then each other run's row of changes against the base. labels: {name: (row label, change row
-  label)}; columns: (field, scale, format, ratio kind or None: no change shown); `where` ends
-  every label."""
+def compared_runs(src: Sources, header: list[str], groups, field: str, columns) -> list[str]:
+  """A table of runs from separate sources compared within each group, then the sources' lines.
+  groups: (where, labels, {name: source id}), the first name the group's base: each run's row
+  (its source's `field`), then each other run's row of changes against the base; labels: {name:
+  (row label, change row label)}; columns: (field, scale, format, ratio kind or None: no change
+  shown); `where` ends every label of its group."""
   cell = lambda r, field, scale, spec: format(r[field] * scale, spec)
-  out = [f"| {labels[n][0]}{where} | "
-         + " | ".join(cell(r, f, s, spec) for f, s, spec, _ in columns) + " |"
-         for n, r in runs.items()]
-  base, *others = runs
-  for n in others:
-    out.append(f"| {labels[n][1]}{where} | " + " | ".join(
-        ratio(kind, runs[base][f] * s, runs[n][f] * s) if kind else ""
-        for f, s, _, kind in columns) + " |")
-  return out
+  out, sids = list(header), []
+  for where, labels, named in groups:
+    runs = {n: src.value(sid, field) for n, sid in named.items()}
+    sids += named.values()
+    out += [f"| {labels[n][0]}{where} | "
+            + " | ".join(cell(r, f, s, spec) for f, s, spec, _ in columns) + " |"
+            for n, r in runs.items()]
+    base, *others = runs
+    for n in others:
+      out.append(f"| {labels[n][1]}{where} | " + " | ".join(
+          ratio(kind, runs[base][f] * s, runs[n][f] * s) if kind else ""
+          for f, s, _, kind in columns) + " |")
+  return out + [""] + [source_line(src, sid) for sid in sids]
 
 
 def optimizer_row(name: str, column: int) -> str:

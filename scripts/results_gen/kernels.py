@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .common import Sources, compared_rows, optimizer_row, ratio, rows_table, source_line
+from .common import Sources, compared_runs, optimizer_row, ratio, rows_table, source_line
 
 
 OPTIMIZER_ROWS = [  # (label, bench_optimizer's row name): the default layout, both tiles
@@ -75,8 +75,6 @@ def layer_linear_residuals(src: Sources) -> list[str]:
   runs one after the other, on five H100s; on the third also the remake by the quantize kernel
   (`remake_quantize=kernel`), on the fourth the remake by the Triton kernel (`fused`, its tile
   then 128 x 64) and by the quantize kernel, on the fifth the Triton kernel at its tile since."""
-  out = ["| | fwd + bwd ms | back to back ms | held MB | device peak MB |", "|---|---|---|---|---|"]
-  sids = []
   labels = {"kept": ("coat, `linear_residuals: kept`", ""),
             "remade": ("coat, `linear_residuals: remade`", "remade vs kept"),
             "remade_kernel": ("coat, `linear_residuals: remade`, remake by the quantize kernel",
@@ -85,18 +83,15 @@ def layer_linear_residuals(src: Sources) -> list[str]:
                              "remade by the Triton kernel vs kept")}
   columns = (("fwd_bwd_ms", 1, ".2f", "pct"), ("fwd_bwd_b2b_ms", 1, ".2f", "pct"),
              ("held_bytes", 1e-6, ".1f", "less"), ("peak_bytes", 1e-6, ".1f", "less"))
-  for machine, where, names in (("", "", ("kept", "remade")),
-                                ("_other", ", another H100", ("kept", "remade")),
-                                ("_third", ", a third H100", ("kept", "remade", "remade_kernel")),
-                                ("_fourth", ", a fourth H100",
-                                 ("kept", "remade_fused", "remade_kernel")),
-                                ("_fifth", ", a fifth H100", ("kept", "remade_fused"))):
-    runs = {}
-    for name in names:
-      sids.append(f"layer7b_linear_residuals_{name}{machine}_h100")
-      runs[name] = src.value(sids[-1], "results.0")
-    out += compared_rows(runs, labels, columns, where)
-  return out + [""] + [source_line(src, sid) for sid in sids]
+  machines = (("", "", ("kept", "remade")),
+              ("_other", ", another H100", ("kept", "remade")),
+              ("_third", ", a third H100", ("kept", "remade", "remade_kernel")),
+              ("_fourth", ", a fourth H100", ("kept", "remade_fused", "remade_kernel")),
+              ("_fifth", ", a fifth H100", ("kept", "remade_fused")))
+  groups = [(where, labels, {n: f"layer7b_linear_residuals_{n}{machine}_h100" for n in names})
+            for machine, where, names in machines]
+  return compared_runs(src, ["| | fwd + bwd ms | back to back ms | held MB | device peak MB |",
+                             "|---|---|---|---|---|"], groups, "results.0", columns)
 
 
 REMAKE_WAYS = {"fused": "the Triton kernel through the dispatch (with the scale's own XLA op)",

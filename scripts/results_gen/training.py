@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .common import (PLAN_LINE, Sources, compared_rows, fmt, plan_choice, ratio, rows_table,
+from .common import (PLAN_LINE, Sources, compared_runs, fmt, plan_choice, ratio, rows_table,
                      run_field, source_line, step_field, summary_field)
 
 
@@ -54,16 +54,11 @@ def e2e_linear_residuals(src: Sources) -> list[str]:
                              "remade vs kept")}
   columns = (("tokens_per_s", 1, ",.0f", "pct"), ("step_s", 1e3, ".1f", "pct"),
              ("peak_bytes", 1e-9, ".2f", "less"), ("compile_s", 1, ".1f", None))
-  out = ["| | tokens/s | step ms | device peak GB | compile s |", "|---|---|---|---|---|"]
-  sids = []
-  for prefix, model, machine, where, names in E2E_LINEAR_RESIDUALS:
-    runs = {}
-    for name in names:
-      sids.append(f"{prefix}_linear_residuals_{name}{machine}_h100")
-      runs[name] = src.value(sids[-1], "equal_batch.0")
-    named = {n: tuple(f"{model}, {text}" for text in labels[n]) for n in names}
-    out += compared_rows(runs, named, columns, where)
-  return out + [""] + [source_line(src, sid) for sid in sids]
+  groups = [(where, {n: tuple(f"{model}, {text}" for text in labels[n]) for n in names},
+             {n: f"{prefix}_linear_residuals_{n}{machine}_h100" for n in names})
+            for prefix, model, machine, where, names in E2E_LINEAR_RESIDUALS]
+  return compared_runs(src, ["| | tokens/s | step ms | device peak GB | compile s |",
+                             "|---|---|---|---|---|"], groups, "equal_batch.0", columns)
 
 
 SHIPPED_CONFIGS = (("tiny", "bf16 + adamw", "configs_train_py_h200"),
