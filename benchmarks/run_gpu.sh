@@ -59,8 +59,8 @@ print(f'host max RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2
 sys.exit(r)")
 config_args() {  # config_args NAME: train.py's arguments for a shipped config on the offline corpus
   local v=32000; [ "$1" = olmo-1b ] && v=50304; [ "$1" = tiny ] && v=4096
-  echo --config configs/$1.yaml --no-progress --set data.kind=stdlib --set data.vocab_size=$v \
-    --set data.eval_fraction=0.02 --set data.eval_batches=1 --set run.eval_every=100000 \
+  echo --config configs/$1.yaml --no-progress --set data.kind=stdlib --set 'data.paths=[]' \
+    --set data.vocab_size=$v --set data.eval_fraction=0.02 --set data.eval_batches=1 --set run.eval_every=100000 \
     --set run.log_every=1 --set run.plot=false --set run.tensorboard=false \
     --set checkpoint.every=100000 --set run.plan_timed_steps=${PLAN_TIMED_STEPS:-2}
 }
@@ -125,12 +125,12 @@ for s in "$@"; do
     optimizer) section optimizer 420 $PY -m benchmarks.step.bench_optimizer ${OPT_ARGS:-} ;;
     train1b) for m in ${TRAIN1B_MODES:-bf16:adamw fp8_linear:adamw coat:coat_adamw}; do set -- ${m/:/ }
                section train1b 200 $PY train.py --config configs/olmo-1b.yaml --no-progress \
-                 --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=8 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
+                 --set data.kind=stdlib --set 'data.paths=[]' --set data.vocab_size=50304 --set data.batch_size=8 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
                  --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \
                  --set run.eval_every=1000 --set checkpoint.every=100000 --out-dir /tmp/run_$1; done ;;
     train_sharded) for m in "bf16 adamw" "coat coat_adamw"; do set -- $m  # all GPUs, FSDP
                section train_sharded 240 $PY train.py --config configs/olmo-1b.yaml --no-progress \
-                 --set data.kind=stdlib --set data.vocab_size=50304 --set data.batch_size=16 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
+                 --set data.kind=stdlib --set 'data.paths=[]' --set data.vocab_size=50304 --set data.batch_size=16 --set data.eval_fraction=0.02 --set data.eval_batches=4 \
                  --set precision=$1 --set optimizer.name=$2 --set run.steps=30 --set run.log_every=10 \
                  --set run.eval_every=1000 --set checkpoint.every=100000 --set mesh.fsdp=-1 --out-dir /tmp/runs_$1; done ;;
     e2e) section e2e 500 $PY -m benchmarks.step.bench_e2e --modes bf16+adamw,coat+coat_adamw --layers best ${E2E_ARGS:-} ;;

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_set_values_are_read_by_the_keys_type():
   cfg = schema.load(None, ["checkpoint.every=010", "run.out_dir=/x/exp #2", 'run.compile_cache=""',
-                           "data.paths=[a.bin, 'b #c.bin']", "run.steps=0x10"])
+                           "data.kind=tokens", "data.paths=[a.bin, 'b #c.bin']",
+                           "run.steps=0x10"])
   assert cfg.checkpoint.every == 10 and cfg.run.steps == 16   # decimal; hex only with 0x
   assert cfg.run.out_dir == "/x/exp #2" and cfg.run.compile_cache == ""
   assert cfg.data.paths == ["a.bin", "b #c.bin"]

@@ -106,6 +106,29 @@ def test_init_from_loads_the_weights_with_a_fresh_optimizer_state(trained, cache
     assert counts and set(counts) == {0}   # no step taken: a fresh optimizer state
 
 
+def test_init_from_tokenizes_the_stdlib_corpus_with_the_models_tokenizer(trained, cache, tmp_path):
+  """A pretrained model trained on the stdlib corpus (data.kind: stdlib) reads ids of its own
+  tokenizer, not of a BPE trained here: the windows decode, with the model's tokenizer, to the
+  corpus's text."""
+  _, hf = trained
+  other = tmp_path / "other-tok"
+  shutil.copytree(hf, other)
+  texts = corpus.read_texts(corpus.stdlib_files(150_000))
+  tok = corpus.train_bpe(texts[:3], 300)   # another tokenizer than the run's BPE of 512
+  (other / "tokenizer.json").write_text(tok.to_str())
+  cfg = schema.load(None, MINI + [f"model.init_from={other}", f"data.cache_dir={cache}"])
+  ds = build_lib.dataset_from_config(cfg.data, 0, QUIET, init_from=cfg.model.init_from)
+  assert ds.vocab_size == 300 and ds.tokenizer.get_vocab_size() == 300
+  ids = np.asarray(ds.arrays[0][:400])
+  assert int(np.asarray(ds.arrays[0]).max()) < 300
+  first_doc = ids[:list(ids).index(corpus.eos_id(tok))] if corpus.eos_id(tok) in ids else ids
+  decoded = tok.decode([int(i) for i in first_doc])
+  assert len(decoded) > 200 and texts[0].startswith(decoded), decoded[:200]
+  plain = build_lib.dataset_from_config(
+      schema.load(None, MINI + [f"data.cache_dir={cache}"]).data, 0, QUIET)
+  assert plain.vocab_size == 512 and not np.array_equal(np.asarray(plain.arrays[0][:400]), ids)
+
+
 def test_init_from_mismatches_are_one_line_errors(trained, cache, tmp_path):
   _, hf = trained
   base = MINI + [f"model.init_from={hf}", f"data.cache_dir={cache}"]

@@ -63,6 +63,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
       (["--set", "modle.num_layers=2"], r"--set modle.num_layers=2: unknown config key 'modle'.*'model'"),
       (["--config", str(tmp_path / "nope.yaml")], "config file not found"),
       (["--set", "data.kind=tokens"], r"--set data.kind=tokens: .*needs 'data.paths'"),
+      (["--set", "data.paths=[a.npy]"], r"--set data.paths=\[a.npy\]: .*data.kind='stdlib' .*reads none"),
   ]
   for args, pattern in cases:
     proc = train_py(*args, "--print-config")

@@ -84,6 +84,22 @@ def test_a_value_error_that_needs_two_overrides_blames_the_first_that_breaks(tmp
   assert cfg.data.kind == "tokens" and cfg.data.paths == ["a.bin"]
 
 
+def test_files_named_for_the_stdlib_corpus_are_an_error_not_ignored(tmp_path):
+  """data.paths with data.kind 'stdlib' (the default, which reads no files) stops the load: a
+  user's own YAML that names its files but not its kind, or files given on the command line, must
+  not train on the standard library's sources instead."""
+  path = write(tmp_path, "data:\n  paths: [my/*.npy]\n")
+  with pytest.raises(ValueError, match=rf"^config file {path}: data.paths=\['my/\*.npy'\] names "
+                                       r"files, but data.kind='stdlib' .* reads none"):
+    schema.load(path)
+  with pytest.raises(ValueError, match=r"^--set data.kind=stdlib: .*data.paths=\[\]"):
+    schema.load(REPO / "configs" / "olmo-1b.yaml", ["data.kind=stdlib"])
+  # the shipped configs' offline smoke run: the stdlib with no files
+  cfg = schema.load(REPO / "configs" / "olmo-1b.yaml", ["data.kind=stdlib", "data.paths=[]"])
+  assert cfg.data.kind == "stdlib" and cfg.data.paths == []
+  assert schema.load(path, ["data.kind=tokens"]).data.paths == ["my/*.npy"]
+
+
 def test_precision_choices_come_from_coat_jax_precision():
   from coat_jax.precision import PRECISIONS
   assert not hasattr(schema, "PRECISIONS") or schema.PRECISIONS is PRECISIONS

@@ -287,7 +287,7 @@ def test_run_log_names_a_resized_preset():
   named = {}
   for name in ("llama2-13b", "llama-20b"):
     cfg = config_lib.load(REPO / "configs" / f"{name}.yaml",
-                          ["data.kind=stdlib", "model.remat=full"])
+                          ["data.kind=stdlib", "data.paths=[]", "model.remat=full"])
     named[name] = _model_name(cfg, build_lib.model_config(cfg, 32000))
   assert named["llama2-13b"] == "llama2-13b"
   assert named["llama-20b"] == "llama2-13b resized to 6144 x 48 layers, MLP 16384, 48 heads"

@@ -33,10 +33,11 @@ from coat_jax.training.schema import AUTO, DataConfig, OptimizerConfig, RunConfi
 def dataset_from_config(data: DataConfig, seed: int, log=print, init_from: str = ""):
   """The dataset `data` names (tokenizing and caching as needed): a TokenDataset, or for
   kind "sft" an sft.PackedDataset. init_from: `model.init_from`, whose tokenizer.json is the
-  tokenizer when data.tokenizer is unset."""
+  tokenizer when data.tokenizer is unset (for every kind that tokenizes text, the stdlib
+  corpus included: a pretrained model reads ids of its own tokenizer)."""
   common = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=seed,
                 eval_fraction=data.eval_fraction)
-  tokenizer = pretrained.tokenizer_path(data, init_from) if data.kind != "stdlib" else ""
+  tokenizer = pretrained.tokenizer_path(data, init_from)
   if data.kind == "sft":
     return sft.sft_dataset(data.paths, tokenizer, eos_override=data.eos_id,
                            cache=data.cache_dir, log=log, **common)
@@ -51,10 +52,12 @@ def dataset_from_config(data: DataConfig, seed: int, log=print, init_from: str =
                        "data.eos_id")
     return {"eos_id": found}
 
-  if data.kind == "stdlib":
-    ids, tok, name = corpus.stdlib_tokens(data.vocab_size, data.corpus_max_bytes, data.cache_dir, log)
+  if data.kind == "stdlib":   # with a tokenizer (a pretrained model's): tokenized with it
+    ids, tok, name = corpus.stdlib_tokens(data.vocab_size, data.corpus_max_bytes, data.cache_dir,
+                                          log, tokenizer_path=tokenizer)
+    how = f"tokenizer {tokenizer}" if tokenizer else "byte-level BPE"
     return TokenDataset([ids], [name], vocab_size=tok.get_vocab_size(), tokenizer=tok,
-                        description=f"{name}, byte-level BPE vocab {tok.get_vocab_size()}",
+                        description=f"{name}, {how} vocab {tok.get_vocab_size()}",
                         **eos(tok), **common)
   if data.kind == "tokens":
     files = token_files.expand_paths(data.paths)

@@ -129,6 +129,14 @@ def load_tokenizer(path: str | Path):
     raise ValueError(f"cannot load tokenizer {path}: {e}") from e
 
 
+def tokenizer_hash(path: str | Path) -> str:
+  """A content hash of a tokenizer.json (`path` is the file or a directory holding one)."""
+  path = Path(os.path.expanduser(str(path)))
+  if path.is_dir():
+    path = path / "tokenizer.json"
+  return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def eos_id(tokenizer) -> int | None:
   for name in _EOS_CANDIDATES:
     i = tokenizer.token_to_id(name)
@@ -154,24 +162,33 @@ def tokenize_documents(tokenizer, texts: Sequence[str], eos: int | None, dtype: 
   return ids.astype(dtype)
 
 
-def stdlib_tokens(vocab_size: int, max_bytes: int, cache: str | os.PathLike, log=print):
-  """The stdlib corpus tokenized with its locally trained BPE; both cached in `cache`.
+def stdlib_tokens(vocab_size: int, max_bytes: int, cache: str | os.PathLike, log=print,
+                  tokenizer_path: str | os.PathLike = ""):
+  """The stdlib corpus tokenized with its locally trained BPE of `vocab_size`, or with the
+  tokenizer at `tokenizer_path` (a tokenizer.json or its directory; then no BPE is trained and
+  `vocab_size` is unused); the ids (and the BPE) cached in `cache`, keyed by the corpus's and
+  the tokenizer's content.
 
   Returns (ids, tokenizer, name).
   """
   files = stdlib_files(max_bytes)
   texts = read_texts(files)
-  key = f"stdlib-v{vocab_size}-{corpus_hash(texts)}"
   directory = cache_dir(cache)
-  tok_path, ids_path = directory / f"{key}.tokenizer.json", directory / f"{key}.ids.npy"
-  if tok_path.is_file():
-    tokenizer = load_tokenizer(tok_path)
+  if tokenizer_path:
+    tokenizer = load_tokenizer(tokenizer_path)
+    key = f"stdlib-t{tokenizer_hash(tokenizer_path)}-{corpus_hash(texts)}"
   else:
-    nbytes = sum(len(t) for t in texts)
-    log(f"[data] training a byte-level BPE (vocab {vocab_size}) on {len(files)} stdlib files "
-        f"({nbytes / 1e6:.1f} MB); cached at {tok_path}")
-    tokenizer = train_bpe(texts, vocab_size)
-    atomic_write_bytes(tok_path, tokenizer.to_str().encode("utf-8"))
+    key = f"stdlib-v{vocab_size}-{corpus_hash(texts)}"
+    tok_path = directory / f"{key}.tokenizer.json"
+    if tok_path.is_file():
+      tokenizer = load_tokenizer(tok_path)
+    else:
+      nbytes = sum(len(t) for t in texts)
+      log(f"[data] training a byte-level BPE (vocab {vocab_size}) on {len(files)} stdlib files "
+          f"({nbytes / 1e6:.1f} MB); cached at {tok_path}")
+      tokenizer = train_bpe(texts, vocab_size)
+      atomic_write_bytes(tok_path, tokenizer.to_str().encode("utf-8"))
+  ids_path = directory / f"{key}.ids.npy"
   if ids_path.is_file():
     ids = np.load(ids_path, mmap_mode="r")
   else:

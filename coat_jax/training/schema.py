@@ -156,7 +156,9 @@ class DataConfig:
 
   kind:
     "stdlib": the offline default; the Python standard library's .py sources (sorted, capped at
-      `corpus_max_bytes`), a byte-level BPE of `vocab_size` trained locally and cached.
+      `corpus_max_bytes`), a byte-level BPE of `vocab_size` trained locally and cached, or the
+      tokenizer of `tokenizer` / `model.init_from` where one is set; it reads no files, so
+      `paths` must be empty (a config naming files with this kind is an error).
     "tokens": pre-tokenized files in `paths` (.npy, or raw little-endian `dtype` memmaps).
     "text" / "jsonl": text files (or JSON lines with a `text_field`) tokenized with the
       tokenizer.json at `tokenizer` (a file or a directory holding one).
@@ -333,6 +335,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     raise ValueError(f"config key 'data.eval_fraction' must be in [0, 1), got {d.eval_fraction!r}")
   if d.kind in ("tokens", "text", "jsonl", "sft") and not d.paths:
     raise ValueError(f"data.kind={d.kind!r} needs 'data.paths' (a list of files or glob patterns)")
+  if d.kind == "stdlib" and d.paths:
+    raise ValueError(f"data.paths={d.paths} names files, but data.kind='stdlib' trains on the "
+                     f"Python standard library's sources and reads none: set data.kind to "
+                     f"'tokens', 'text', 'jsonl' or 'sft' for the files, or data.paths=[] for the "
+                     f"stdlib")
   if d.kind in ("text", "jsonl", "sft") and not (d.tokenizer or cfg.model.init_from):
     raise ValueError(f"data.kind={d.kind!r} needs 'data.tokenizer' (a tokenizer.json file or "
                      f"its directory) or 'model.init_from' (a directory with a tokenizer.json)")

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from coat_jax.training import text_stream
-from coat_jax.training.corpus import cache_dir, eos_id, load_tokenizer, token_dtype
+from coat_jax.training.corpus import cache_dir, eos_id, load_tokenizer, token_dtype, tokenizer_hash
 
 
 def expand_paths(patterns: Sequence[str]) -> list[Path]:
@@ -115,10 +115,8 @@ def text_tokens(patterns: Sequence[str], tokenizer_path: str, kind: str, text_fi
   """Text (`kind="text"`) or JSON-lines (`kind="jsonl"`, strings under `text_field`) files tokenized
   with a local tokenizer, one cached id file per input file. Returns (arrays, names, tokenizer)."""
   files = expand_paths(patterns)
-  tok_path = Path(os.path.expanduser(tokenizer_path))
-  tokenizer = load_tokenizer(tok_path)
-  tok_file = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
-  tok_hash = hashlib.sha256(tok_file.read_bytes()).hexdigest()[:16]
+  tokenizer = load_tokenizer(tokenizer_path)
+  tok_hash = tokenizer_hash(tokenizer_path)
   eos = eos_id(tokenizer)
   dtype = token_dtype(tokenizer.get_vocab_size())
   directory = cache_dir(cache)
