@@ -309,6 +309,20 @@ def test_remade_linear_residuals_model(scan_layers, scan_impl, remat, rng):
   assert saved["kept"] - saved["remade"] == want, (saved, want)
 
 
+def test_remade_inputs_are_remade_once_per_layer(monkeypatch, rng):
+  """The backward remakes each remade input once, however many linears read it: Q/K/V's and
+  gate/up's norm outputs and h, 3 remakes a layer (each is a pass over the input's codes)."""
+  made = []
+  remake = kernels.remade_codes_t
+  monkeypatch.setattr(kernels, "remade_codes_t",
+                      lambda kind, arrays, *a, **k: made.append(kind) or remake(kind, arrays, *a, **k))
+  cfg = tiny(num_layers=1, precision="coat", linear_residuals="remade", scan_layers=False)
+  tokens = tokens_for(rng, cfg, batch=2, seq=33)
+  graphdef, params, rest = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  jax.make_jaxpr(jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), tokens)))(params)
+  assert sorted(made) == ["rmsnorm", "rmsnorm", "swiglu"], made
+
+
 def test_remade_linear_residuals_with_the_kernels(rng):
   """The same on the GPU's kernels (interpret mode): the Pallas GEMMs (the gate/up one with the
   SwiGLU epilogue), the Mosaic quantizes, the per-group dequantize. Every dimension >= 128."""

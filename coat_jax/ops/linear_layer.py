@@ -108,7 +108,8 @@ def input_residuals(x_q: QuantizedArray):
 
 
 def input_codes_t(x_t) -> jax.Array:
-  """The kept x^T codes, or those a `RemadeInput` remakes."""
+  """The kept x^T codes, or those a `RemadeInput` remakes (an op of several linears of one input
+  calls this once and gives each linear's `backward_gemms` the codes: each remake is a pass)."""
   return x_t.codes_t() if isinstance(x_t, RemadeInput) else x_t
 
 
@@ -293,7 +294,8 @@ def _linears_coat_q_fwd(x, ws, x_q):
 
 def _linears_coat_q_bwd(res, gs):
   x_t, x_scale, ws, kepts = res
-  grads = [backward_gemms(x_t, x_scale, w, g, k) for w, g, k in zip(ws, gs, kepts)]
+  codes_t = input_codes_t(x_t)   # a remade x^T made once for all the linears
+  grads = [backward_gemms(codes_t, x_scale, w, g, k) for w, g, k in zip(ws, gs, kepts)]
   dx = functools.reduce(jnp.add, [dx for dx, _ in grads])
   return dx, tuple(dw for _, dw in grads), zero_input_cotangent(dx, x_t, x_scale)
 

@@ -26,9 +26,9 @@ from coat_jax.activations import silu_product as _plain
 from coat_jax.formats import ACTIVATION_GROUP_SIZE
 from coat_jax.ops.linear_ablation import option
 from coat_jax.ops.linear_layer import (backward_gemms, check_input_q, check_linear_residuals,
-                                       check_weight, forward_operand, input_residuals, linears,
-                                       name_residuals, quantize_input, remade_input, weight_amax,
-                                       zero_input_cotangent)
+                                       check_weight, forward_operand, input_codes_t,
+                                       input_residuals, linears, name_residuals, quantize_input,
+                                       remade_input, weight_amax, zero_input_cotangent)
 from coat_jax.precision import check_precision
 from coat_jax.quantize import QuantizedArray
 
@@ -110,8 +110,9 @@ def _swiglu_linears_fwd(x, w_gate, w_up, x_q, linear_residuals):
 def _swiglu_linears_bwd(linear_residuals, res, cts):
   x_t, x_scale, gq, uq, ag, au, w_gate, w_up = res
   dgate, dup, dgate_amax, dup_amax = kernels.swiglu_backward(gq, uq, cts[0])
-  dx_gate, dw_gate = backward_gemms(x_t, x_scale, w_gate, dgate, (ag, None, None), dgate_amax)
-  dx_up, dw_up = backward_gemms(x_t, x_scale, w_up, dup, (au, None, None), dup_amax)
+  codes_t = input_codes_t(x_t)   # a remade x^T made once for both linears
+  dx_gate, dw_gate = backward_gemms(codes_t, x_scale, w_gate, dgate, (ag, None, None), dgate_amax)
+  dx_up, dw_up = backward_gemms(codes_t, x_scale, w_up, dup, (au, None, None), dup_amax)
   dx = dx_gate + dx_up
   return dx, dw_gate, dw_up, zero_input_cotangent(dx, x_t, x_scale)
 
