@@ -1,13 +1,16 @@
-"""Generate text from a Hugging Face Llama directory (e.g. one `python -m coat_jax.export` wrote).
+"""Generate text from a Hugging Face Llama directory (e.g. one `python -m coat_jax.export` wrote)
+or from a train.py run directory.
 
   python -m coat_jax.sample MODEL_DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-                            [--top-k K] [--top-p P] [--seed S]
+                            [--top-k K] [--top-p P] [--seed S] [--step N]
 
-Reads MODEL_DIR/config.json, the safetensors weights and MODEL_DIR/tokenizer.json, and prints
-the prompt followed by up to N new tokens (`coat_jax.generate`: greedy at temperature 0, the
-default; sampling stops at the tokenizer's end-of-text token). CPU or GPU; the compute dtype is
-bfloat16 on accelerators and float32 on CPU. Exit status 2 with one line on stderr for bad
-input (no such directory, no tokenizer.json, a prompt too long for the model).
+MODEL_DIR is a Hugging Face directory (config.json, the safetensors weights, tokenizer.json), or
+a run directory (config.yaml): its newest intact checkpoint or the one of `--step`, read-only
+(`coat_jax.training.load_run_model`), with the run's tokenizer.json. Prints the prompt followed
+by up to N new tokens (`coat_jax.generate`: greedy at temperature 0, the default; sampling stops
+at the tokenizer's end-of-text token). CPU or GPU; the compute dtype is bfloat16 on accelerators
+and float32 on CPU. Exit status 2 with one line on stderr for bad input (no such directory, no
+tokenizer.json, no checkpoint, a prompt too long for the model).
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from coat_jax.errors import EXIT_BAD_INPUT
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m coat_jax.sample",
                               description=__doc__.split("\n\n")[0])
-  p.add_argument("model_dir", help="a Hugging Face Llama directory with tokenizer.json")
+  p.add_argument("model_dir", help="a Hugging Face Llama directory with tokenizer.json, or a "
+                                    "train.py run directory")
   p.add_argument("--prompt", required=True, help="the text to continue")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -30,12 +34,15 @@ def parse_args(argv):
   p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
   p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                  help="compute dtype (auto: bfloat16 on GPU/TPU, float32 on CPU)")
+  p.add_argument("--step", type=int, default=None,
+                 help="a run directory's checkpoint step (default: the newest intact one)")
   return p.parse_args(argv)
 
 
 def sample(model_dir, prompt: str, *, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
-           seed=0, dtype="auto") -> str:
-  """The prompt and its continuation as text (module docstring)."""
+           seed=0, dtype="auto", step=None) -> str:
+  """The prompt and its continuation as text (module docstring); step: a run directory's
+  checkpoint (None: the newest intact one)."""
   import jax
   import numpy as np
 
@@ -43,15 +50,25 @@ def sample(model_dir, prompt: str, *, max_new_tokens=64, temperature=0.0, top_k=
   from coat_jax.precision import resolve_dtype
   from coat_jax.training.corpus import eos_id, load_tokenizer
 
+  from coat_jax.training.run_model import CONFIG_FILE, load_run_model
+
   model_dir = Path(model_dir)
   if not model_dir.is_dir():
     raise ValueError(f"model directory {model_dir} does not exist")
+  is_run = (model_dir / CONFIG_FILE).is_file()
+  if step is not None and not is_run:
+    raise ValueError(f"--step {step}: {model_dir} is not a train.py run directory (no "
+                     f"{CONFIG_FILE}); a Hugging Face directory holds one model")
   if not (model_dir / "tokenizer.json").is_file():
-    raise ValueError(f"{model_dir} has no tokenizer.json (export the run with "
-                     f"python -m coat_jax.export, which copies the run's tokenizer)")
+    raise ValueError(f"{model_dir} has no tokenizer.json (a run writes one when its data has a "
+                     f"tokenizer; python -m coat_jax.export copies it)")
   tokenizer = load_tokenizer(model_dir)
+  compute = resolve_dtype(dtype, "--dtype")
   try:
-    model = load_llama(model_dir, dtype=resolve_dtype(dtype, "--dtype"))
+    if is_run:   # its parameters in float32 (master weights), computing in `compute`
+      model, _ = load_run_model(model_dir, step, dtype=compute)
+    else:
+      model = load_llama(model_dir, dtype=compute)
   except FileNotFoundError as e:
     raise ValueError(str(e)) from None
   ids = tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -71,7 +88,7 @@ def main(argv=None) -> int:
   try:
     text = sample(args.model_dir, args.prompt, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  seed=args.seed, dtype=args.dtype)
+                  seed=args.seed, dtype=args.dtype, step=args.step)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT

@@ -88,6 +88,34 @@ def test_round_trip_train_export_finetune_sample(trained, cache, tmp_path, capsy
   assert text.startswith(prompt) and len(text) > len(prompt) + 1
 
 
+def test_sample_reads_a_run_directory_as_its_float32_export(trained, tmp_path, capsys):
+  """`coat_jax.sample RUN_DIR [--step N]` continues the prompt as the run's float32 export of that
+  checkpoint does (greedy: the same text); --step of a missing checkpoint or on a Hugging Face
+  directory is a one-line error (exit status 2)."""
+  run_dir, hf = trained
+  prompt = "def add(a, b):\n    return"
+
+  def sampled(*args) -> str:
+    assert sample_cli.main([*args, "--prompt", prompt, "--max-new-tokens", "12",
+                            "--dtype", "float32"]) == 0
+    return capsys.readouterr().out
+
+  for step in (2, 3):
+    hf32 = tmp_path / f"hf32-{step}"
+    assert export_cli.main([str(run_dir), str(hf32), "--step", str(step), "--dtype",
+                            "float32"]) == 0
+    capsys.readouterr()
+    text = sampled(str(run_dir), "--step", str(step))
+    assert text.startswith(prompt) and len(text) > len(prompt) + 1, text
+    assert text == sampled(str(hf32)), step
+  assert sampled(str(run_dir)) == sampled(str(tmp_path / "hf32-3"))   # the newest: step 3
+  for args, message in (([str(run_dir), "--step", "7"], "no checkpoint at step 7"),
+                        ([str(hf), "--step", "2"], "is not a train.py run directory")):
+    assert sample_cli.main([*args, "--prompt", prompt]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 def test_init_from_loads_the_weights_with_a_fresh_optimizer_state(trained, cache):
   """Every precision mode starts from the directory's weights; the optimizer state is new."""
   _, hf = trained
