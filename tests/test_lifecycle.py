@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from coat_jax import evaluate as evaluate_cli
 from coat_jax import export as export_cli
 from coat_jax import sample as sample_cli
 from coat_jax.models import Llama, LlamaConfig, load_llama
@@ -116,6 +117,42 @@ def test_sample_reads_a_run_directory_as_its_float32_export(trained, tmp_path, c
     assert len(err) == 1 and message in err[0], err
 
 
+def test_evaluate_reproduces_the_runs_held_out_loss_from_the_run_and_its_export(trained, tmp_path,
+                                                                              capsys):
+  """`coat_jax.evaluate RUN_DIR` gives the final eval loss the run logged (its own data, windows
+  and precision); the float32 export on the run's config gives the same; other data (shorter
+  windows) another finite loss; bad input is one line and exit status 2."""
+  run_dir, _ = trained
+  logged = json.loads((run_dir / "summary.json").read_text())["final_eval_loss"]
+  got = evaluate_cli.evaluate(run_dir, progress=False, log=QUIET)
+  assert got["step"] == 3 and got["batches"] == 1 and np.isfinite(got["loss"])
+  np.testing.assert_allclose(got["loss"], logged, rtol=1e-5)
+  hf32 = tmp_path / "hf32"
+  assert export_cli.main([str(run_dir), str(hf32), "--dtype", "float32"]) == 0
+  exported = evaluate_cli.evaluate(hf32, config=str(run_dir / "config.yaml"), dtype="float32",
+                                   progress=False, log=QUIET)
+  np.testing.assert_allclose(exported["loss"], logged, rtol=1e-5)
+  at_2 = evaluate_cli.evaluate(run_dir, step=2, batches=2, progress=False, log=QUIET)
+  assert at_2["step"] == 2 and at_2["batches"] == 2 and at_2["loss"] != got["loss"]
+  shorter = evaluate_cli.evaluate(run_dir, config=str(run_dir / "config.yaml"),
+                                  overrides=["data.seq_len=16"], progress=False, log=QUIET)
+  assert shorter["tokens"] == got["tokens"] // 2 and np.isfinite(shorter["loss"])
+  assert shorter["loss"] != got["loss"]
+  capsys.readouterr()
+  assert evaluate_cli.main([str(run_dir), "--no-progress"]) == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  assert len(out) == 1 and f"held-out loss {logged:.4f}" in out[0], out
+  for args, message in (([str(run_dir), "--step", "7"], "no checkpoint at step 7"),
+                        ([str(hf32), "--step", "2"], "is not a train.py run directory"),
+                        ([str(hf32), "--config", str(run_dir / "config.yaml"), "--set",
+                          "data.eval_fraction=0"], "no held-out windows"),
+                        ([str(hf32), "--set", "data.seq_len=4096"], "exceeds the model's"),
+                        ([str(tmp_path / "nowhere")], "does not exist")):
+    assert evaluate_cli.main([*args, "--no-progress"]) == 2, args
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ") and message in err[-1], (args, err)
+
+
 def test_init_from_loads_the_weights_with_a_fresh_optimizer_state(trained, cache):
   """Every precision mode starts from the directory's weights; the optimizer state is new."""
   _, hf = trained
@@ -172,6 +209,13 @@ def test_init_from_mismatches_are_one_line_errors(trained, cache, tmp_path):
                                   f"data.paths=[{no_tok / 'config.json'}]"])
   with pytest.raises(BadInputError, match="has no tokenizer.json: set data.tokenizer"):
     build_lib.dataset_from_config(cfg.data, 0, QUIET, init_from=cfg.model.init_from)
+  # pre-tokenized files need no tokenizer: the same directory is fine for them
+  ids = tmp_path / "ids.npy"
+  np.save(ids, np.arange(4000, dtype=np.uint16) % 512)
+  cfg = schema.load(None, base + [f"model.init_from={no_tok}", "data.kind=tokens",
+                                  f"data.paths=[{ids}]"])
+  ds = build_lib.dataset_from_config(cfg.data, 0, QUIET, init_from=cfg.model.init_from)
+  assert ds.num_tokens == 4000 and ds.tokenizer is None
   # A missing directory stops the run before anything is written (train.py: exit status 2).
   with pytest.raises(BadInputError, match=r"^model.init_from: \S*nowhere is not a directory$"):
     run(schema.load(None, MINI + [f"model.init_from={tmp_path / 'nowhere'}",

@@ -37,7 +37,8 @@ def dataset_from_config(data: DataConfig, seed: int, log=print, init_from: str =
   corpus included: a pretrained model reads ids of its own tokenizer)."""
   common = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=seed,
                 eval_fraction=data.eval_fraction)
-  tokenizer = pretrained.tokenizer_path(data, init_from)
+  # pre-tokenized files need none (a model directory without a tokenizer.json is fine there)
+  tokenizer = pretrained.tokenizer_path(data, init_from) if data.kind != "tokens" else ""
   if data.kind == "sft":
     return sft.sft_dataset(data.paths, tokenizer, eos_override=data.eos_id,
                            cache=data.cache_dir, log=log, **common)
