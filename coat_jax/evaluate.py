@@ -56,34 +56,22 @@ def evaluate(model_dir, *, config=None, overrides=(), step=None, batches=None, p
   from flax import nnx
   from tqdm import tqdm
 
-  from coat_jax.models import load_llama
   from coat_jax.precision import resolve_dtype
   from coat_jax.training import build, schema
   from coat_jax.training.cli import config_path
-  from coat_jax.training.run_model import CONFIG_FILE, TOKENIZER_FILE, load_run_model
+  from coat_jax.training.run_model import CONFIG_FILE, TOKENIZER_FILE, load_model
 
-  model_dir = Path(model_dir)
-  if not model_dir.is_dir():
-    raise ValueError(f"model directory {model_dir} does not exist")
-  is_run = (model_dir / CONFIG_FILE).is_file()
-  if step is not None and not is_run:
-    raise ValueError(f"--step {step}: {model_dir} is not a train.py run directory (no "
-                     f"{CONFIG_FILE}); a Hugging Face directory holds one model")
   if batches is not None and batches < 1:
     raise ValueError(f"--batches must be >= 1, got {batches}")
+  model_dir = Path(model_dir)
+  is_run = (model_dir / CONFIG_FILE).is_file()
+  settings = {"dtype": resolve_dtype(dtype, "--dtype")}
+  if precision != "auto":   # else a run's own; load_llama's bf16 for a Hugging Face directory
+    settings["precision"] = precision
+  model, step = load_model(model_dir, step, **settings)
   source = config_path(config) if config else (model_dir / CONFIG_FILE if is_run else
                                                config_path("tiny"))
   cfg = schema.load(source, list(overrides))
-  settings = {"dtype": resolve_dtype(dtype, "--dtype")}
-  if precision != "auto":
-    settings["precision"] = precision
-  if is_run:   # in the run's own precision unless --precision
-    model, step = load_run_model(model_dir, step, **settings)
-  else:
-    try:
-      model = load_llama(model_dir, **{"precision": "bf16", **settings})
-    except FileNotFoundError as e:
-      raise ValueError(str(e)) from None
   # The model's own tokenizer, for every kind of data that is text (build.dataset_from_config).
   tokenizer_dir = str(model_dir) if (model_dir / TOKENIZER_FILE).is_file() else ""
   dataset = build.dataset_from_config(cfg.data, cfg.run.seed, log=log, init_from=tokenizer_dir)

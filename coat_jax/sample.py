@@ -46,31 +46,17 @@ def sample(model_dir, prompt: str, *, max_new_tokens=64, temperature=0.0, top_k=
   import jax
   import numpy as np
 
-  from coat_jax.models import generate, load_llama
+  from coat_jax.models import generate
   from coat_jax.precision import resolve_dtype
   from coat_jax.training.corpus import eos_id, load_tokenizer
 
-  from coat_jax.training.run_model import CONFIG_FILE, load_run_model
+  from coat_jax.training.run_model import TOKENIZER_FILE, load_model
 
-  model_dir = Path(model_dir)
-  if not model_dir.is_dir():
-    raise ValueError(f"model directory {model_dir} does not exist")
-  is_run = (model_dir / CONFIG_FILE).is_file()
-  if step is not None and not is_run:
-    raise ValueError(f"--step {step}: {model_dir} is not a train.py run directory (no "
-                     f"{CONFIG_FILE}); a Hugging Face directory holds one model")
-  if not (model_dir / "tokenizer.json").is_file():
+  if Path(model_dir).is_dir() and not (Path(model_dir) / TOKENIZER_FILE).is_file():
     raise ValueError(f"{model_dir} has no tokenizer.json (a run writes one when its data has a "
                      f"tokenizer; python -m coat_jax.export copies it)")
+  model, _ = load_model(model_dir, step, dtype=resolve_dtype(dtype, "--dtype"))
   tokenizer = load_tokenizer(model_dir)
-  compute = resolve_dtype(dtype, "--dtype")
-  try:
-    if is_run:   # its parameters in float32 (master weights), computing in `compute`
-      model, _ = load_run_model(model_dir, step, dtype=compute)
-    else:
-      model = load_llama(model_dir, dtype=compute)
-  except FileNotFoundError as e:
-    raise ValueError(str(e)) from None
   ids = tokenizer.encode(prompt, add_special_tokens=False).ids
   if not ids:
     raise ValueError("--prompt encodes to no tokens")

@@ -1,7 +1,7 @@
 """Import layering: the documented layer order, read from the source.
 
-Data flows one way (README, "Layout"): train.py (and the other command lines, coat_jax.export
-and coat_jax.sample) -> coat_jax.training -> coat_jax.models ->
+Data flows one way (README, "Layout"): train.py (and the other command lines, coat_jax.export,
+coat_jax.sample and coat_jax.evaluate) -> coat_jax.training -> coat_jax.models ->
 coat_jax.nn -> coat_jax.ops (and, beside them, the optimizer) -> coat_jax.kernels (the dispatch)
 -> pallas_kernels/ or the numerics and jnp references; coat_jax.errors (the exit statuses)
 below them all. Every module belongs to one layer of
@@ -147,7 +147,8 @@ def test_pallas_kernels_import_only_jax_numpy_stdlib_and_themselves():
 
 # (rank, layer, module prefixes), top to bottom. A module imports its own layer and lower ranks.
 LAYERS = (
-    (6, "cli", ("train", "coat_jax.export", "coat_jax.sample")),   # command lines
+    (6, "cli", ("train", "coat_jax.export", "coat_jax.sample",   # command lines
+                "coat_jax.evaluate")),
     (5, "training", ("coat_jax.training",)),
     (4, "models", ("coat_jax.models",)),
     (3, "nn", ("coat_jax.nn",)),

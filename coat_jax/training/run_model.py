@@ -9,6 +9,9 @@ A run directory holds (loop.py writes them when the run starts):
 
   model, step = coat_jax.training.load_run_model("runs/tiny")            # newest intact
   model, step = coat_jax.training.load_run_model("runs/tiny", step=200, precision="bf16")
+
+`load_model(directory)` takes a run directory or a Hugging Face one (the command-line tools'
+loader).
 """
 from __future__ import annotations
 
@@ -98,6 +101,31 @@ def load_run_model(run_dir, step: int | None = None, **overrides):
                         f"load_run_model does not restore")
   nnx.replace_by_pure_dict(params_state, params)
   return nnx.merge(graphdef, params_state, rest_state), step
+
+
+def load_model(directory, step: int | None = None, **overrides):
+  """(Llama, step) from a train.py run directory (`load_run_model`: its newest intact checkpoint,
+  or `step`) or a Hugging Face directory (`coat_jax.models.load_llama`; step None, and a `step`
+  given is an error: such a directory holds one model). overrides: LlamaConfig fields (e.g.
+  precision, dtype). The one loader of the command-line tools that take either kind.
+
+  Raises BadInputError (a ValueError), one line: no such directory, a step for a Hugging Face
+  directory, or what the loader raises.
+  """
+  from coat_jax.models import load_llama
+
+  directory = Path(directory)
+  if not directory.is_dir():
+    raise BadInputError(f"model directory {directory} does not exist")
+  if (directory / CONFIG_FILE).is_file():
+    return load_run_model(directory, step, **overrides)
+  if step is not None:
+    raise BadInputError(f"--step {step}: {directory} is not a train.py run directory (no "
+                        f"{CONFIG_FILE}); a Hugging Face directory holds one model")
+  try:
+    return load_llama(directory, **overrides), None
+  except FileNotFoundError as e:
+    raise BadInputError(str(e)) from None
 
 
 def _relayout(layers, num_layers: int, scan: bool):
