@@ -153,6 +153,32 @@ def test_evaluate_reproduces_the_runs_held_out_loss_from_the_run_and_its_export(
     assert err and err[-1].startswith("error: ") and message in err[-1], (args, err)
 
 
+def test_pre_tokenized_data_keeps_the_tokenizer_it_names_for_export_and_sampling(trained, cache,
+                                                                                tmp_path, capsys):
+  """data.kind tokens with data.tokenizer: the run keeps that tokenizer.json (so its export and
+  `coat_jax.sample` read text) and the model keeps the config's vocabulary, not the tokenizer's;
+  without data.tokenizer the run has none, as before."""
+  _, hf = trained
+  tok = corpus.load_tokenizer(hf)
+  texts = corpus.read_texts(corpus.stdlib_files(150_000))
+  ids = tmp_path / "ids.npy"
+  np.save(ids, corpus.tokenize_documents(tok, texts, corpus.eos_id(tok), np.uint16))
+  base = MINI + [f"data.cache_dir={cache}", "data.kind=tokens", f"data.paths=[{ids}]",
+                 "model.vocab_size=640", "run.steps=2"]
+  with_tok, without = tmp_path / "with-tok", tmp_path / "without"
+  run(schema.load(None, base + [f"data.tokenizer={hf}", f"run.out_dir={with_tok}"]), log=QUIET)
+  run(schema.load(None, base + [f"run.out_dir={without}"]), log=QUIET)
+  assert (with_tok / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+  assert not (without / "tokenizer.json").exists()
+  for out in (with_tok, without):
+    assert json.loads((out / "model.json").read_text())["vocab_size"] == 640
+  capsys.readouterr()
+  assert sample_cli.main([str(with_tok), "--prompt", "def f(", "--max-new-tokens", "4"]) == 0
+  assert capsys.readouterr().out.startswith("def f(")
+  assert sample_cli.main([str(without), "--prompt", "def f("]) == 2
+  assert "has no tokenizer.json" in capsys.readouterr().err
+
+
 def test_init_from_loads_the_weights_with_a_fresh_optimizer_state(trained, cache):
   """Every precision mode starts from the directory's weights; the optimizer state is new."""
   _, hf = trained

@@ -37,8 +37,10 @@ def dataset_from_config(data: DataConfig, seed: int, log=print, init_from: str =
   corpus included: a pretrained model reads ids of its own tokenizer)."""
   common = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=seed,
                 eval_fraction=data.eval_fraction)
-  # pre-tokenized files need none (a model directory without a tokenizer.json is fine there)
-  tokenizer = pretrained.tokenizer_path(data, init_from) if data.kind != "tokens" else ""
+  # pre-tokenized files need none: data.tokenizer (or init_from's, where it has one) only names
+  # the tokenizer their ids come from, which the run keeps beside its checkpoints
+  tokenizer = (pretrained.tokenizer_path(data, init_from) if data.kind != "tokens" else
+               data.tokenizer or pretrained.tokenizer_path(data, init_from, required=False))
   if data.kind == "sft":
     return sft.sft_dataset(data.paths, tokenizer, eos_override=data.eos_id,
                            cache=data.cache_dir, log=log, **common)
@@ -60,10 +62,13 @@ def dataset_from_config(data: DataConfig, seed: int, log=print, init_from: str =
     return TokenDataset([ids], [name], vocab_size=tok.get_vocab_size(), tokenizer=tok,
                         description=f"{name}, {how} vocab {tok.get_vocab_size()}",
                         **eos(tok), **common)
-  if data.kind == "tokens":
+  if data.kind == "tokens":   # the vocabulary stays the model config's (padded) one
     files = token_files.expand_paths(data.paths)
     arrays = [token_files.load_token_file(f, data.dtype) for f in files]
-    return TokenDataset(arrays, [str(f) for f in files], description=f"{len(files)} token files",
+    tok = corpus.load_tokenizer(tokenizer) if tokenizer else None
+    return TokenDataset(arrays, [str(f) for f in files], tokenizer=tok,
+                        description=f"{len(files)} token files"
+                                    + (f", tokenizer {tokenizer}" if tok else ""),
                         **eos(None), **common)
   if data.kind in ("text", "jsonl"):
     arrays, names, tok = token_files.text_tokens(data.paths, tokenizer, data.kind,

@@ -94,14 +94,17 @@ def init_params(directory: str, llama_cfg, params_shardings, rest_shardings
   return init
 
 
-def tokenizer_path(data, init_from: str) -> str:
-  """data.tokenizer, else init_from's tokenizer.json (BadInputError when it has none)."""
+def tokenizer_path(data, init_from: str, required: bool = True) -> str:
+  """data.tokenizer, else init_from's tokenizer.json (BadInputError when it has none and
+  `required`, else "")."""
   if data.tokenizer or not init_from:
     return data.tokenizer
   if not Path(init_from).expanduser().is_dir():
     raise BadInputError(f"model.init_from: {init_from} is not a directory")
   path = Path(init_from).expanduser() / "tokenizer.json"
   if not path.is_file():
+    if not required:
+      return ""
     raise BadInputError(f"data.tokenizer is not set and model.init_from {init_from} has no "
                         f"tokenizer.json: set data.tokenizer")
   return str(path)

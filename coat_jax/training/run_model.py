@@ -52,8 +52,8 @@ def run_model_config(run_dir: Path, cfg, **overrides):
       raise BadInputError(f"{path}: not valid JSON ({e})") from None
     d.update(overrides)
     return LlamaConfig.from_dict(d)
-  vocab = None
-  if (run_dir / TOKENIZER_FILE).is_file():
+  vocab = None   # pre-tokenized data keeps the model config's vocabulary (build.model_config)
+  if cfg.data.kind != "tokens" and (run_dir / TOKENIZER_FILE).is_file():
     from coat_jax.training.corpus import load_tokenizer
     vocab = load_tokenizer(run_dir / TOKENIZER_FILE).get_vocab_size()
   llama_cfg = model_config(cfg, vocab)

@@ -159,7 +159,8 @@ class DataConfig:
       `corpus_max_bytes`), a byte-level BPE of `vocab_size` trained locally and cached, or the
       tokenizer of `tokenizer` / `model.init_from` where one is set; it reads no files, so
       `paths` must be empty (a config naming files with this kind is an error).
-    "tokens": pre-tokenized files in `paths` (.npy, or raw little-endian `dtype` memmaps).
+    "tokens": pre-tokenized files in `paths` (.npy, or raw little-endian `dtype` memmaps);
+      `tokenizer` (optional) names the tokenizer their ids come from, kept with the run.
     "text" / "jsonl": text files (or JSON lines with a `text_field`) tokenized with the
       tokenizer.json at `tokenizer` (a file or a directory holding one).
     "sft": supervised fine-tuning examples, JSON lines with "prompt" and "response" strings or
