@@ -61,25 +61,27 @@ def evaluate(model_dir, *, config=None, overrides=(), step=None, batches=None, p
   from coat_jax.training.cli import config_path
   from coat_jax.training.run_model import CONFIG_FILE, TOKENIZER_FILE, load_model
 
-  if batches is not None and batches < 1:
-    raise ValueError(f"--batches must be >= 1, got {batches}")
   model_dir = Path(model_dir)
+  if not model_dir.is_dir():
+    raise ValueError(f"model directory {model_dir} does not exist")
   is_run = (model_dir / CONFIG_FILE).is_file()
+  source = config_path(config) if config else (model_dir / CONFIG_FILE if is_run else
+                                               config_path("tiny"))
+  cfg = schema.load(source, list(overrides))   # the config and the data before the weights
+  n = batches if batches is not None else cfg.data.eval_batches
+  if n < 1:
+    raise ValueError(f"--batches (default data.eval_batches) must be >= 1, got {n}")
+  # The model's own tokenizer, for every kind of data that is text (build.dataset_from_config).
+  tokenizer_dir = str(model_dir) if (model_dir / TOKENIZER_FILE).is_file() else ""
+  dataset = build.dataset_from_config(cfg.data, cfg.run.seed, log=log, init_from=tokenizer_dir)
   settings = {"dtype": resolve_dtype(dtype, "--dtype")}
   if precision != "auto":   # else a run's own; load_llama's bf16 for a Hugging Face directory
     settings["precision"] = precision
   model, step = load_model(model_dir, step, **settings)
-  source = config_path(config) if config else (model_dir / CONFIG_FILE if is_run else
-                                               config_path("tiny"))
-  cfg = schema.load(source, list(overrides))
-  # The model's own tokenizer, for every kind of data that is text (build.dataset_from_config).
-  tokenizer_dir = str(model_dir) if (model_dir / TOKENIZER_FILE).is_file() else ""
-  dataset = build.dataset_from_config(cfg.data, cfg.run.seed, log=log, init_from=tokenizer_dir)
   if cfg.data.seq_len > model.cfg.max_seq_len:
     raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
                      f"{model.cfg.max_seq_len}")
   dataset.check_vocab(model.cfg.vocab_size)
-  n = batches if batches is not None else cfg.data.eval_batches
   held_out = dataset.eval_batches(n)
   if not held_out:
     raise ValueError(f"the data holds no held-out windows (data.eval_fraction="

@@ -147,6 +147,7 @@ def test_evaluate_reproduces_the_runs_held_out_loss_from_the_run_and_its_export(
                         ([str(hf32), "--config", str(run_dir / "config.yaml"), "--set",
                           "data.eval_fraction=0"], "no held-out windows"),
                         ([str(hf32), "--set", "data.seq_len=4096"], "exceeds the model's"),
+                        ([str(run_dir), "--batches", "0"], "must be >= 1, got 0"),
                         ([str(tmp_path / "nowhere")], "does not exist")):
     assert evaluate_cli.main([*args, "--no-progress"]) == 2, args
     err = capsys.readouterr().err.strip().splitlines()
@@ -157,7 +158,7 @@ def test_pre_tokenized_data_keeps_the_tokenizer_it_names_for_export_and_sampling
                                                                                 tmp_path, capsys):
   """data.kind tokens with data.tokenizer: the run keeps that tokenizer.json (so its export and
   `coat_jax.sample` read text) and the model keeps the config's vocabulary, not the tokenizer's;
-  without data.tokenizer the run has none, as before."""
+  without data.tokenizer the data has none, as before (and sample says so)."""
   _, hf = trained
   tok = corpus.load_tokenizer(hf)
   texts = corpus.read_texts(corpus.stdlib_files(150_000))
@@ -165,17 +166,17 @@ def test_pre_tokenized_data_keeps_the_tokenizer_it_names_for_export_and_sampling
   np.save(ids, corpus.tokenize_documents(tok, texts, corpus.eos_id(tok), np.uint16))
   base = MINI + [f"data.cache_dir={cache}", "data.kind=tokens", f"data.paths=[{ids}]",
                  "model.vocab_size=640", "run.steps=2"]
-  with_tok, without = tmp_path / "with-tok", tmp_path / "without"
+  with_tok = tmp_path / "with-tok"
   run(schema.load(None, base + [f"data.tokenizer={hf}", f"run.out_dir={with_tok}"]), log=QUIET)
-  run(schema.load(None, base + [f"run.out_dir={without}"]), log=QUIET)
   assert (with_tok / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
-  assert not (without / "tokenizer.json").exists()
-  for out in (with_tok, without):
-    assert json.loads((out / "model.json").read_text())["vocab_size"] == 640
+  assert json.loads((with_tok / "model.json").read_text())["vocab_size"] == 640
+  without = build_lib.dataset_from_config(schema.load(None, base).data, 0, QUIET)
+  assert without.tokenizer is None   # the run would keep no tokenizer.json
   capsys.readouterr()
   assert sample_cli.main([str(with_tok), "--prompt", "def f(", "--max-new-tokens", "4"]) == 0
   assert capsys.readouterr().out.startswith("def f(")
-  assert sample_cli.main([str(without), "--prompt", "def f("]) == 2
+  (with_tok / "tokenizer.json").unlink()
+  assert sample_cli.main([str(with_tok), "--prompt", "def f("]) == 2
   assert "has no tokenizer.json" in capsys.readouterr().err
 
 
