@@ -107,6 +107,40 @@ def test_refuses_a_directory_holding_a_model(exported, tmp_path):
     save_llama(model, tmp_path / "x", dtype="int8")
 
 
+def test_overwrite_replaces_the_model_and_a_failed_write_keeps_the_old_one(tmp_path, monkeypatch):
+  """overwrite=True: a sharded model over a single-file one leaves only the new files (and the
+  directory's other files); a write that fails part way (a full disk) leaves the old model
+  loading as before, and no staging folder."""
+  from coat_jax.models import hf_export
+
+  shape, _, _ = VARIANTS["gqa"]
+  old, new = random_model(shape, seed=1), random_model(shape, seed=2)
+  directory = tmp_path / "m"
+  save_llama(old, directory, dtype="float32")
+  (directory / "notes.txt").write_text("mine")
+  logits = lambda m: np.asarray(m(jnp.asarray([[1, 2, 3]])))
+  real_save, calls = hf_export.save_file, []
+
+  def full_disk_on_the_second_shard(tensors, path, metadata=None):
+    calls.append(path)
+    if len(calls) == 2:
+      raise OSError(28, "No space left on device")
+    real_save(tensors, path, metadata=metadata)
+
+  monkeypatch.setattr(hf_export, "save_file", full_disk_on_the_second_shard)
+  with pytest.raises(OSError, match="No space left"):
+    save_llama(new, directory, dtype="float32", max_shard_bytes=20_000, overwrite=True)
+  monkeypatch.setattr(hf_export, "save_file", real_save)
+  assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors",
+                                                         "notes.txt"]
+  np.testing.assert_array_equal(logits(load_llama(directory, dtype="float32")), logits(old))
+  save_llama(new, directory, dtype="float32", max_shard_bytes=20_000, overwrite=True)
+  names = sorted(p.name for p in directory.iterdir())
+  assert "model.safetensors" not in names and "model.safetensors.index.json" in names
+  assert "notes.txt" in names and not [n for n in names if n.startswith(".")], names
+  np.testing.assert_array_equal(logits(load_llama(directory, dtype="float32")), logits(new))
+
+
 @needs_hf
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_transformers_logits_and_greedy_generation(name, exported):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -68,8 +69,10 @@ def save_llama(model: Llama, directory, *, dtype: str = "bfloat16",
   dtype: the weights' storage dtype ("bfloat16", "float16" or "float32"). max_shard_bytes: above
   this many bytes of tensors, several shards with an index (each shard at most this size, unless
   one tensor is larger). The directory is created if missing; one that already holds a model
-  (config.json or safetensors) is refused unless `overwrite`, which replaces only those files.
-  Each file is written under a temporary name and renamed, so readers never see half a file.
+  (config.json or safetensors) is refused unless `overwrite`, which replaces only those files:
+  the new model is written whole into a staging folder inside the directory first, then renamed
+  into place (config.json last) and the old files it does not replace are removed, so an error or
+  a crash while writing (a full disk) leaves the old model as it was. Readers never see half a file.
 
   Raises:
     ValueError: an unknown dtype, a bad max_shard_bytes, or a directory holding a model.
@@ -88,23 +91,40 @@ def save_llama(model: Llama, directory, *, dtype: str = "bfloat16",
                      f"python -m coat_jax.export --overwrite)")
   tensors = hf_tensors(model, dtype)
   directory.mkdir(parents=True, exist_ok=True)
-  for name in existing:
-    (directory / name).unlink()
+  staging = Path(tempfile.mkdtemp(dir=directory, prefix=".save_llama-"))
+  try:
+    written = _write_model(staging, tensors, max_shard_bytes,
+                           json.dumps(hf_config(model.cfg, dtype), indent=2))
+    for name in written:   # the weights first, config.json last (`_write_model`'s order)
+      os.replace(staging / name, directory / name)
+    for name in existing:
+      if name not in written:
+        (directory / name).unlink()
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  return directory
+
+
+def _write_model(directory: Path, tensors, max_shard_bytes: int, config: str) -> list[str]:
+  """Writes the safetensors (one file, or shards and their index) and config.json into
+  `directory`; returns the file names, config.json last."""
   shards = _shards(tensors, max_shard_bytes)
   if len(shards) == 1:
     _atomic(directory / SINGLE_FILE, lambda f: save_file(shards[0], f, metadata={"format": "pt"}))
+    names = [SINGLE_FILE]
   else:
-    weight_map = {}
+    weight_map, names = {}, []
     for k, shard in enumerate(shards, 1):
       name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
       _atomic(directory / name, lambda f, s=shard: save_file(s, f, metadata={"format": "pt"}))
       weight_map.update({t: name for t in shard})
+      names.append(name)
     total = sum(a.nbytes for a in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _atomic(directory / INDEX_FILE, lambda f: Path(f).write_text(json.dumps(index, indent=2)))
-  config = json.dumps(hf_config(model.cfg, dtype), indent=2)
+    names.append(INDEX_FILE)
   _atomic(directory / CONFIG_FILE, lambda f: Path(f).write_text(config))
-  return directory
+  return names + [CONFIG_FILE]
 
 
 def _np_dtype(dtype: str):
