@@ -77,7 +77,7 @@ def evaluate(model_dir, *, config=None, overrides=(), step=None, batches=None, p
   settings = {"dtype": resolve_dtype(dtype, "--dtype")}
   if precision != "auto":   # else a run's own; load_llama's bf16 for a Hugging Face directory
     settings["precision"] = precision
-  model, step = load_model(model_dir, step, **settings)
+  model, step = load_model(model_dir, step, progress=progress, **settings)
   if cfg.data.seq_len > model.cfg.max_seq_len:
     raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
                      f"{model.cfg.max_seq_len}")

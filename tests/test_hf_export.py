@@ -141,6 +141,21 @@ def test_overwrite_replaces_the_model_and_a_failed_write_keeps_the_old_one(tmp_p
   np.testing.assert_array_equal(logits(load_llama(directory, dtype="float32")), logits(new))
 
 
+def test_load_with_a_progress_bar_loads_the_same_model(exported, capsys):
+  """load_llama(progress=True): a bar over every tensor read, on stderr; the same parameters."""
+  directory, model = exported["llama3_tied"]
+  capsys.readouterr()
+  loaded = load_llama(directory, dtype="float32", progress=True)
+  bar = capsys.readouterr().err
+  n = 2 + 9 * model.cfg.num_layers   # embedding and final norm (tied head), 9 per layer
+  assert f"load {directory.name}" in bar and f" 0/{n} " in bar, bar[-300:]
+  quiet = load_llama(directory, dtype="float32")
+  for a, b in zip(jax.tree.leaves(nnx.state(loaded, nnx.Param)),
+                  jax.tree.leaves(nnx.state(quiet, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert capsys.readouterr().err == ""
+
+
 @needs_hf
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_transformers_logits_and_greedy_generation(name, exported):

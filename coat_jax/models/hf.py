@@ -204,8 +204,9 @@ def _read(files: _TensorFiles, directory: Path, name: str, shape: tuple[int, ...
 
 
 def load_llama(path, *, precision: str = "bf16", dtype: str = "bfloat16",
-               param_dtype: str = "float32", **overrides) -> Llama:
+               param_dtype: str = "float32", progress: bool = False, **overrides) -> Llama:
   """Builds a `Llama` from a local HF directory; parameters are cast to `param_dtype`.
+  progress: a progress bar over the tensors read (stderr).
 
   Raises (both one line, BadInputError: a ValueError):
     MissingFileError (also a FileNotFoundError): the directory, config.json or a safetensors
@@ -230,23 +231,32 @@ def load_llama(path, *, precision: str = "bf16", dtype: str = "bfloat16",
   files = _TensorFiles(directory)
   files.check_against(cfg, directory)
 
+  from tqdm import tqdm
+
   model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # shapes only, no init cost
   dtype = cfg.jnp_param_dtype
   top = _MODEL_TENSORS + (() if cfg.tie_embeddings else (_HEAD_TENSOR,))
-  for name, path, transpose in top:
-    param = _param(model, path)
-    param.set_value(_read(files, directory, name, tuple(param.shape), transpose, dtype))
-  for suffix, path, transpose in _LAYER_TENSORS:
-    if cfg.scan_layers:  # one Param (num_layers, ...): read every layer's tensor, stack them
-      param = _param(model.layers, path)
-      values = [_read(files, directory, f"model.layers.{i}.{suffix}", tuple(param.shape[1:]),
-                      transpose, dtype) for i in range(cfg.num_layers)]
-      param.set_value(jnp.stack(values))
-    else:
-      for i in range(cfg.num_layers):
-        param = _param(model.layers[i], path)
-        param.set_value(_read(files, directory, f"model.layers.{i}.{suffix}",
-                              tuple(param.shape), transpose, dtype))
+  bar = tqdm(total=len(top) + len(_LAYER_TENSORS) * cfg.num_layers, unit="tensor",
+             desc=f"load {directory.name}", disable=not progress, leave=False)
+
+  def read(name, shape, transpose):
+    value = _read(files, directory, name, shape, transpose, dtype)
+    bar.update(1)
+    return value
+
+  with bar:
+    for name, path, transpose in top:
+      param = _param(model, path)
+      param.set_value(read(name, tuple(param.shape), transpose))
+    for suffix, path, transpose in _LAYER_TENSORS:
+      if cfg.scan_layers:  # one Param (num_layers, ...): read every layer's tensor, stack them
+        param = _param(model.layers, path)
+        param.set_value(jnp.stack([read(f"model.layers.{i}.{suffix}", tuple(param.shape[1:]),
+                                        transpose) for i in range(cfg.num_layers)]))
+      else:
+        for i in range(cfg.num_layers):
+          param = _param(model.layers[i], path)
+          param.set_value(read(f"model.layers.{i}.{suffix}", tuple(param.shape), transpose))
   return model
 
 

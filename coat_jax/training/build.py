@@ -466,7 +466,8 @@ def build(cfg: RunConfig, mesh, *, vocab_size: int | None = None, total_steps: i
   parts, init_params = model_parts(llama_cfg, seed, mesh, group, cfg.optimizer.group_axis)
   if cfg.model.init_from:   # the directory's weights instead of a random init
     init_params = pretrained.init_params(cfg.model.init_from, llama_cfg, parts.params_shardings,
-                                         parts.rest_shardings)
+                                         parts.rest_shardings,
+                                         progress=cfg.run.progress and jax.process_index() == 0)
   base_tx, schedule = build_optimizer(cfg.optimizer, total_steps or cfg.run.steps)
   base_abstract = jax.eval_shape(base_tx.init, parts.params_abstract)
   axes = None

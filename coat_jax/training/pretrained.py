@@ -68,10 +68,10 @@ def model_config(cfg, data_vocab: int | None, dtype_overrides: dict[str, Any]):
     raise BadInputError(f"model.init_from {directory}: {e}") from None
 
 
-def init_params(directory: str, llama_cfg, params_shardings, rest_shardings
-                ) -> Callable[..., tuple[Any, Any]]:
+def init_params(directory: str, llama_cfg, params_shardings, rest_shardings,
+                progress: bool = False) -> Callable[..., tuple[Any, Any]]:
   """init(seed=None) -> (params, rest): the directory's weights with the run's shardings (the
-  seed is not used: nothing is random)."""
+  seed is not used: nothing is random); progress: a progress bar over the tensors read."""
   from coat_jax.models import load_llama
 
   def init(seed=None):
@@ -79,7 +79,7 @@ def init_params(directory: str, llama_cfg, params_shardings, rest_shardings
     settings = {k: v for k, v in llama_cfg.to_dict().items()
                 if k not in SHAPE_KEYS + ("rope_scaling",)}
     try:
-      model = load_llama(Path(directory).expanduser(), **settings)
+      model = load_llama(Path(directory).expanduser(), progress=progress, **settings)
     except FileNotFoundError as e:
       raise BadInputError(f"model.init_from: {e}") from None
     except ValueError as e:

@@ -103,11 +103,12 @@ def load_run_model(run_dir, step: int | None = None, **overrides):
   return nnx.merge(graphdef, params_state, rest_state), step
 
 
-def load_model(directory, step: int | None = None, **overrides):
+def load_model(directory, step: int | None = None, progress: bool = False, **overrides):
   """(Llama, step) from a train.py run directory (`load_run_model`: its newest intact checkpoint,
-  or `step`) or a Hugging Face directory (`coat_jax.models.load_llama`; step None, and a `step`
-  given is an error: such a directory holds one model). overrides: LlamaConfig fields (e.g.
-  precision, dtype). The one loader of the command-line tools that take either kind.
+  or `step`) or a Hugging Face directory (`coat_jax.models.load_llama`, with a progress bar over
+  its tensors if `progress`; step None, and a `step` given is an error: such a directory holds
+  one model). overrides: LlamaConfig fields (e.g. precision, dtype). The one loader of the
+  command-line tools that take either kind.
 
   Raises BadInputError (a ValueError), one line: no such directory, a step for a Hugging Face
   directory, or what the loader raises.
@@ -123,7 +124,7 @@ def load_model(directory, step: int | None = None, **overrides):
     raise BadInputError(f"--step {step}: {directory} is not a train.py run directory (no "
                         f"{CONFIG_FILE}); a Hugging Face directory holds one model")
   try:
-    return load_llama(directory, **overrides), None
+    return load_llama(directory, progress=progress, **overrides), None
   except FileNotFoundError as e:
     raise BadInputError(str(e)) from None
 
