@@ -39,8 +39,7 @@ def dataset_from_config(data: DataConfig, seed: int, log=print, init_from: str =
                 eval_fraction=data.eval_fraction)
   # pre-tokenized files need none: data.tokenizer (or init_from's, where it has one) only names
   # the tokenizer their ids come from, which the run keeps beside its checkpoints
-  tokenizer = (pretrained.tokenizer_path(data, init_from) if data.kind != "tokens" else
-               data.tokenizer or pretrained.tokenizer_path(data, init_from, required=False))
+  tokenizer = pretrained.tokenizer_path(data, init_from, required=data.kind != "tokens")
   if data.kind == "sft":
     return sft.sft_dataset(data.paths, tokenizer, eos_override=data.eos_id,
                            cache=data.cache_dir, log=log, **common)

@@ -114,13 +114,17 @@ def train_bpe(texts: Sequence[str], vocab_size: int):
   return tokenizer
 
 
+def tokenizer_file(path: str | Path) -> Path:
+  """The tokenizer.json `path` names: the file itself, or the one in the directory `path`."""
+  path = Path(os.path.expanduser(str(path)))
+  return path / "tokenizer.json" if path.is_dir() else path
+
+
 def load_tokenizer(path: str | Path):
   """Loads a tokenizer.json (`path` is the file or a directory holding one)."""
   from tokenizers import Tokenizer
 
-  path = Path(os.path.expanduser(str(path)))
-  if path.is_dir():
-    path = path / "tokenizer.json"
+  path = tokenizer_file(path)
   if not path.is_file():
     raise ValueError(f"tokenizer file not found: {path}")
   try:
@@ -131,10 +135,7 @@ def load_tokenizer(path: str | Path):
 
 def tokenizer_hash(path: str | Path) -> str:
   """A content hash of a tokenizer.json (`path` is the file or a directory holding one)."""
-  path = Path(os.path.expanduser(str(path)))
-  if path.is_dir():
-    path = path / "tokenizer.json"
-  return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+  return hashlib.sha256(tokenizer_file(path).read_bytes()).hexdigest()[:16]
 
 
 def eos_id(tokenizer) -> int | None:
