@@ -59,7 +59,7 @@ def evaluate(model_dir, *, config=None, overrides=(), step=None, batches=None, p
   from coat_jax.precision import resolve_dtype
   from coat_jax.training import build, schema
   from coat_jax.training.cli import config_path
-  from coat_jax.training.run_model import CONFIG_FILE, TOKENIZER_FILE, load_model
+  from coat_jax.training.run_model import CONFIG_FILE, load_model
 
   model_dir = Path(model_dir)
   if not model_dir.is_dir():
@@ -71,9 +71,9 @@ def evaluate(model_dir, *, config=None, overrides=(), step=None, batches=None, p
   n = batches if batches is not None else cfg.data.eval_batches
   if n < 1:
     raise ValueError(f"--batches (default data.eval_batches) must be >= 1, got {n}")
-  # The model's own tokenizer, for every kind of data that is text (build.dataset_from_config).
-  tokenizer_dir = str(model_dir) if (model_dir / TOKENIZER_FILE).is_file() else ""
-  dataset = build.dataset_from_config(cfg.data, cfg.run.seed, log=log, init_from=tokenizer_dir)
+  # The model's own tokenizer for every kind of data that is text, required there
+  # (build.dataset_from_config, as for a run's model.init_from).
+  dataset = build.dataset_from_config(cfg.data, cfg.run.seed, log=log, init_from=str(model_dir))
   settings = {"dtype": resolve_dtype(dtype, "--dtype")}
   if precision != "auto":   # else a run's own; load_llama's bf16 for a Hugging Face directory
     settings["precision"] = precision

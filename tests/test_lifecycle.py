@@ -132,6 +132,9 @@ def test_evaluate_reproduces_the_runs_held_out_loss_from_the_run_and_its_export(
   exported = evaluate_cli.evaluate(hf32, config=str(run_dir / "config.yaml"), dtype="float32",
                                    progress=False, log=QUIET)
   np.testing.assert_allclose(exported["loss"], logged, rtol=1e-5)
+  no_tok = tmp_path / "no-tok"   # text data needs the model's tokenizer, not a BPE made here
+  shutil.copytree(hf32, no_tok)
+  (no_tok / "tokenizer.json").unlink()
   at_2 = evaluate_cli.evaluate(run_dir, step=2, batches=2, progress=False, log=QUIET)
   assert at_2["step"] == 2 and at_2["batches"] == 2 and at_2["loss"] != got["loss"]
   shorter = evaluate_cli.evaluate(run_dir, config=str(run_dir / "config.yaml"),
@@ -148,6 +151,8 @@ def test_evaluate_reproduces_the_runs_held_out_loss_from_the_run_and_its_export(
                           "data.eval_fraction=0"], "no held-out windows"),
                         ([str(hf32), "--set", "data.seq_len=4096"], "exceeds the model's"),
                         ([str(run_dir), "--batches", "0"], "must be >= 1, got 0"),
+                        ([str(no_tok), "--set", "data.vocab_size=300", "--set", "data.seq_len=16"],
+                         "has no tokenizer.json: set data.tokenizer"),
                         ([str(tmp_path / "nowhere")], "does not exist")):
     assert evaluate_cli.main([*args, "--no-progress"]) == 2, args
     err = capsys.readouterr().err.strip().splitlines()
